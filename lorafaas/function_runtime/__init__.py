@@ -1,0 +1,1 @@
+"""The function worker: staged loading, unmerged LoRA inference, generation, batch executor."""

@@ -1,0 +1,61 @@
+"""Plain transformers + PEFT generation: what a conventional serverless LLM function does.
+
+This is the oracle the runtime's outputs are compared against, the baseline of the benchmarks, and the engine of
+`lorafaas demo` until the platform serves the demo functions itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ReferenceOutput:
+    text: str
+    token_ids: list[int]
+
+
+def load_backbone(model_dir: Path):
+    """(model, tokenizer) in float32 and eval mode, loaded privately from a store entry or any HF directory."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def chat_input_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int = 48, chat: bool = True) -> ReferenceOutput:
+    """Greedy decoding of one prompt; stops at the tokenizer's end-of-turn token."""
+    import torch
+
+    ids = chat_input_ids(tokenizer, prompt) if chat else tokenizer(prompt)["input_ids"]
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    new_ids = out[0, len(ids):].tolist()
+    return ReferenceOutput(text=tokenizer.decode(new_ids, skip_special_tokens=True).strip(), token_ids=new_ids)
+
+
+def with_adapter(model, adapter_dir: Path, adapter_name: str = "default"):
+    """Wrap `model` with a PEFT LoRA adapter (unmerged). Load more with `peft_model.load_adapter`."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=adapter_name).eval()

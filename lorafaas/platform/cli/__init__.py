@@ -1,0 +1,51 @@
+"""The `lorafaas` command line (typer + rich)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from lorafaas import __version__
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import ClientError, LorafaasError
+from lorafaas.platform.cli import adapter, backbone, demo
+from lorafaas.platform.cli.output import err_console
+
+app = typer.Typer(
+    name="lorafaas",
+    help="Deploy each LoRA adapter as an isolated serverless function on a shared backbone.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(backbone.app, name="backbone")
+app.add_typer(adapter.app, name="adapter")
+app.command("demo")(demo.demo)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"lorafaas {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    home: Path | None = typer.Option(
+        None, "--home", help="State directory (default: $LORAFAAS_HOME or ~/.lorafaas).", show_default=False
+    ),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True, help="Show the version."),
+) -> None:
+    ctx.obj = LorafaasConfig.from_env(home)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors exit 2 with a one-line message, lorafaas failures exit 1."""
+    try:
+        app(args=argv, prog_name="lorafaas")
+    except LorafaasError as exc:
+        err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
+        raise SystemExit(2 if isinstance(exc, ClientError) else 1) from None

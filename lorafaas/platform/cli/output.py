@@ -1,0 +1,56 @@
+"""Terminal output shared by the CLI commands: rich tables and progress on stderr, JSON documents on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def print_json(document: object) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def human_bytes(num_bytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(num_bytes) < 1024 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+class RichProgress:
+    """A ProgressSink drawing one bar per stage on stderr (so `--json` output on stdout stays clean)."""
+
+    def __init__(self) -> None:
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+            TimeElapsedColumn(), console=err_console,
+        )
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._finish_stage()
+        self._progress.stop()
+
+    def stage(self, description: str, total: float | None = None) -> None:
+        self._finish_stage()
+        self._task = self._progress.add_task(description, total=total)
+
+    def advance(self, amount: float = 1) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task, amount)
+
+    def _finish_stage(self) -> None:
+        if self._task is not None:
+            task = self._progress.tasks[self._task]
+            self._progress.update(self._task, total=task.total or 1, completed=task.total or 1)

@@ -1,0 +1,1 @@
+"""Trace parsers, workload mapping, live replay and the cluster simulator."""

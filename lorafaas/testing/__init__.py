@@ -1,0 +1,1 @@
+"""Fixtures shared by the test suite and the benchmarks: tiny seeded backbones and adapters."""
