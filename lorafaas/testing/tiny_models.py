@@ -127,6 +127,8 @@ def save_tiny_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from lorafaas.platform.adapters.files import set_base_model
+
     model = AutoModelForCausalLM.from_pretrained(backbone_dir)
     torch.manual_seed(seed)
     config = LoraConfig(
@@ -134,6 +136,7 @@ def save_tiny_adapter(
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
-    peft_model.peft_config["default"].base_model_name_or_path = base_model_name or str(backbone_dir)
     peft_model.save_pretrained(out_dir, safe_serialization=True)
+    if base_model_name:
+        set_base_model(out_dir, base_model_name)
     return Path(out_dir)

@@ -95,6 +95,14 @@ def read_adapter(path: Path) -> AdapterInfo:
     )
 
 
+def set_base_model(adapter_dir: Path, base_model: str) -> None:
+    """Record which backbone an adapter is for (after PEFT saved it with a local path, which PEFT needs)."""
+    config_path = Path(adapter_dir) / CONFIG_FILE
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = base_model
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _read_config(config_path: Path) -> dict:
     if not config_path.is_file():
         raise AdapterInvalid(f"{config_path.parent} has no {CONFIG_FILE}; expected a PEFT LoRA adapter directory")

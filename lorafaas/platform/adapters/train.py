@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
+from lorafaas.platform.adapters.files import set_base_model
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
 
@@ -153,8 +154,8 @@ def train_adapter(
         progress.advance(1)
 
     progress.stage(f"saving adapter to {out_dir}")
-    peft_model.peft_config["default"].base_model_name_or_path = manifest.name
     peft_model.save_pretrained(out_dir, safe_serialization=True)
+    set_base_model(out_dir, manifest.name)
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub says nothing true about this adapter
     record = {
         "backbone": manifest.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -44,6 +45,8 @@ def root(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors exit 2 with a one-line message, lorafaas failures exit 1."""
+    # lorafaas never fetches from a model hub; without this, transformers/peft try the network on unknown names.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         app(args=argv, prog_name="lorafaas")
     except LorafaasError as exc:

@@ -1,0 +1,5 @@
+"""`python -m lorafaas` is the `lorafaas` command."""
+
+from lorafaas.platform.cli import main
+
+main()

@@ -1,0 +1,81 @@
+"""The command line as a user runs it: real processes, exit codes, JSON on stdout, messages on stderr."""
+
+import json
+import shutil
+from pathlib import Path
+
+from lorafaas.platform.adapters.files import read_adapter
+
+
+def test_import_from_dir_then_list(tmp_path: Path, tiny_dense_dir: Path, cli) -> None:
+    home = str(tmp_path / "home")
+    first = cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir))
+    assert first.returncode == 0, first.stderr
+    assert "imported tiny" in first.stderr
+    again = cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir))
+    assert again.returncode == 0
+    assert "already imported tiny" in again.stderr
+    listed = cli("--home", home, "backbone", "list", "--json")
+    [entry] = json.loads(listed.stdout)
+    assert entry["name"] == "tiny"
+    assert entry["architecture"] == "LlamaForCausalLM"
+    assert entry["num_parameters"] > 0
+    assert len(entry["weights_sha256"]) == 64
+    table = cli("--home", home, "backbone", "list")
+    assert "tiny" in table.stdout and "LlamaForCausalLM" in table.stdout
+
+
+def test_home_from_environment(tmp_path: Path, tiny_dense_dir: Path, cli) -> None:
+    home = tmp_path / "envhome"
+    result = cli("backbone", "import", "tiny", "--from", str(tiny_dense_dir), env={"LORAFAAS_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert (home / "models" / "tiny" / "lorafaas.json").is_file()
+
+
+def test_pickled_source_is_refused_with_exit_2(tmp_path: Path, tiny_dense_dir: Path, cli) -> None:
+    src = Path(shutil.copytree(tiny_dense_dir, tmp_path / "src"))
+    (src / "model.safetensors").rename(src / "pytorch_model.bin")
+    result = cli("--home", str(tmp_path / "home"), "backbone", "import", "x", "--from", str(src))
+    assert result.returncode == 2
+    assert "pickled weights" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_builtin_backbone_is_refused(tmp_path: Path, cli) -> None:
+    result = cli("--home", str(tmp_path), "backbone", "import", "gpt-17")
+    assert result.returncode == 2
+    assert "not a built-in backbone" in result.stderr and "smollm2-135m" in result.stderr
+
+
+def test_empty_store_lists_nothing(tmp_path: Path, cli) -> None:
+    result = cli("--home", str(tmp_path), "backbone", "list", "--json")
+    assert result.returncode == 0
+    assert json.loads(result.stdout) == []
+
+
+def test_train_inspect_validate_roundtrip(tmp_path: Path, tiny_store, cli) -> None:
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"Say {w}.", "response": f"{w} {w} {w}."} for w in ("fox", "dog", "sea", "moon")]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    home = str(tiny_store.models_dir.parent)
+    out = tmp_path / "echo"
+    trained = cli("--home", home, "adapter", "train", "echo", "--backbone", "tiny-dense", "--data", str(data),
+                  "--rank", "2", "--steps", "30", "--lr", "0.01", "--out", str(out))
+    assert trained.returncode == 0, trained.stderr
+    record = json.loads((out / "lorafaas-train.json").read_text())
+    assert record["final_loss"] < record["first_loss"]  # it really trained
+    inspected = json.loads(cli("adapter", "inspect", str(out), "--json").stdout)
+    assert inspected["rank"] == 2 and inspected["base_model"] == "tiny-dense"
+    assert inspected["target_modules"] and inspected["bytes"] == read_adapter(out).num_bytes
+    validated = cli("--home", home, "adapter", "validate", str(out), "--backbone", "tiny-dense")
+    assert validated.returncode == 0, validated.stderr
+
+
+def test_train_rejects_malformed_data_with_line_number(tmp_path: Path, tiny_store, cli) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "hi", "response": "ho"}\n{"prompt": 3}\n')
+    result = cli("--home", str(tiny_store.models_dir.parent), "adapter", "train", "bad", "--backbone", "tiny-dense",
+                 "--data", str(data), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert f"{data.name}:2: expected" in result.stderr.replace("\n", "")
+    assert not (tmp_path / "out").exists()
