@@ -4,16 +4,26 @@
     ├── ClientError                   the caller can fix it -> CLI exit 2, HTTP 4xx
     │   ├── NotFound                  404
     │   │   ├── BackboneNotFound
-    │   │   └── FunctionNotFound
+    │   │   ├── FunctionNotFound
+    │   │   └── LeaseNotFound         a backbone lease that was released or reaped
     │   ├── AlreadyExists             409
+    │   │   └── DaemonAlreadyRunning  one backbone daemon per (device, backbone)
+    │   ├── LeasesHeld                409: a backbone daemon asked to stop while functions are attached
     │   ├── InvalidInput              400/422
     │   │   ├── InvalidName
+    │   │   ├── PromptTooLong
     │   │   ├── PickledWeightsRefused
     │   │   ├── MalformedModel
     │   │   └── AdapterInvalid        the adapter's own files are broken
     │   │       └── AdapterIncompatible   well-formed, but not for this backbone
-    │   └── SourceUnavailable         a model source (package, directory) is missing
+    │   ├── SourceUnavailable         a model source (package, directory) is missing
+    │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without cupy or CUDA)
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
+        ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
+        ├── LeaseRefused              503: the daemon is stopping and grants no new lease
+        ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
+        ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
+        └── BindingFailed             a bound model has a parameter outside the shared segment or on meta
 
 Foreign exceptions are translated once, where they are raised (`raise X(...) from exc`); messages name the value
 and what was expected.
@@ -63,6 +73,10 @@ class InvalidName(InvalidInput):
     code = "invalid_name"
 
 
+class PromptTooLong(InvalidInput):
+    code = "prompt_too_long"
+
+
 class PickledWeightsRefused(InvalidInput):
     code = "pickled_weights"
 
@@ -86,3 +100,42 @@ class SourceUnavailable(ClientError):
 class ServerError(LorafaasError):
     code = "internal"
     http_status = 500
+
+
+class LeaseNotFound(NotFound):
+    code = "lease_not_found"
+
+
+class DaemonAlreadyRunning(AlreadyExists):
+    code = "daemon_running"
+
+
+class LeasesHeld(ClientError):
+    code = "leases_held"
+    http_status = 409
+
+
+class TransportUnavailable(ClientError):
+    code = "transport_unavailable"
+
+
+class DaemonUnavailable(ServerError):
+    code = "daemon_unavailable"
+    http_status = 503
+
+
+class LeaseRefused(ServerError):
+    code = "lease_refused"
+    http_status = 503
+
+
+class ProtocolError(ServerError):
+    code = "protocol_error"
+
+
+class SegmentError(ServerError):
+    code = "segment_error"
+
+
+class BindingFailed(ServerError):
+    code = "binding_failed"

@@ -1,0 +1,246 @@
+"""Continuous batching for one function instance: its own KV cache, requests joining between decode steps.
+
+Each `step()` runs one batched decode step for every running request, then admits waiting requests: each is
+prefilled alone, gets its first token, and its KV cache is merged into the batch (left-padded, with an attention mask
+and explicit positions, so every row sees exactly its own tokens). Finished rows leave the batch at once.
+
+The engine is driven by one thread (the worker's compute loop); `add` and `cancel` may be called from another thread
+between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lorafaas.errors import InvalidInput, PromptTooLong
+from lorafaas.function_runtime.messages import FinishReason, SamplingParams
+from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8
+    max_context: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    token_id: int | None  # None when a request ends without a new token (cancelled)
+    text: str  # new text to show
+    finish_reason: FinishReason | None = None
+    full_text: str = ""  # set when finished
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stream: TextStream
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+
+
+class GenerationEngine:
+    def __init__(
+        self, model, tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.clock = clock
+        self.max_context = self.config.max_context or int(model.config.max_position_embeddings)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._cancelled: set[str] = set()
+        # The batch: one row per running sequence, all tensors aligned on dim 0.
+        self._running: list[_Sequence] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [rows, cached_len] 1 = real token, 0 = left padding
+        self._positions: torch.Tensor | None = None  # [rows] position of each row's next token
+        self._next_input: torch.Tensor | None = None  # [rows] last sampled token, fed at the next decode
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises PromptTooLong or InvalidInput before anything is queued."""
+        params.check(self.max_context)
+        if not prompt_ids:
+            raise InvalidInput("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise PromptTooLong(
+                f"prompt has {len(prompt_ids)} tokens; the context window is {self.max_context} tokens"
+            )
+        self._waiting.append(_Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            max_new_tokens=min(params.max_tokens, self.max_context - len(prompt_ids)),
+            stream=TextStream(self.tokenizer, params.stop),
+            generator=new_generator(params),
+        ))
+
+    def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._cancelled)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        outputs = self._drop_cancelled()
+        if self._running:
+            outputs += self._decode()
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            outputs += self._admit(self._waiting.popleft())
+        return outputs
+
+    def _drop_cancelled(self) -> list[StepOutput]:
+        if not self._cancelled:
+            return []
+        cancelled, self._cancelled = self._cancelled, set()
+        outputs = []
+        for seq in [s for s in self._waiting if s.request_id in cancelled]:
+            self._waiting.remove(seq)
+            outputs.append(self._finished(seq, None, "", "cancelled"))
+        rows = [i for i, s in enumerate(self._running) if s.request_id in cancelled]
+        for i in rows:
+            outputs.append(self._finished(self._running[i], None, "", "cancelled"))
+        self._remove_rows(set(rows))
+        return outputs
+
+    def _decode(self) -> list[StepOutput]:
+        rows = len(self._running)
+        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype)], dim=1)
+        out = self.model(
+            input_ids=self._next_input.unsqueeze(1),
+            attention_mask=mask,
+            position_ids=self._positions.unsqueeze(1),
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache, self._mask = out.past_key_values, mask
+        self._positions = self._positions + 1
+        logits = out.logits[:, -1, :]
+        outputs, done = [], set()
+        for row, seq in enumerate(self._running):
+            output = self._emit(seq, next_token(logits[row], seq.params, seq.generator))
+            outputs.append(output)
+            if output.finish_reason is not None:
+                done.add(row)
+            else:
+                self._next_input[row] = output.token_id
+        self._remove_rows(done)
+        return outputs
+
+    def _admit(self, seq: _Sequence) -> list[StepOutput]:
+        ids = torch.tensor([seq.prompt_ids])
+        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        output = self._emit(seq, next_token(out.logits[0, -1, :], seq.params, seq.generator))
+        if output.finish_reason is None:
+            self._join(seq, out.past_key_values, len(seq.prompt_ids), output.token_id)
+        return [output]
+
+    def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
+        if token_id in self.eos_ids:
+            return self._finished(seq, token_id, seq.stream.finish(seq.output_ids), "stop")
+        seq.output_ids.append(token_id)
+        text = seq.stream.push(seq.output_ids)
+        if seq.stream.stopped:
+            return self._finished(seq, token_id, text, "stop")
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "length")
+        return StepOutput(request_id=seq.request_id, token_id=token_id, text=text)
+
+    def _finished(self, seq: _Sequence, token_id: int | None, text: str, reason: FinishReason) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id, token_id=token_id, text=text, finish_reason=reason,
+            full_text=seq.stream.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+        )
+
+    # -- the batch's KV cache --------------------------------------------------------------------------------------
+
+    def _join(self, seq: _Sequence, cache, length: int, token_id: int) -> None:
+        """Append a prefilled sequence as a new row, left-padding whichever side is shorter."""
+        new_mask = torch.ones((1, length), dtype=torch.long)
+        if not self._running:
+            self._cache, self._mask = cache, new_mask
+            self._positions = torch.tensor([length])
+            self._next_input = torch.tensor([token_id])
+        else:
+            width = max(self._mask.shape[1], length)
+            for batch_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+                batch_layer.keys = torch.cat([_left_pad(batch_layer.keys, width), _left_pad(new_layer.keys, width)])
+                batch_layer.values = torch.cat(
+                    [_left_pad(batch_layer.values, width), _left_pad(new_layer.values, width)]
+                )
+            self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(new_mask, width)])
+            self._positions = torch.cat([self._positions, torch.tensor([length])])
+            self._next_input = torch.cat([self._next_input, torch.tensor([token_id])])
+        self._running.append(seq)
+
+    def _remove_rows(self, rows: set[int]) -> None:
+        if not rows:
+            return
+        keep = [i for i in range(len(self._running)) if i not in rows]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = self._positions = self._next_input = None
+            return
+        index = torch.tensor(keep)
+        # Columns that are padding in every remaining row can go.
+        first_real = int(self._mask[index].any(dim=0).nonzero()[0])
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[index, :, first_real:]
+            layer.values = layer.values[index, :, first_real:]
+        self._mask = self._mask[index, first_real:]
+        self._positions = self._positions[index]
+        self._next_input = self._next_input[index]
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the sequence dimension (-2 for [batch, heads, seq, dim] caches, -1 for [batch, seq] masks) on the left."""
+    seq_dim = -1 if tensor.dim() == 2 else -2
+    missing = width - tensor.shape[seq_dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[seq_dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=seq_dim)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)

@@ -1,0 +1,140 @@
+"""The function worker's protocol: typed messages over its Unix socket, shared by the worker and its clients.
+
+Frames are length-prefixed msgpack (`lorafaas.wire`). A client opens with `Hello` and must get `HelloReply` with the
+same `PROTOCOL_VERSION` before anything else. Requests and replies are tagged unions; events about a generation carry
+its `request_id`, so one connection can multiplex many requests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# The artifact kinds the scheduler reasons about, in loading order.
+StageName = Literal["libraries", "backbone", "adapter", "warmup"]
+STAGES: tuple[StageName, ...] = ("libraries", "backbone", "adapter", "warmup")
+# Undoing stages: adapter device -> host, adapter dropped from host, backbone unbound.
+UnstageName = Literal["adapter_offload", "adapter_drop", "backbone"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def check(self, max_tokens_limit: int) -> None:
+        from lorafaas.errors import InvalidInput
+
+        if not 1 <= self.max_tokens <= max_tokens_limit:
+            raise InvalidInput(f"max_tokens is {self.max_tokens}; it must be between 1 and {max_tokens_limit}")
+        if not 0 <= self.temperature <= 100:
+            raise InvalidInput(f"temperature is {self.temperature}; it must be between 0 and 100")
+        if not 0 < self.top_p <= 1:
+            raise InvalidInput(f"top_p is {self.top_p}; it must be in (0, 1]")
+        if len(self.stop) > 8 or any(not s for s in self.stop):
+            raise InvalidInput("stop takes at most 8 non-empty strings")
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class MemoryStats(msgspec.Struct, frozen=True, kw_only=True):
+    rss_bytes: int
+    pss_bytes: int
+    private_bytes: int  # Private_Clean + Private_Dirty: what this process alone holds
+    shared_bytes: int  # Pss_Shmem: this process's share of shared memory (the backbone segment)
+
+
+# Requests (client -> worker)
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    version: int
+    client: str = ""
+
+
+class Stage(msgspec.Struct, frozen=True, tag="stage"):
+    stage: StageName
+
+
+class Unstage(msgspec.Struct, frozen=True, tag="unstage"):
+    stage: UnstageName
+
+
+class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
+    request_id: str
+    prompt: str | None = None  # raw text, no chat template
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the tokenizer's chat template
+    params: SamplingParams = SamplingParams()
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    request_id: str
+
+
+class GetStats(msgspec.Struct, frozen=True, tag="get_stats"):
+    pass
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+Request = Hello | Stage | Unstage | Generate | Cancel | GetStats | Shutdown
+
+
+# Replies and events (worker -> client)
+class HelloReply(msgspec.Struct, frozen=True, kw_only=True, tag="hello_reply"):
+    version: int
+    pid: int
+    function: str
+    instance_id: str
+
+
+class StageDone(msgspec.Struct, frozen=True, kw_only=True, tag="stage_done"):
+    stage: str
+    seconds: float
+    memory: MemoryStats
+
+
+class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
+    request_id: str
+    token_id: int
+    text: str  # the new text this token completes (may be empty while a multi-byte character is pending)
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):
+    request_id: str
+    finish_reason: FinishReason
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    request_id: str | None
+    code: str
+    message: str
+
+
+class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
+    pid: int
+    function: str
+    instance_id: str
+    stages: tuple[str, ...]  # loaded stages, in order
+    stage_seconds: dict[str, float]  # last time each stage took
+    memory: MemoryStats
+    num_running: int
+    num_waiting: int
+    num_served: int
+
+
+Reply = HelloReply | StageDone | Token | Finished | ErrorReply | Stats

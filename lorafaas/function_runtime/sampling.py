@@ -1,0 +1,80 @@
+"""Choosing the next token and turning tokens into streamed text (stop strings, partial UTF-8)."""
+
+from __future__ import annotations
+
+import torch
+
+from lorafaas.function_runtime.messages import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete multi-byte character
+
+
+def new_generator(params: SamplingParams) -> torch.Generator | None:
+    """A private generator per request, so a seeded request samples the same tokens whatever it is batched with."""
+    if params.temperature == 0:
+        return None
+    generator = torch.Generator()
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+    return generator
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Greedy for temperature 0; otherwise temperature + nucleus (top_p) sampling. `logits` is [vocab]."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p  # keeps at least the top token
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+class TextStream:
+    """Incremental detokenization of one request's output with stop strings.
+
+    `push(ids)` returns the new text safe to show: it holds back an incomplete UTF-8 character and any tail that could
+    still become a stop string, and reports whether a stop string was reached (the text is cut before it).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self.text = ""  # all text shown so far
+        self.stopped = False
+
+    def push(self, output_ids: list[int]) -> str:
+        full = self._tokenizer.decode(output_ids, skip_special_tokens=True)
+        for stop in self._stop:
+            at = full.find(stop, max(0, len(self.text) - len(stop) + 1))
+            if at != -1:
+                self.stopped = True
+                return self._advance(full[:at])
+        safe = full.rstrip(REPLACEMENT_CHAR) if full.endswith(REPLACEMENT_CHAR) else full
+        held = max((_overlap(safe, stop) for stop in self._stop), default=0)
+        return self._advance(safe[: len(safe) - held])
+
+    def finish(self, output_ids: list[int]) -> str:
+        """Flush what was held back (the request ended without reaching a stop string)."""
+        if self.stopped:
+            return ""
+        return self._advance(self._tokenizer.decode(output_ids, skip_special_tokens=True))
+
+    def _advance(self, upto: str) -> str:
+        if len(upto) <= len(self.text):
+            return ""
+        delta = upto[len(self.text):]
+        self.text = upto
+        return delta
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,112 @@
+"""The generation engine: continuous batching gives each request exactly what it gets alone."""
+
+import pytest
+import torch
+
+from lorafaas.errors import InvalidInput, PromptTooLong
+from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
+from lorafaas.function_runtime.lora import attach_adapter, read_host_adapter
+from lorafaas.function_runtime.messages import SamplingParams
+from lorafaas.function_runtime.reference import load_backbone
+
+PROMPTS = ["The quick brown fox", "Tell me about the ocean.", "Le chat dort", "Arr, matey!", "What is the capital"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_store, tiny_adapter_dir) -> GenerationEngine:
+    model, tokenizer = load_backbone(tiny_store.path("tiny-dense"))
+    attach_adapter(model, read_host_adapter(tiny_adapter_dir))
+    return GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=4))
+
+
+def run(engine: GenerationEngine, requests: dict[str, tuple[str, SamplingParams]], arrivals: dict | None = None):
+    """Drive the engine until idle; `arrivals` maps a step number to request ids added before that step."""
+    arrivals = arrivals or {0: list(requests)}
+    streamed: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+    finished = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_work():
+        for rid in arrivals.get(step, []):
+            prompt, params = requests[rid]
+            engine.add(rid, engine.encode_chat([{"role": "user", "content": prompt}]), params)
+        for out in engine.step():
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.text
+            if out.token_id is not None:
+                tokens.setdefault(out.request_id, []).append(out.token_id)
+            if out.finish_reason:
+                finished[out.request_id] = out
+        step += 1
+    return finished, streamed, tokens
+
+
+def test_batched_and_staggered_requests_equal_requests_served_alone(engine: GenerationEngine) -> None:
+    params = SamplingParams(max_tokens=12)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(PROMPTS)}
+    alone = {rid: run(engine, {rid: req})[2][rid] for rid, req in requests.items()}
+    # Five requests, batch size 4, arriving at different steps: rows join and leave mid-flight.
+    finished, streamed, tokens = run(engine, requests, arrivals={0: ["r0", "r1"], 2: ["r2"], 3: ["r3", "r4"]})
+    assert tokens == alone
+    for rid, out in finished.items():
+        assert streamed[rid] == out.full_text
+        assert out.completion_tokens == len([t for t in tokens[rid] if t not in engine.eos_ids])
+
+
+def test_max_tokens_ends_with_length(engine: GenerationEngine) -> None:
+    finished, _, tokens = run(engine, {"a": ("The quick brown fox", SamplingParams(max_tokens=3))})
+    assert finished["a"].finish_reason in ("length", "stop")
+    assert len(tokens["a"]) <= 3
+    if finished["a"].finish_reason == "length":
+        assert finished["a"].completion_tokens == 3
+
+
+def test_stop_string_cuts_the_text(engine: GenerationEngine) -> None:
+    finished, streamed, _ = run(engine, {"a": ("The quick brown fox", SamplingParams(max_tokens=20))})
+    full = finished["a"].full_text
+    assert len(full) > 3, "the tiny model must produce some text for this test to mean anything"
+    stop = full[2:4]
+    finished, streamed, _ = run(engine, {"a": ("The quick brown fox", SamplingParams(max_tokens=20, stop=(stop,)))})
+    assert finished["a"].finish_reason == "stop"
+    assert finished["a"].full_text == full[: full.find(stop)]
+    assert streamed["a"] == finished["a"].full_text
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(engine: GenerationEngine) -> None:
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    alone = run(engine, {"s": ("Tell me about the ocean.", sampled)})[2]["s"]
+    again = run(engine, {"s": ("Tell me about the ocean.", sampled),
+                         "g": ("Le chat dort", SamplingParams(max_tokens=10))})[2]["s"]
+    assert again == alone
+    other_seed = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=8)
+    assert run(engine, {"s": ("Tell me about the ocean.", other_seed)})[2]["s"] != alone
+
+
+def test_cancel_ends_a_running_request_and_leaves_others(engine: GenerationEngine) -> None:
+    params = SamplingParams(max_tokens=12)
+    alone = run(engine, {"keep": ("Le chat dort", params)})[2]["keep"]
+    engine.add("drop", engine.encode_text("The quick brown fox"), params)
+    engine.add("keep", engine.encode_chat([{"role": "user", "content": "Le chat dort"}]), params)
+    outputs = engine.step()
+    engine.cancel("drop")
+    outputs += [o for _ in range(40) for o in engine.step()]
+    drop = [o for o in outputs if o.request_id == "drop" and o.finish_reason]
+    assert [o.finish_reason for o in drop] == ["cancelled"]
+    assert [o.token_id for o in outputs if o.request_id == "keep"] == alone
+    assert not engine.has_work()
+
+
+def test_prompt_over_the_context_window_is_refused(engine: GenerationEngine) -> None:
+    with pytest.raises(PromptTooLong, match=rf"prompt has 300 tokens; the context window is {engine.max_context}"):
+        engine.add("long", [5] * 300, SamplingParams())
+    with pytest.raises(InvalidInput, match="max_tokens is 0"):
+        engine.add("zero", [5], SamplingParams(max_tokens=0))
+    assert not engine.has_work()
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    from lorafaas.function_runtime.sampling import next_token
+
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    generator = torch.Generator().manual_seed(0)
+    assert {next_token(logits, params, generator) for _ in range(50)} == {0}
