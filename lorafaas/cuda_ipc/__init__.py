@@ -1,1 +1,121 @@
-"""Weight-sharing transports behind one export/attach API: CUDA IPC on GPUs, POSIX shared memory on the CPU."""
+"""Weight-sharing transports behind one export/attach API: CUDA IPC on GPUs, POSIX shared memory on the CPU.
+
+    export(state_dict, device) -> Export      copy tensors into one new segment; `.manifest` describes it
+    create(specs, device, name=...) -> Export an empty segment laid out for `specs`, to fill (e.g. from files)
+    attach(manifest) -> Attachment            the tensors as views on the segment in this process, no copy
+
+A segment is one contiguous region (a /dev/shm file on `cpu`, one cudaMalloc on `cuda:N`) holding every tensor at an
+aligned offset; its `SegmentManifest` (transport tag, location, tensor table) is the only thing that travels between
+processes. On the CPU attachers map it read-only, so a write faults the writer and nobody else.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from lorafaas.cuda_ipc.layout import DEFAULT_ALIGNMENT, TensorSpec, dtype_name, plan_layout
+from lorafaas.cuda_ipc.messages import (
+    FORMAT_VERSION,
+    CudaIpcLocation,
+    SegmentManifest,
+    ShmLocation,
+    TensorEntry,
+)
+from lorafaas.errors import TransportUnavailable
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Attachment",
+    "CudaIpcLocation",
+    "Export",
+    "SegmentManifest",
+    "ShmLocation",
+    "TensorEntry",
+    "TensorSpec",
+    "attach",
+    "create",
+    "export",
+]
+
+
+class Export(Protocol):
+    """The owner's side of a segment."""
+
+    manifest: SegmentManifest
+
+    def writable_views(self) -> dict[str, torch.Tensor]: ...
+    def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None: ...
+    def seal(self) -> None: ...
+    def destroy(self) -> None: ...
+
+
+class Attachment(Protocol):
+    """An attacher's side: `tensors` view the segment, which spans [base_ptr, base_ptr + size)."""
+
+    manifest: SegmentManifest
+    device: str
+    base_ptr: int
+    size: int
+    tensors: dict[str, torch.Tensor]
+
+    def contains(self, tensor: torch.Tensor) -> bool: ...
+    def close(self) -> None: ...
+
+
+def check_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    prefix, _, index = device.partition(":")
+    if prefix == "cuda" and index.isdigit():
+        return device
+    raise TransportUnavailable(f"device {device!r} is not supported; use cpu or cuda:N")
+
+
+def create(
+    specs: Iterable[TensorSpec], device: str, *, name: str | None = None, alignment: int = DEFAULT_ALIGNMENT
+) -> Export:
+    """An empty, writable segment laid out for `specs` on `device`; `name` names a CPU segment in /dev/shm."""
+    entries, size = plan_layout(specs, alignment)
+    if check_device(device) == "cpu":
+        from lorafaas.cuda_ipc.shm import ShmExport
+
+        return ShmExport(name or f"lorafaas-anon.{os.getpid()}.{secrets.token_hex(4)}", entries, size, alignment)
+    from lorafaas.cuda_ipc.cuda import CudaExport
+
+    return CudaExport(device, entries, size, alignment)
+
+
+def export(state_dict: Mapping[str, torch.Tensor], device: str, *, name: str | None = None) -> Export:
+    """Copy `state_dict` into one new sealed segment on `device` (tensors keep their dtype and shape)."""
+    import torch
+
+    specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in state_dict.items()]
+    segment = create(specs, device, name=name)
+    try:
+        views = segment.writable_views()
+        with torch.no_grad():
+            for tensor_name, tensor in state_dict.items():
+                views[tensor_name].copy_(tensor)
+        del views
+        segment.seal()
+    except BaseException:
+        segment.destroy()
+        raise
+    return segment
+
+
+def attach(manifest: SegmentManifest) -> Attachment:
+    """Map a segment described by `manifest` (checked first) and return its tensors as views; nothing is copied."""
+    if isinstance(manifest.location, ShmLocation):
+        from lorafaas.cuda_ipc.shm import ShmAttachment
+
+        return ShmAttachment(manifest)
+    from lorafaas.cuda_ipc.cuda import CudaAttachment
+
+    return CudaAttachment(manifest)
