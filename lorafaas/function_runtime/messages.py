@@ -53,6 +53,20 @@ class MemoryStats(msgspec.Struct, frozen=True, kw_only=True):
     shared_bytes: int  # Pss_Shmem: this process's share of shared memory (the backbone segment)
 
 
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a function worker needs to start: sent to the zygote, or given as JSON on the command line."""
+
+    function: str
+    instance_id: str
+    socket_path: str  # where the worker listens
+    model_dir: str  # the backbone's store entry (config and tokenizer)
+    adapter_dir: str | None = None  # None: serve the plain backbone
+    daemon_socket: str | None = None  # the backbone daemon to attach to; None: load the backbone privately
+    device: str = "cpu"
+    max_batch_size: int = 8
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+
 # Requests (client -> worker)
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     version: int
@@ -138,3 +152,28 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
 
 
 Reply = HelloReply | StageDone | Token | Finished | ErrorReply | Stats
+
+
+# The zygote's protocol (library pool): one request per connection, answered once.
+class Spawn(msgspec.Struct, frozen=True, kw_only=True, tag="spawn"):
+    spec: WorkerSpec
+    log_path: str  # the worker's stdout and stderr go here
+
+
+class Spawned(msgspec.Struct, frozen=True, kw_only=True, tag="spawned"):
+    pid: int
+
+
+class ZygoteStatusRequest(msgspec.Struct, frozen=True, tag="zygote_status"):
+    pass
+
+
+class ZygoteStatus(msgspec.Struct, frozen=True, kw_only=True, tag="zygote_status_reply"):
+    pid: int
+    children: tuple[int, ...]  # workers still running
+    exit_codes: dict[int, int]  # workers that ended: pid -> exit code (negative: killed by that signal)
+    import_s: float  # how long importing the libraries took at start
+
+
+ZygoteRequest = Hello | Spawn | ZygoteStatusRequest | Shutdown
+ZygoteReply = HelloReply | Spawned | ZygoteStatus | ErrorReply

@@ -1,0 +1,173 @@
+"""A function instance's staged loading: each artifact loaded (and unloaded) as its own timed step.
+
+    libraries -> backbone (bound through the daemon) -> adapter (host memory, then on the device) -> warmup
+
+The node agent orders the steps one at a time (pre-loading); a request arriving early runs whatever is missing (a
+cold start), and the timings of each step are kept as that cold start's breakdown. Every method here blocks; the
+worker runs them on its single compute thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+
+from lorafaas.errors import InvalidInput
+from lorafaas.function_runtime.messages import STAGES, StageName, UnstageName, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+# What the `libraries` stage imports; the zygote imports the same before forking.
+LIBRARY_MODULES = (
+    "torch",
+    "safetensors.torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
+    "tokenizers",
+    "lorafaas.function_runtime.lora",
+    "lorafaas.function_runtime.engine",
+    "lorafaas.function_runtime.binding",
+)
+WARMUP_TOKENS = 8
+
+
+def import_libraries() -> None:
+    for module in LIBRARY_MODULES:
+        importlib.import_module(module)
+
+
+class FunctionInstance:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.loaded: list[StageName] = []
+        self.stage_seconds: dict[str, float] = {}
+        self.model = None
+        self.tokenizer = None
+        self.host_adapter = None
+        self.engine = None
+        self._lease_id: str | None = None
+
+    @property
+    def serving(self) -> bool:
+        return set(self.loaded) == set(STAGES)
+
+    def load(self, stage: StageName) -> float:
+        """Run one step (its prerequisites must be loaded); returns its seconds. Loading a loaded step is a no-op."""
+        if stage in self.loaded:
+            return 0.0
+        missing = [s for s in _prerequisites(stage, adapter_first="adapter" in self.loaded) if s not in self.loaded]
+        if missing:
+            raise InvalidInput(f"stage {stage!r} needs {', '.join(missing)} loaded first")
+        started = time.perf_counter()
+        getattr(self, f"_load_{stage}")()
+        seconds = time.perf_counter() - started
+        self.loaded.append(stage)
+        self.stage_seconds[stage] = seconds
+        log.info("%s/%s: %s loaded in %.1f ms", self.spec.function, self.spec.instance_id, stage, seconds * 1e3)
+        return seconds
+
+    def load_all(self) -> dict[str, float]:
+        """Load every missing step in order (a cold start); returns the seconds of the steps this call ran."""
+        return {stage: self.load(stage) for stage in STAGES if stage not in self.loaded}
+
+    def unload(self, stage: UnstageName) -> float:
+        """Undo a step: offload the adapter to host memory, drop it, or unbind the backbone."""
+        if self.engine is not None and self.engine.has_work():
+            raise InvalidInput(f"cannot {stage} while the instance serves {self.engine.num_running} request(s)")
+        started = time.perf_counter()
+        if stage in ("adapter_offload", "adapter_drop") and self.model is not None:
+            from lorafaas.function_runtime.lora import detach_adapter
+
+            detach_adapter(self.model)
+        if stage == "adapter_drop":
+            self.host_adapter = None
+        if stage == "backbone":
+            self._unbind()
+        else:  # the host copy, if kept, makes reloading the adapter a placement only
+            self.loaded = [s for s in self.loaded if s != "adapter"]
+        seconds = time.perf_counter() - started
+        log.info("%s/%s: %s done in %.1f ms", self.spec.function, self.spec.instance_id, stage, seconds * 1e3)
+        return seconds
+
+    # -- the steps -------------------------------------------------------------------------------------------------
+
+    def _load_libraries(self) -> None:
+        import_libraries()
+        import torch
+
+        if self.spec.num_threads:
+            torch.set_num_threads(self.spec.num_threads)
+
+    def _load_backbone(self) -> None:
+        from transformers import AutoTokenizer
+
+        model_dir = Path(self.spec.model_dir)
+        if self.spec.daemon_socket:
+            from lorafaas.backbone_daemon.client import DaemonClient
+            from lorafaas.function_runtime.binding import bind_backbone
+
+            with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
+                attached = daemon.attach(self.spec.function)
+            self._lease_id = attached.lease_id
+            self.model = bind_backbone(attached.manifest, model_dir)
+        else:
+            from lorafaas.function_runtime.reference import load_backbone
+
+            self.model, _ = load_backbone(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.host_adapter is not None:  # read into host memory before the backbone arrived: place it now
+            self._place_adapter()
+
+    def _load_adapter(self) -> None:
+        from lorafaas.function_runtime.lora import read_host_adapter
+
+        if self.spec.adapter_dir and self.host_adapter is None:
+            self.host_adapter = read_host_adapter(Path(self.spec.adapter_dir))
+        if self.model is not None:
+            self._place_adapter()
+
+    def _load_warmup(self) -> None:
+        import torch
+
+        from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
+        from lorafaas.function_runtime.messages import SamplingParams
+
+        config = EngineConfig(max_batch_size=self.spec.max_batch_size)
+        self.engine = GenerationEngine(self.model, self.tokenizer, config)
+        # One prefill and one decode step, so kernels, thread pools and allocators are ready for the first request.
+        with torch.inference_mode():
+            self.engine.add("warmup", list(range(1, 1 + WARMUP_TOKENS)), SamplingParams(max_tokens=2))
+            while self.engine.has_work():
+                self.engine.step()
+
+    # -- undoing -------------------------------------------------------------------------------------------------
+
+    def _place_adapter(self) -> None:
+        from lorafaas.function_runtime.lora import attach_adapter, detach_adapter
+
+        if self.host_adapter is None:
+            detach_adapter(self.model)
+        else:
+            attach_adapter(self.model, self.host_adapter, self.spec.device)
+
+    def _unbind(self) -> None:
+        self.model = self.tokenizer = self.engine = None
+        if self._lease_id and self.spec.daemon_socket:
+            from lorafaas.backbone_daemon.client import DaemonClient
+
+            with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
+                daemon.detach(self._lease_id)
+            self._lease_id = None
+        self.loaded = [s for s in self.loaded if s not in ("backbone", "warmup")]
+
+
+def _prerequisites(stage: StageName, adapter_first: bool) -> tuple[StageName, ...]:
+    """libraries -> {backbone, adapter} in either order -> warmup (which needs both)."""
+    if stage == "libraries":
+        return ()
+    if stage in ("backbone", "adapter"):
+        return ("libraries",)
+    return ("libraries", "backbone", "adapter")
