@@ -1,0 +1,42 @@
+"""`python -m lorafaas.backbone_daemon NAME --device cpu --home DIR`: a daemon in the foreground.
+
+What the platform and the benchmarks start as a process (without the CLI's imports); `lorafaas backbone serve` is
+the same for people. Prints the socket path on stdout once it serves; logs lifecycle at INFO on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import ClientError, LorafaasError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lorafaas.backbone_daemon", description=__doc__)
+    parser.add_argument("backbone")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--home", default=None, help="state directory (default: $LORAFAAS_HOME or ~/.lorafaas)")
+    parser.add_argument("--lease-ttl", type=float, default=None, help="reap leases without a heartbeat this long")
+    parser.add_argument("--reap-interval", type=float, default=0.5)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from lorafaas.backbone_daemon.config import DaemonConfig
+    from lorafaas.backbone_daemon.server import serve
+
+    try:
+        config = DaemonConfig(home=LorafaasConfig.from_env(args.home).home, backbone=args.backbone,
+                              device=args.device, lease_ttl_s=args.lease_ttl, reap_interval_s=args.reap_interval)
+        serve(config, on_ready=lambda paths: print(paths.socket, flush=True))
+    except LorafaasError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2 if isinstance(exc, ClientError) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The backbone daemon's protocol: typed requests and responses, msgpack in length-prefixed frames.
+
+A connection opens with `Hello` (the client's protocol version); the daemon answers `Welcome` or an `ErrorReply`
+and closes. Then any number of requests, each answered by one response, in order:
+
+    Attach(function)        -> Attached(lease_id, manifest, backbone, lease_ttl_s)
+    Heartbeat(lease_id)     -> HeartbeatAck
+    Detach(lease_id)        -> Detached
+    Status()                -> DaemonStatus(leases, bytes, uptime, ...)
+    Shutdown(force)         -> ShuttingDown, or ErrorReply(code="leases_held") while leases are held unless forced
+
+Frame: 4-byte big-endian payload length, then the msgpack payload (a tagged struct, tag field "type").
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lorafaas.cuda_ipc.messages import SegmentManifest
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+FRAME_HEADER_BYTES = 4
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+# Requests
+class Hello(_Message, tag="hello"):
+    protocol_version: int
+    client: str = ""  # free text for logs, e.g. the function name
+
+
+class Attach(_Message, tag="attach"):
+    function: str
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    lease_id: str
+
+
+class Detach(_Message, tag="detach"):
+    lease_id: str
+
+
+class Status(_Message, tag="status"):
+    pass
+
+
+class Shutdown(_Message, tag="shutdown"):
+    force: bool = False
+
+
+Request = Hello | Attach | Heartbeat | Detach | Status | Shutdown
+
+
+# Responses
+class BackboneInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    model_dir: str  # the store entry: config.json and tokenizer for the attaching function
+    architecture: str
+    weights_sha256: str
+
+
+class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
+    lease_id: str
+    function: str
+    pid: int
+    attached_at: float  # unix time
+    idle_s: float  # since the lease was granted or last renewed
+
+
+class Welcome(_Message, tag="welcome"):
+    protocol_version: int
+    backbone: str
+    device: str
+    daemon_pid: int
+
+
+class Attached(_Message, tag="attached"):
+    lease_id: str
+    manifest: SegmentManifest
+    backbone: BackboneInfo
+    lease_ttl_s: float | None  # renew with Heartbeat more often than this; None: the lease lives with the pid
+
+
+class HeartbeatAck(_Message, tag="heartbeat_ack"):
+    lease_id: str
+
+
+class Detached(_Message, tag="detached"):
+    lease_id: str
+
+
+class DaemonStatus(_Message, tag="daemon_status"):
+    backbone: str
+    device: str
+    transport: str
+    segment: str  # the /dev/shm name on cpu, "" on cuda
+    daemon_pid: int
+    bytes: int  # tensor bytes in the segment
+    segment_bytes: int  # with alignment padding
+    uptime_s: float
+    leases: tuple[LeaseInfo, ...]
+    num_reaped: int  # leases reaped since start (their functions died or went silent)
+
+
+class ShuttingDown(_Message, tag="shutting_down"):
+    num_leases_dropped: int
+
+
+class ErrorReply(_Message, tag="error"):
+    code: str  # a LorafaasError code
+    message: str
+
+
+Response = Welcome | Attached | HeartbeatAck | Detached | DaemonStatus | ShuttingDown | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+response_decoder = msgspec.msgpack.Decoder(Response)
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    payload = _encoder.encode(message)
+    return len(payload).to_bytes(FRAME_HEADER_BYTES, "big") + payload
+
+
+def frame_length(header: bytes) -> int:
+    """The payload length announced by a frame header; raises ValueError beyond MAX_FRAME_BYTES."""
+    length = int.from_bytes(header, "big")
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return length

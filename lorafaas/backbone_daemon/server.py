@@ -1,0 +1,254 @@
+"""The backbone daemon: load one backbone into one segment on one device, lease it to functions, clean up after.
+
+Life: take the (home, backbone, device) lock -> remove segments left by a killed predecessor -> read the backbone
+from the store straight into a new segment -> serve the protocol on a Unix socket (asyncio; the lease table is owned
+by the event loop) -> on Shutdown, SIGTERM or SIGINT: stop, unlink the segment and the socket, release the lock.
+Functions attached when the daemon stops or dies keep their mapping; only new attaches need a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon import messages as m
+from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
+from lorafaas.backbone_daemon.leases import LeaseTable, process_alive
+from lorafaas.backbone_daemon.loader import load_into_segment
+from lorafaas.config import LorafaasConfig
+from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
+from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
+from lorafaas.platform.model_store import ModelStore
+
+log = logging.getLogger(__name__)
+
+
+def serve(config: DaemonConfig, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
+    """Run a daemon in the foreground until it is shut down or signalled; always cleans up what it created."""
+    daemon = BackboneDaemon(config)
+    try:
+        daemon.start()
+        asyncio.run(daemon.serve(on_ready))
+    finally:
+        daemon.cleanup()
+
+
+class BackboneDaemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.paths = config.paths
+        self.store = ModelStore(LorafaasConfig(home=config.home).models_dir)
+        self.leases = LeaseTable(ttl_s=config.lease_ttl_s)
+        self.segment: cuda_ipc.Export | None = None
+        self.info: m.BackboneInfo | None = None
+        self._lock_fd: int | None = None
+        self._started_s = time.monotonic()
+        self._stopping = False
+        self._stop: asyncio.Event | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._owns_socket = False
+
+    def start(self) -> None:
+        """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
+        manifest = self.store.get(self.config.backbone)  # BackboneNotFound before anything is created
+        self._acquire_lock()
+        self._remove_stale_segments()
+        name = self.paths.segment_name(os.getpid())
+        log.info("daemon %d: loading backbone %s (%d bytes) onto %s", os.getpid(), manifest.name, manifest.bytes,
+                 self.config.device)
+        self.segment = load_into_segment(self.store.path(manifest.name), manifest.weight_files, self.config.device,
+                                         name)
+        self.info = m.BackboneInfo(name=manifest.name, model_dir=str(self.store.path(manifest.name)),
+                                   architecture=manifest.architecture, weights_sha256=manifest.weights_sha256)
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
+
+    async def serve(self, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        socket_path = self.paths.socket
+        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        socket_path.unlink(missing_ok=True)  # a killed predecessor's; we hold the lock, so nobody serves it
+        server = await asyncio.start_unix_server(self._connection, path=str(socket_path))
+        self._owns_socket = True
+        reaper = asyncio.create_task(self._reap_forever())
+        log.info("daemon %d: serving backbone %s on %s at %s (segment %s, %d bytes)", os.getpid(),
+                 self.config.backbone, self.config.device, socket_path, self._segment_label(),
+                 self.segment.manifest.size)
+        if on_ready is not None:
+            on_ready(self.paths)
+        try:
+            await self._stop.wait()
+        finally:
+            reaper.cancel()
+            server.close()
+            for writer in list(self._writers):
+                writer.close()
+            await server.wait_closed()
+
+    def cleanup(self) -> None:
+        """Unlink the segment and the socket, release the lock. Idempotent; attached functions keep their mapping."""
+        if self.segment is not None:
+            self.segment.destroy()
+            log.info("daemon %d: segment %s removed (%d lease(s) still attached keep their mapping)", os.getpid(),
+                     self._segment_label(), len(self.leases))
+            self.segment = None
+        if self._owns_socket:
+            self.paths.socket.unlink(missing_ok=True)
+            self._owns_socket = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    # --- protocol
+
+    def handle(self, request: m.Request, peer_pid: int) -> m.Response:
+        try:
+            return self._dispatch(request, peer_pid)
+        except LorafaasError as exc:
+            return m.ErrorReply(code=exc.code, message=exc.message)
+
+    def _dispatch(self, request: m.Request, peer_pid: int) -> m.Response:
+        if isinstance(request, m.Attach):
+            if self._stopping:
+                raise LeaseRefused(f"the daemon of {self.config.backbone} on {self.config.device} is stopping")
+            lease = self.leases.grant(request.function, peer_pid)
+            log.info("lease %s granted to function %s (pid %d); %d lease(s)", lease.lease_id, lease.function,
+                     lease.pid, len(self.leases))
+            return m.Attached(lease_id=lease.lease_id, manifest=self.segment.manifest, backbone=self.info,
+                              lease_ttl_s=self.leases.ttl_s)
+        if isinstance(request, m.Heartbeat):
+            return m.HeartbeatAck(lease_id=self.leases.renew(request.lease_id).lease_id)
+        if isinstance(request, m.Detach):
+            lease = self.leases.release(request.lease_id)
+            log.info("lease %s of function %s (pid %d) released; %d lease(s)", lease.lease_id, lease.function,
+                     lease.pid, len(self.leases))
+            return m.Detached(lease_id=lease.lease_id)
+        if isinstance(request, m.Status):
+            self._reap()
+            return self._status()
+        if isinstance(request, m.Shutdown):
+            self._reap()
+            held = len(self.leases)
+            if held and not request.force:
+                functions = sorted({x.function for x in self.leases.snapshot()})
+                raise LeasesHeld(f"{held} lease(s) are held by function(s) {', '.join(functions)}; detach them or "
+                                 "force the shutdown")
+            log.info("daemon %d: shutdown requested (%d lease(s) dropped)", os.getpid(), held)
+            self._stopping = True
+            return m.ShuttingDown(num_leases_dropped=held)
+        raise ProtocolError(f"unexpected request {type(request).__name__} after the handshake")
+
+    def _status(self) -> m.DaemonStatus:
+        manifest = self.segment.manifest
+        return m.DaemonStatus(
+            backbone=self.config.backbone, device=self.config.device, transport=manifest.transport,
+            segment=self._segment_label(), daemon_pid=os.getpid(), bytes=manifest.tensor_bytes,
+            segment_bytes=manifest.size, uptime_s=time.monotonic() - self._started_s, leases=self.leases.snapshot(),
+            num_reaped=self.leases.num_reaped,
+        )
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        peer_pid = _peer_pid(writer)
+        try:
+            hello = await _read_request(reader)
+            if not isinstance(hello, m.Hello) or hello.protocol_version != m.PROTOCOL_VERSION:
+                got = hello.protocol_version if isinstance(hello, m.Hello) else type(hello).__name__
+                await _send(writer, m.ErrorReply(code=ProtocolError.code, message=(
+                    f"the daemon speaks protocol {m.PROTOCOL_VERSION} and expects Hello first; got {got}")))
+                return
+            await _send(writer, m.Welcome(protocol_version=m.PROTOCOL_VERSION, backbone=self.config.backbone,
+                                          device=self.config.device, daemon_pid=os.getpid()))
+            while not self._stop.is_set():
+                request = await _read_request(reader)
+                response = self.handle(request, peer_pid)
+                await _send(writer, response)
+                if isinstance(response, m.ShuttingDown):
+                    self._stop.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the peer went away
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            log.warning("pid %d sent a malformed message: %s", peer_pid, exc)
+            with contextlib.suppress(ConnectionError):
+                await _send(writer, m.ErrorReply(code=ProtocolError.code, message=f"malformed message: {exc}"))
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    # --- housekeeping
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            self._reap()
+
+    def _reap(self) -> None:
+        for lease, reason in self.leases.reap():
+            log.info("lease %s of function %s (pid %d) reaped: %s; %d lease(s)", lease.lease_id, lease.function,
+                     lease.pid, reason, len(self.leases))
+
+    def _on_signal(self, signum: int) -> None:
+        log.info("daemon %d: %s, stopping (%d lease(s) held keep their mapping)", os.getpid(),
+                 signal.Signals(signum).name, len(self.leases))
+        self._stopping = True
+        self._stop.set()
+
+    def _acquire_lock(self) -> None:
+        self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonAlreadyRunning(
+                f"a daemon for backbone {self.config.backbone} on {self.config.device} is already running "
+                f"(pid and segment: {owner}); its socket is {self.paths.socket}"
+            ) from None
+        self._lock_fd = fd
+
+    def _remove_stale_segments(self) -> None:
+        for name in list_segments(self.paths.segment_prefix):
+            owner = self.paths.segment_owner(name)
+            if owner is None or owner == os.getpid():
+                continue
+            if process_alive(owner, None):
+                log.warning("segment %s belongs to live pid %d outside this daemon's lock; left alone", name, owner)
+                continue
+            unlink_segment(name)
+            log.info("removed stale segment %s of dead daemon pid %d", name, owner)
+
+    def _segment_label(self) -> str:
+        location = self.segment.manifest.location if self.segment is not None else None
+        return location.name if isinstance(location, cuda_ipc.ShmLocation) else ""
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int:
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return pid
+
+
+async def _read_request(reader: asyncio.StreamReader) -> m.Request:
+    length = m.frame_length(await reader.readexactly(m.FRAME_HEADER_BYTES))
+    return m.request_decoder.decode(await reader.readexactly(length))
+
+
+async def _send(writer: asyncio.StreamWriter, response: m.Response) -> None:
+    writer.write(m.encode_frame(response))
+    await writer.drain()

@@ -1,0 +1,207 @@
+"""The backbone daemon as a real process on tiny-dense: protocol, leases, reaping, faults, stale segments, stop.
+
+Daemons and probes are real child processes, bounded by timeouts and always killed; every test that stops a daemon
+checks that nothing of ours is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorafaas.backbone_daemon import messages as m
+from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon
+from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.backbone_daemon.server import BackboneDaemon
+from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
+from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, LeaseNotFound, LeasesHeld
+from lorafaas.function_runtime.reference import load_backbone
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
+
+BACKBONE = "tiny-dense"
+READY_TIMEOUT_S = 120.0
+
+
+class Daemons:
+    """Starts daemons for a test and guarantees they are gone afterwards, with their segments."""
+
+    def __init__(self, factory: pytest.TempPathFactory, tiny_dense_dir: Path) -> None:
+        self._factory = factory
+        self._source = tiny_dense_dir
+        self._started: list[tuple[DaemonConfig, object]] = []
+
+    def home(self) -> Path:
+        home = self._factory.mktemp("dh")  # short: the socket path must fit in sun_path
+        ModelStore(home / "models").import_dir(BACKBONE, self._source)
+        return home
+
+    def start(self, home: Path):
+        config = DaemonConfig(home=home, backbone=BACKBONE, reap_interval_s=0.2)
+        log = (home / "daemon.log").open("ab")
+        process = spawn_daemon(config, timeout_s=READY_TIMEOUT_S, stderr=log)
+        log.close()
+        self._started.append((config, process))
+        return config, process
+
+    def close(self) -> None:
+        for config, process in self._started:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            for name in list_segments(config.paths.segment_prefix):
+                unlink_segment(name)
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory, tiny_dense_dir):
+    daemons = Daemons(tmp_path_factory, tiny_dense_dir)
+    yield daemons
+    daemons.close()
+
+
+@pytest.fixture
+def daemons(tmp_path_factory, tiny_dense_dir):
+    daemons = Daemons(tmp_path_factory, tiny_dense_dir)
+    yield daemons
+    daemons.close()
+
+
+@pytest.fixture(scope="module")
+def running(module_daemons):
+    """One daemon shared by the tests that leave it running."""
+    return module_daemons.start(module_daemons.home())
+
+
+@pytest.fixture(scope="module")
+def reference_digest(tiny_dense_dir) -> str:
+    """Logits digest of a private from_pretrained, computed with the probes' thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(PROBE_THREADS)
+    try:
+        model, _ = load_backbone(tiny_dense_dir)
+        return logits_digest(model)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe(config: DaemonConfig, function: str) -> ProbeProcess:
+    return ProbeProcess(["daemon", str(config.paths.socket), function], timeout_s=READY_TIMEOUT_S)
+
+
+def _leases(config: DaemonConfig) -> dict[str, int]:
+    with DaemonClient.connect(config.paths.socket) as client:
+        return {lease.function: lease.pid for lease in client.status().leases}
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_attach_heartbeat_status_detach(running) -> None:
+    config, process = running
+    with DaemonClient.connect(config.paths.socket, client="test") as client:
+        assert client.welcome.daemon_pid == process.pid and client.welcome.backbone == BACKBONE
+        attached = client.attach("fn-status")
+        assert attached.manifest.transport == "shm" and attached.backbone.name == BACKBONE
+        status = client.status()
+        assert status.bytes == attached.manifest.tensor_bytes > 0 and status.uptime_s > 0
+        assert status.segment == attached.manifest.location.name
+        assert {x.function: x.pid for x in status.leases}["fn-status"] == os.getpid()  # from SO_PEERCRED
+        client.heartbeat(attached.lease_id)
+        client.detach(attached.lease_id)
+        assert "fn-status" not in {x.function for x in client.status().leases}
+        with pytest.raises(LeaseNotFound):
+            client.heartbeat(attached.lease_id)
+
+
+def test_a_client_of_another_protocol_version_is_refused(running) -> None:
+    config, _ = running
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(config.paths.socket))
+        sock.sendall(m.encode_frame(m.Hello(protocol_version=m.PROTOCOL_VERSION + 1)))
+        reply = m.response_decoder.decode(sock.recv(1 << 16)[m.FRAME_HEADER_BYTES:])
+    assert isinstance(reply, m.ErrorReply) and reply.code == "protocol_error"
+
+
+def test_a_second_daemon_for_the_same_backbone_is_refused_and_harms_nothing(running) -> None:
+    config, _ = running
+    before = list_segments(config.paths.segment_prefix)
+    with pytest.raises(DaemonAlreadyRunning, match="already running"):
+        BackboneDaemon(config).start()
+    assert list_segments(config.paths.segment_prefix) == before and len(before) == 1
+    assert _leases(config) is not None  # the first one still serves
+
+
+def test_a_write_into_the_backbone_kills_the_writer_only(running, reference_digest) -> None:
+    config, _ = running
+    with _probe(config, "fn-writer") as writer, _probe(config, "fn-reader") as reader:
+        first_writer, first_reader = writer.wait_report(), reader.wait_report()
+        for report in (first_writer, first_reader):
+            assert report.params_in_segment and report.num_parameters > 0
+            assert report.logits_sha256 == reference_digest  # bitwise equal to a private load
+        writer.send("write")
+        assert writer.wait_exit() == -signal.SIGSEGV
+        again = reader.request("report")
+        assert again.logits_sha256 == reference_digest  # the reader's backbone is untouched
+        _wait_for(lambda: "fn-writer" not in _leases(config))  # the dead writer's lease is reaped
+        assert _leases(config)["fn-reader"] == reader.pid
+        with DaemonClient.connect(config.paths.socket) as client:  # and the daemon still leases
+            client.detach(client.attach("fn-late").lease_id)
+
+
+def test_the_lease_of_a_sigkilled_function_is_reaped(running) -> None:
+    config, _ = running
+    with _probe(config, "fn-doomed") as probe:
+        probe.wait_report()
+        assert _leases(config)["fn-doomed"] == probe.pid
+        os.kill(probe.pid, signal.SIGKILL)  # not waited for yet: a zombie must count as dead too
+        _wait_for(lambda: "fn-doomed" not in _leases(config))
+    with DaemonClient.connect(config.paths.socket) as client:
+        assert client.status().num_reaped >= 1
+
+
+def test_shutdown_is_refused_while_leases_are_held_unless_forced(daemons) -> None:
+    config, process = daemons.start(daemons.home())
+    prefix = config.paths.segment_prefix
+    assert list_segments(prefix) == [config.paths.segment_name(process.pid)]
+    with DaemonClient.connect(config.paths.socket) as client:
+        client.attach("fn-holder")
+        with pytest.raises(LeasesHeld, match="fn-holder"):
+            client.shutdown()
+        time.sleep(0.3)
+        assert process.poll() is None and len(client.status().leases) == 1
+        assert client.shutdown(force=True).num_leases_dropped == 1
+    assert process.wait(30) == 0
+    assert list_segments(prefix) == []  # a clean stop leaves no segment
+    assert not config.paths.socket.exists()
+    with pytest.raises(DaemonUnavailable):
+        DaemonClient.connect(config.paths.socket)
+
+
+def test_a_killed_daemons_segment_is_removed_at_next_start_and_functions_keep_working(daemons) -> None:
+    home = daemons.home()
+    config, first = daemons.start(home)
+    prefix = config.paths.segment_prefix
+    stale = config.paths.segment_name(first.pid)
+    with _probe(config, "fn-survivor") as probe:
+        before = probe.wait_report()
+        first.kill()
+        first.wait()
+        assert list_segments(prefix) == [stale]  # SIGKILL: no chance to clean up
+        assert probe.request("report").logits_sha256 == before.logits_sha256  # mapping outlives the daemon
+        _config, second = daemons.start(home)
+        assert list_segments(prefix) == [config.paths.segment_name(second.pid)]  # the stale one is gone
+        assert probe.request("report").logits_sha256 == before.logits_sha256  # unlinked, still mapped
+    assert stop_daemon(second, config.paths.socket) == 0
+    assert list_segments(prefix) == []
