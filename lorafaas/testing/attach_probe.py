@@ -60,7 +60,7 @@ def tensors_digest(tensors: dict) -> str:
 
     digest = hashlib.sha256()
     for tensor in tensors.values():
-        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
