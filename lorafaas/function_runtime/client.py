@@ -111,9 +111,9 @@ class WorkerClient:
                 if isinstance(event, m.ErrorReply):
                     finished = True
                     raise error_class(event.code)(event.message)
+                finished = isinstance(event, m.Finished)  # before yielding: the caller may stop right here
                 yield event
-                if isinstance(event, m.Finished):
-                    finished = True
+                if finished:
                     return
         finally:
             self._streams.pop(request.request_id, None)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime.messages import STAGES, StageName, UnstageName, WorkerSpec
+from lorafaas.function_runtime.messages import StageName, UnstageName, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,14 @@ LIBRARY_MODULES = (
     "transformers.models.llama.modeling_llama",
     "transformers.models.mixtral.modeling_mixtral",
     "tokenizers",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.convert_slow_tokenizer",
     "lorafaas.function_runtime.lora",
     "lorafaas.function_runtime.engine",
     "lorafaas.function_runtime.binding",
 )
+REQUIRED_STAGES: tuple[StageName, ...] = ("libraries", "backbone", "adapter")
 WARMUP_TOKENS = 8
 
 
@@ -39,9 +43,17 @@ def import_libraries() -> None:
         importlib.import_module(module)
 
 
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 class FunctionInstance:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, tokenizer=None) -> None:
+        """`tokenizer`: the backbone's tokenizer if the library pool already holds it (inherited over fork)."""
         self.spec = spec
+        self._pool_tokenizer = tokenizer
         self.loaded: list[StageName] = []
         self.stage_seconds: dict[str, float] = {}
         self.model = None
@@ -51,8 +63,9 @@ class FunctionInstance:
         self._lease_id: str | None = None
 
     @property
-    def serving(self) -> bool:
-        return set(self.loaded) == set(STAGES)
+    def ready(self) -> bool:
+        """Can serve a request now: warm-up is an optional pre-load (the first request warms up otherwise)."""
+        return {"libraries", "backbone", "adapter"} <= set(self.loaded)
 
     def load(self, stage: StageName) -> float:
         """Run one step (its prerequisites must be loaded); returns its seconds. Loading a loaded step is a no-op."""
@@ -69,9 +82,12 @@ class FunctionInstance:
         log.info("%s/%s: %s loaded in %.1f ms", self.spec.function, self.spec.instance_id, stage, seconds * 1e3)
         return seconds
 
-    def load_all(self) -> dict[str, float]:
-        """Load every missing step in order (a cold start); returns the seconds of the steps this call ran."""
-        return {stage: self.load(stage) for stage in STAGES if stage not in self.loaded}
+    def load_for_request(self) -> dict[str, float]:
+        """Load every missing step a request needs, in order (a cold start); returns their seconds."""
+        ran = {stage: self.load(stage) for stage in REQUIRED_STAGES if stage not in self.loaded}
+        if self.engine is None:
+            self.engine = self._new_engine()
+        return ran
 
     def unload(self, stage: UnstageName) -> float:
         """Undo a step: offload the adapter to host memory, drop it, or unbind the backbone."""
@@ -102,8 +118,6 @@ class FunctionInstance:
             torch.set_num_threads(self.spec.num_threads)
 
     def _load_backbone(self) -> None:
-        from transformers import AutoTokenizer
-
         model_dir = Path(self.spec.model_dir)
         if self.spec.daemon_socket:
             from lorafaas.backbone_daemon.client import DaemonClient
@@ -117,7 +131,7 @@ class FunctionInstance:
             from lorafaas.function_runtime.reference import load_backbone
 
             self.model, _ = load_backbone(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = self._pool_tokenizer or load_tokenizer(model_dir)
         if self.host_adapter is not None:  # read into host memory before the backbone arrived: place it now
             self._place_adapter()
 
@@ -130,18 +144,19 @@ class FunctionInstance:
             self._place_adapter()
 
     def _load_warmup(self) -> None:
-        import torch
-
-        from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
         from lorafaas.function_runtime.messages import SamplingParams
 
-        config = EngineConfig(max_batch_size=self.spec.max_batch_size)
-        self.engine = GenerationEngine(self.model, self.tokenizer, config)
+        if self.engine is None:
+            self.engine = self._new_engine()
         # One prefill and one decode step, so kernels, thread pools and allocators are ready for the first request.
-        with torch.inference_mode():
-            self.engine.add("warmup", list(range(1, 1 + WARMUP_TOKENS)), SamplingParams(max_tokens=2))
-            while self.engine.has_work():
-                self.engine.step()
+        self.engine.add("warmup", list(range(1, 1 + WARMUP_TOKENS)), SamplingParams(max_tokens=2))
+        while self.engine.has_work():
+            self.engine.step()
+
+    def _new_engine(self):
+        from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
+
+        return GenerationEngine(self.model, self.tokenizer, EngineConfig(max_batch_size=self.spec.max_batch_size))
 
     # -- undoing -------------------------------------------------------------------------------------------------
 

@@ -164,6 +164,17 @@ class Spawned(msgspec.Struct, frozen=True, kw_only=True, tag="spawned"):
     pid: int
 
 
+class Prepare(msgspec.Struct, frozen=True, kw_only=True, tag="prepare"):
+    """Hold this backbone's host-side parts (its tokenizer) in the pool, so forked workers inherit them."""
+
+    model_dir: str
+
+
+class Prepared(msgspec.Struct, frozen=True, kw_only=True, tag="prepared"):
+    model_dir: str
+    seconds: float
+
+
 class ZygoteStatusRequest(msgspec.Struct, frozen=True, tag="zygote_status"):
     pass
 
@@ -173,7 +184,8 @@ class ZygoteStatus(msgspec.Struct, frozen=True, kw_only=True, tag="zygote_status
     children: tuple[int, ...]  # workers still running
     exit_codes: dict[int, int]  # workers that ended: pid -> exit code (negative: killed by that signal)
     import_s: float  # how long importing the libraries took at start
+    prepared: tuple[str, ...]  # model directories whose tokenizers the pool holds
 
 
-ZygoteRequest = Hello | Spawn | ZygoteStatusRequest | Shutdown
-ZygoteReply = HelloReply | Spawned | ZygoteStatus | ErrorReply
+ZygoteRequest = Hello | Spawn | Prepare | ZygoteStatusRequest | Shutdown
+ZygoteReply = HelloReply | Spawned | Prepared | ZygoteStatus | ErrorReply

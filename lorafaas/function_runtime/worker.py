@@ -34,24 +34,28 @@ request_decoder = msgspec.msgpack.Decoder(m.Request)
 
 
 @dataclass
-class _Route:
-    """Where one generation's events go, and its timings."""
-
+class _Connection:
     writer: asyncio.StreamWriter
-    arrived_s: float
-    first_token_s: float | None = None
+    request_ids: set[str] = field(default_factory=set)  # its generations in flight
 
 
 @dataclass
-class _Connection:
-    writer: asyncio.StreamWriter
-    request_ids: set[str] = field(default_factory=set)
+class _Route:
+    """Where one generation's events go, and its timings."""
+
+    connection: _Connection
+    arrived_s: float
+    first_token_s: float | None = None
+
+    @property
+    def writer(self) -> asyncio.StreamWriter:
+        return self.connection.writer
 
 
 class WorkerServer:
-    def __init__(self, spec: m.WorkerSpec) -> None:
+    def __init__(self, spec: m.WorkerSpec, tokenizer=None) -> None:
         self.spec = spec
-        self.instance = FunctionInstance(spec)
+        self.instance = FunctionInstance(spec, tokenizer)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._routes: dict[str, _Route] = {}
         self._work = asyncio.Event()
@@ -138,15 +142,15 @@ class WorkerServer:
             raise InvalidInput(f"request id {request.request_id!r} is already in flight")
         if (request.prompt is None) == (request.messages is None):
             raise InvalidInput("give exactly one of prompt and messages")
-        if not self.instance.serving:  # a cold start: load whatever the agent has not pre-loaded
-            await self._run(self.instance.load_all)
+        if not self.instance.ready or self.instance.engine is None:  # a cold start: load what is not pre-loaded
+            await self._run(self.instance.load_for_request)
         engine = self.instance.engine
         if request.messages is not None:
             prompt_ids = engine.encode_chat([{"role": msg.role, "content": msg.content} for msg in request.messages])
         else:
             prompt_ids = engine.encode_text(request.prompt)
         engine.add(request.request_id, prompt_ids, request.params)
-        self._routes[request.request_id] = _Route(connection.writer, arrived)
+        self._routes[request.request_id] = _Route(connection, arrived)
         connection.request_ids.add(request.request_id)
         self._work.set()
 
@@ -175,6 +179,7 @@ class WorkerServer:
                     self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text))
                 if out.finish_reason is not None:
                     del self._routes[out.request_id]
+                    route.connection.request_ids.discard(out.request_id)
                     self._num_served += 1
                     self._send(route.writer, m.Finished(
                         request_id=out.request_id, finish_reason=out.finish_reason, text=out.full_text,
@@ -187,6 +192,7 @@ class WorkerServer:
             engine.cancel(request_id)
             self._send(route.writer, m.ErrorReply(request_id=request_id, code=error.code, message=error.message))
             del self._routes[request_id]
+            route.connection.request_ids.discard(request_id)
 
     def _send(self, writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
         if not writer.is_closing():
@@ -202,12 +208,12 @@ class WorkerServer:
         )
 
 
-def run_worker(spec: m.WorkerSpec) -> int:
+def run_worker(spec: m.WorkerSpec, tokenizer=None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{spec.function}/{spec.instance_id}] %(name)s: %(message)s",
     )
-    asyncio.run(WorkerServer(spec).serve())
+    asyncio.run(WorkerServer(spec, tokenizer).serve())
     return 0
 
 

@@ -3,7 +3,10 @@
 A forked worker skips the imports (the `libraries` artifact is pre-loaded) and shares the library pages with the
 zygote copy-on-write. The zygote starts no threads (torch's thread pools start on the first operation, which happens
 only in the children), so forking it is safe. It serves a one-request-per-connection protocol on a Unix socket:
-`Spawn` -> `Spawned(pid)`, `ZygoteStatusRequest` -> `ZygoteStatus`, `Shutdown`.
+`Spawn` -> `Spawned(pid)`, `Prepare` -> `Prepared`, `ZygoteStatusRequest` -> `ZygoteStatus`, `Shutdown`.
+
+The pool also holds each backbone's tokenizer once it has been asked to (`Prepare`, or the first `Spawn` for that
+backbone): host-side parts of the backbone artifact, shared with every worker it forks like the libraries.
 
     python -m lorafaas.function_runtime.zygote SOCKET_PATH
 """
@@ -37,6 +40,7 @@ class Zygote:
         self.children: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         self.import_s = 0.0
+        self.tokenizers: dict[str, object] = {}  # model_dir -> tokenizer, inherited by forked workers
         self._running = True
 
     def serve(self) -> None:
@@ -81,13 +85,17 @@ class Zygote:
             log.warning("zygote: dropped a malformed request: %s", exc)
             return
         if isinstance(request, m.Spawn):
+            self._prepare(request.spec.model_dir)
             pid = self._fork(request, conn, listener)
             conn.sendall(encode_frame(m.Spawned(pid=pid)))
+        elif isinstance(request, m.Prepare):
+            seconds = self._prepare(request.model_dir)
+            conn.sendall(encode_frame(m.Prepared(model_dir=request.model_dir, seconds=seconds)))
         elif isinstance(request, m.ZygoteStatusRequest):
             self._reap()
             conn.sendall(encode_frame(m.ZygoteStatus(
                 pid=os.getpid(), children=tuple(sorted(self.children)), exit_codes=dict(self.exit_codes),
-                import_s=self.import_s,
+                import_s=self.import_s, prepared=tuple(self.tokenizers),
             )))
         elif isinstance(request, m.Shutdown):
             self._stop(listener)
@@ -102,7 +110,7 @@ class Zygote:
                 _become_worker(request.log_path)
                 from lorafaas.function_runtime.worker import run_worker
 
-                code = run_worker(request.spec)
+                code = run_worker(request.spec, self.tokenizers.get(request.spec.model_dir))
             except BaseException:
                 logging.getLogger("lorafaas.worker").exception("worker %d failed", os.getpid())
             finally:
@@ -110,6 +118,20 @@ class Zygote:
         self.children.add(pid)
         log.info("zygote: forked worker %d for %s/%s", pid, request.spec.function, request.spec.instance_id)
         return pid
+
+    def _prepare(self, model_dir: str) -> float:
+        """Load the backbone's tokenizer into the pool (once). Tokenizer loading starts no threads."""
+        if model_dir in self.tokenizers:
+            return 0.0
+        from lorafaas.function_runtime.instance import load_tokenizer
+
+        started = time.perf_counter()
+        try:
+            self.tokenizers[model_dir] = load_tokenizer(Path(model_dir))
+        except (OSError, ValueError) as exc:  # the worker will load (and report) it itself
+            log.warning("zygote: cannot preload the tokenizer of %s: %s", model_dir, exc)
+            return 0.0
+        return time.perf_counter() - started
 
     def _reap(self) -> None:
         while self.children:
@@ -164,6 +186,10 @@ def spawn_worker(socket_path: Path, spec: m.WorkerSpec, log_path: Path) -> int:
     if not isinstance(reply, m.Spawned):
         raise ProtocolError(f"zygote answered {reply!r} to spawn")
     return reply.pid
+
+
+def prepare_backbone(socket_path: Path, model_dir: Path) -> m.Prepared:
+    return _call(socket_path, m.Prepare(model_dir=str(model_dir)))
 
 
 def zygote_status(socket_path: Path) -> m.ZygoteStatus:

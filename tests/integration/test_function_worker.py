@@ -122,7 +122,7 @@ def test_cold_start_without_staging_and_unstaging(launcher, adapters) -> None:
             return cold, stats_cold, dropped, again, unbound, rebound
 
     cold, stats_cold, dropped, again, unbound, rebound = asyncio.run(scenario())
-    assert set(stats_cold.stage_seconds) == set(m.STAGES)
+    assert set(stats_cold.stage_seconds) == {"libraries", "backbone", "adapter"}, "warm-up is optional pre-loading"
     assert "adapter" not in dropped.stages
     assert again[0] == cold[0], "reloading the adapter restores the same function"
     assert "backbone" not in unbound.stages and "warmup" not in unbound.stages
