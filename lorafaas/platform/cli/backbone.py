@@ -1,4 +1,4 @@
-"""`lorafaas backbone ...`: import and list backbones in the model store."""
+"""`lorafaas backbone ...`: import and list backbones in the model store; serve one to functions."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.platform.cli.output import RichProgress, console, err_console, human_bytes, print_json
 from lorafaas.platform.model_store import ModelStore
 
-app = typer.Typer(help="Import and list backbones (base models).", no_args_is_help=True)
+app = typer.Typer(help="Import, list and serve backbones (base models).", no_args_is_help=True)
 
 
 @app.command("import")
@@ -56,3 +56,34 @@ def list_backbones(ctx: typer.Context, as_json: bool = typer.Option(False, "--js
         table.add_row(m.name, m.architecture, f"{m.num_parameters / 1e6:.1f}M", human_bytes(m.bytes),
                       ",".join(m.dtypes), m.short_hash)
     console.print(table)
+
+
+@app.command("serve")
+def serve(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="A backbone in the model store."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
+    lease_ttl: float | None = typer.Option(
+        None, "--lease-ttl", help="Reap leases not renewed by a heartbeat within this many seconds.", show_default=False
+    ),
+) -> None:
+    """Run the backbone daemon in the foreground: load NAME once onto DEVICE and lease it read-only to functions.
+
+    Prints the socket path on stdout once it serves; Ctrl-C or SIGTERM stops it and removes its segment.
+    """
+    import logging
+
+    from rich.logging import RichHandler
+
+    from lorafaas.backbone_daemon.config import DaemonConfig
+    from lorafaas.backbone_daemon.server import serve as serve_daemon
+
+    config: LorafaasConfig = ctx.obj
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=err_console, show_path=False)])
+    daemon_config = DaemonConfig(home=config.home, backbone=name, device=device, lease_ttl_s=lease_ttl)
+
+    def ready(paths) -> None:
+        print(paths.socket, flush=True)
+
+    serve_daemon(daemon_config, on_ready=ready)
