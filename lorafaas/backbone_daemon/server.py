@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -37,11 +38,17 @@ log = logging.getLogger(__name__)
 def serve(config: DaemonConfig, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
     """Run a daemon in the foreground until it is shut down or signalled; always cleans up what it created."""
     daemon = BackboneDaemon(config)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: clean up too
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         daemon.start()
         asyncio.run(daemon.serve(on_ready))
     finally:
         daemon.cleanup()
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 class BackboneDaemon:

@@ -74,6 +74,7 @@ class CudaExport:
             tensors=entries,
         )
         self._base = _as_torch(cupy, self._ptr, size, self.index, self)
+        self._staging = None
 
     def writable_views(self) -> dict:
         if self._base is None:
@@ -86,7 +87,9 @@ class CudaExport:
 
         if self._base is None:
             raise SegmentError("the CUDA segment was destroyed")
-        staging = torch.empty(min(nbytes, STAGING_BYTES), dtype=torch.uint8).pin_memory()
+        if self._staging is None:  # one pinned buffer, reused for every read into this segment
+            self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8).pin_memory()
+        staging = self._staging
         with memoryview(staging.numpy()) as host:
             done = 0
             while done < nbytes:
@@ -94,19 +97,20 @@ class CudaExport:
                 n = os.preadv(fd, [host[:chunk]], file_offset + done)
                 if n == 0:
                     raise SegmentError(f"file ended {nbytes - done} bytes early while filling a CUDA segment")
+                # a blocking copy: the staging buffer is free again when it returns
                 self._base[segment_offset + done:segment_offset + done + n].copy_(staging[:n])
                 done += n
-        torch.cuda.synchronize(self.index)
 
     def seal(self) -> None:
         import torch
 
         torch.cuda.synchronize(self.index)
+        self._staging = None
 
     def destroy(self) -> None:
         if self._ptr is None:
             return
-        self._base = None
+        self._base = self._staging = None
         with self._cupy.cuda.Device(self.index):
             self._cupy.cuda.runtime.free(self._ptr)
         self._ptr = None
