@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafaas.backbone_daemon.client import spawn_daemon, stop_daemon
+from lorafaas.backbone_daemon.client import spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.errors import DaemonUnavailable
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.function_runtime.zygote import spawn_worker, start_fresh_worker, start_zygote, wait_for_socket
@@ -69,7 +70,8 @@ class LocalLauncher:
         self.store = ModelStore(self.home / "models")
         self.run_dir = self.home / "run"
         self.log_dir = self.home / "logs"
-        self._daemons: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self._daemons: dict[str, tuple[subprocess.Popen, Path]] = {}  # started (and stopped) by us
+        self._borrowed: set[str] = set()  # backbones whose daemon was already running
         self._zygote: subprocess.Popen | None = None
         self.instances: list[InstanceHandle] = []
 
@@ -85,13 +87,17 @@ class LocalLauncher:
 
     def daemon_socket(self, backbone: str) -> Path:
         """The socket of the backbone's daemon on this launcher's device, starting the daemon if needed."""
-        if backbone not in self._daemons:
-            config = DaemonConfig(home=self.home, backbone=backbone, device=self.device)
+        config = DaemonConfig(home=self.home, backbone=backbone, device=self.device)
+        if backbone in self._daemons or backbone in self._borrowed:
+            return config.paths.socket
+        try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
+            wait_until_ready(config.paths.socket, timeout_s=0.2)
+            self._borrowed.add(backbone)
+        except DaemonUnavailable:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
-                process = spawn_daemon(config, stderr=log_file)
-            self._daemons[backbone] = (process, config.paths.socket)
-        return self._daemons[backbone][1]
+                self._daemons[backbone] = (spawn_daemon(config, stderr=log_file), config.paths.socket)
+        return config.paths.socket
 
     def start_zygote(self) -> None:
         if self._zygote is None or self._zygote.poll() is not None:
@@ -101,8 +107,11 @@ class LocalLauncher:
 
     def spec(
         self, function: str, backbone: str, adapter_dir: Path | None, *, shared: bool = True,
-        max_batch_size: int = 8, num_threads: int | None = None,
+        max_batch_size: int = 8, num_threads: int | None = 1,
     ) -> WorkerSpec:
+        """One intra-op thread by default: instances share the node's cores, and oversubscribed OpenMP threads
+        spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core
+        machine)."""
         instance_id = f"{function}-{secrets.token_hex(3)}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         return WorkerSpec(
