@@ -42,7 +42,7 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
     segment_size: int = 0
     logits_sha256: str = ""
     tensors_sha256: str = ""  # manifest mode: digest over every tensor's bytes in table order
-    attach_s: float = 0.0
+    attach_s: float = 0.0  # lease + map + empty model + bind, first-use imports included (not the bench's figure)
     bind_s: float = 0.0
 
 
