@@ -39,6 +39,8 @@ __all__ = [
     "TensorEntry",
     "TensorSpec",
     "attach",
+    "check_device",
+    "check_transport",
     "create",
     "export",
 ]
@@ -75,6 +77,14 @@ def check_device(device: str) -> str:
     if prefix == "cuda" and index.isdigit():
         return device
     raise TransportUnavailable(f"device {device!r} is not supported; use cpu or cuda:N")
+
+
+def check_transport(device: str) -> None:
+    """Fail early (TransportUnavailable) if `device`'s transport cannot run in this process."""
+    if check_device(device) != "cpu":
+        from lorafaas.cuda_ipc.cuda import require_cupy
+
+        require_cupy()
 
 
 def create(

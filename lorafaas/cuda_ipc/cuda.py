@@ -20,7 +20,8 @@ from lorafaas.errors import SegmentError, TransportUnavailable
 STAGING_BYTES = 64 * 1024 * 1024  # host buffer for file -> device copies
 
 
-def _cupy():
+def require_cupy():
+    """cupy, once it is known to see a CUDA device; TransportUnavailable otherwise."""
     try:
         import cupy
     except ImportError as exc:
@@ -56,7 +57,7 @@ class CudaExport:
     """The owner's side: one cudaMalloc'ed segment, its IPC handle, filling and freeing."""
 
     def __init__(self, device: str, entries: tuple[TensorEntry, ...], size: int, alignment: int) -> None:
-        cupy = _cupy()
+        cupy = require_cupy()
         self._cupy = cupy
         self.index = device_index(device)
         with cupy.cuda.Device(self.index):
@@ -123,7 +124,7 @@ class CudaAttachment:
         check_manifest(manifest)
         if not isinstance(manifest.location, CudaIpcLocation):
             raise SegmentError(f"manifest is for transport {manifest.transport}, not cuda_ipc")
-        cupy = _cupy()
+        cupy = require_cupy()
         self._cupy = cupy
         self.index = manifest.location.device_index
         if manifest.location.owner_pid == os.getpid():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
@@ -73,3 +74,12 @@ def test_serve_prints_its_socket_and_bench_attach_measures_against_it(tmp_path_f
 def test_serving_a_backbone_that_is_not_in_the_store_exits_2(tmp_path, capsys) -> None:
     assert _run_cli(["--home", str(tmp_path), "backbone", "serve", "absent"]) == 2
     assert "absent" in capsys.readouterr().err
+
+
+def test_serving_on_a_device_without_its_transport_exits_2_before_loading(tmp_path, tiny_dense_dir, capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here: cuda:0 is a valid device")
+    ModelStore(tmp_path / "models").import_dir(BACKBONE, tiny_dense_dir)
+    assert _run_cli(["--home", str(tmp_path), "backbone", "serve", BACKBONE, "--device", "cuda:0"]) == 2
+    assert "cupy" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before taking the lock or creating anything
