@@ -21,6 +21,7 @@
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease
+        ├── InstanceUnavailable       503: a function worker does not answer, or went away mid-request
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
         └── BindingFailed             a bound model has a parameter outside the shared segment or on meta
@@ -126,6 +127,11 @@ class DaemonUnavailable(ServerError):
 
 class LeaseRefused(ServerError):
     code = "lease_refused"
+    http_status = 503
+
+
+class InstanceUnavailable(ServerError):
+    code = "instance_unavailable"
     http_status = 503
 
 

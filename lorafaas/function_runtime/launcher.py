@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lorafaas.backbone_daemon.client import spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.config import LorafaasConfig
 from lorafaas.errors import DaemonUnavailable
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
@@ -67,7 +68,7 @@ class LocalLauncher:
     def __init__(self, home: Path, device: str = "cpu") -> None:
         self.home = Path(home)
         self.device = device
-        self.store = ModelStore(self.home / "models")
+        self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
         self.run_dir = self.home / "run"
         self.log_dir = self.home / "logs"
         self._daemons: dict[str, tuple[subprocess.Popen, Path]] = {}  # started (and stopped) by us
@@ -84,6 +85,10 @@ class LocalLauncher:
     @property
     def zygote_socket(self) -> Path:
         return self.run_dir / "zygote.sock"
+
+    @property
+    def zygote_pid(self) -> int | None:
+        return self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
 
     def daemon_socket(self, backbone: str) -> Path:
         """The socket of the backbone's daemon on this launcher's device, starting the daemon if needed."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import typer
 from rich.table import Table
 
 from lorafaas.config import LorafaasConfig
+from lorafaas.platform.cli.demo import DEMO_ADAPTERS_DIR
 from lorafaas.platform.cli.output import RichProgress, console, human_bytes, print_json
 
 app = typer.Typer(help="Benchmarks of the platform's mechanisms.", no_args_is_help=True)
@@ -33,3 +36,79 @@ def attach(
                   f"{result.attach_s * 1e3:.1f} ms", f"{result.bind_s * 1e3:.2f} ms",
                   f"{result.ratio_private_over_attach:.1f}x")
     console.print(table)
+
+
+def _default_adapter() -> Path:
+    return DEMO_ADAPTERS_DIR / "pirate"
+
+
+def _show(result: msgspec.Struct, as_json: bool, title: str) -> None:
+    document = msgspec.to_builtins(result)
+    if as_json:
+        print_json(document)
+        return
+    table = Table("measure", "value", title=title)
+    for key, value in document.items():
+        if isinstance(value, dict):
+            for case, steps in value.items():
+                shown = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in steps.items()) if isinstance(steps, dict) \
+                    else str(steps)
+                table.add_row(f"{key}.{case}", shown)
+        else:
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+@app.command("coldstart")
+def coldstart(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone"),
+    adapter: Path = typer.Option(None, "--adapter", help="Adapter directory (default: the pirate demo adapter)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20, help="Samples of each case (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time to first token: conventional process vs cold, pool-forked, pre-loaded and warm lorafaas instances."""
+    from lorafaas.function_runtime.bench_coldstart import run_coldstart_bench
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_coldstart_bench(config.home, backbone, adapter or _default_adapter(), repeats, progress)
+    _show(result, as_json, f"cold starts on {backbone}")
+
+
+@app.command("memory")
+def memory(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone"),
+    functions: int = typer.Option(8, "--functions", min=2, max=32, help="Functions with distinct adapters."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """PSS of N lorafaas functions on one shared backbone vs N conventional processes."""
+    from lorafaas.function_runtime.bench_memory import bench_adapters, run_memory_bench
+
+    config: LorafaasConfig = ctx.obj
+    demo = sorted(p for p in DEMO_ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file()) \
+        if DEMO_ADAPTERS_DIR.is_dir() else []
+    with RichProgress() as progress:
+        adapters = bench_adapters(config.home, backbone, demo, functions)
+        result = run_memory_bench(config.home, backbone, adapters, progress)
+    _show(result, as_json, f"memory of {functions} functions on {backbone}")
+
+
+@app.command("throughput")
+def throughput(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone"),
+    adapter: Path = typer.Option(None, "--adapter", help="Adapter directory (default: the pirate demo adapter)."),
+    concurrency: int = typer.Option(8, "--concurrency", min=2, max=16),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=512),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """One function's tokens per second at 1 vs N concurrent requests (continuous batching)."""
+    from lorafaas.function_runtime.bench_throughput import run_throughput_bench
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_throughput_bench(config.home, backbone, adapter or _default_adapter(), concurrency, max_tokens,
+                                      progress)
+    _show(result, as_json, f"throughput on {backbone}")

@@ -1,0 +1,50 @@
+"""Random LoRA adapters with a backbone's exact shapes, written straight from its safetensors header (no model load).
+
+Benchmarks need many distinct adapters for the real backbone; tests need adapters that fit or deliberately do not.
+B is non-zero (unlike a freshly initialised PEFT adapter), so every adapter changes the backbone's output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorafaas.platform.adapters.files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
+from lorafaas.platform.adapters.validate import backbone_linear_layers
+from lorafaas.platform.model_store import ModelStore
+
+
+def write_random_adapter(
+    out_dir: Path,
+    store: ModelStore,
+    backbone: str,
+    *,
+    rank: int = 8,
+    alpha: int = 16,
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    seed: int = 0,
+    scale: float = 0.02,
+) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    layers = backbone_linear_layers(store, store.get(backbone))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, (out_features, in_features) in sorted(layers.items()):
+        if path.rsplit(".", 1)[-1] not in target_modules:
+            continue
+        tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * scale
+        tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * scale
+    if not tensors:
+        raise ValueError(f"no layer of {backbone} matches target modules {target_modules}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / WEIGHTS_FILE)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": backbone, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(target_modules), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+    }
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
