@@ -5,6 +5,9 @@
     │   ├── NotFound                  404
     │   │   ├── BackboneNotFound
     │   │   ├── FunctionNotFound
+    │   │   ├── InvocationNotFound    an invocation id never issued, or its record expired
+    │   │   ├── AdapterNotFound       no adapter with this digest in the adapter store
+    │   │   ├── ApiKeyNotFound
     │   │   └── LeaseNotFound         a backbone lease that was released or reaped
     │   ├── AlreadyExists             409
     │   │   └── DaemonAlreadyRunning  one backbone daemon per (device, backbone)
@@ -16,12 +19,14 @@
     │   │   ├── MalformedModel
     │   │   └── AdapterInvalid        the adapter's own files are broken
     │   │       └── AdapterIncompatible   well-formed, but not for this backbone
+    │   ├── Unauthorized              401: a missing, malformed or unknown API key
     │   ├── SourceUnavailable         a model source (package, directory) is missing
     │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without cupy or CUDA)
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease
         ├── InstanceUnavailable       503: a function worker does not answer, or went away mid-request
+        ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
         └── BindingFailed             a bound model has a parameter outside the shared segment or on meta
@@ -145,3 +150,25 @@ class SegmentError(ServerError):
 
 class BindingFailed(ServerError):
     code = "binding_failed"
+
+
+class InvocationNotFound(NotFound):
+    code = "invocation_not_found"
+
+
+class AdapterNotFound(NotFound):
+    code = "adapter_not_found"
+
+
+class ApiKeyNotFound(NotFound):
+    code = "api_key_not_found"
+
+
+class Unauthorized(ClientError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class StoreUnavailable(ServerError):
+    code = "store_unavailable"
+    http_status = 503

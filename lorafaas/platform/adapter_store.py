@@ -1,0 +1,135 @@
+"""The adapter store: validated LoRA adapters under `$LORAFAAS_HOME/adapters/<sha256>/`, addressed by content.
+
+An entry holds exactly adapter_config.json and adapter_model.safetensors; its name is the sha256 over those two
+files' bytes, in that order. Entries are written to a hidden staging directory beside them and renamed into place, so
+a reader never sees half an adapter and a failed copy leaves nothing. An entry never changes once visible: putting
+the same bytes again is a no-op, and a function spec naming a digest always gets the bytes it was deployed with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from lorafaas.errors import AdapterNotFound, ServerError
+from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+from lorafaas.platform.adapters.validate import validate_adapter
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.state.records import DIGEST_PATTERN, check_digest
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # hashed and copied in this order
+COPY_CHUNK_BYTES = 8 * 1024 * 1024
+STAGING_PREFIX = ".incoming-"
+DELETING_PREFIX = ".deleting-"
+STALE_STAGING_S = 3600.0  # a staging directory this old belongs to a put that was killed
+
+
+class AdapterStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, digest: str) -> Path:
+        """The entry's directory; AdapterNotFound if there is none."""
+        if not self.exists(digest):
+            raise AdapterNotFound(
+                f"adapter {digest[:12]} is not in the adapter store at {self.root}; deploy its function again to "
+                "store it"
+            )
+        return self.root / digest
+
+    def exists(self, digest: str) -> bool:
+        entry = self.root / check_digest(digest)
+        return all((entry / name).is_file() for name in ADAPTER_FILES)
+
+    def list_digests(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if DIGEST_PATTERN.match(p.name) and self.exists(p.name))
+
+    def put(self, adapter_dir: Path, store: ModelStore, backbone: str) -> str:
+        """Validate the adapter against `backbone`, store it, and return its digest.
+
+        Raises what `validate_adapter` raises (AdapterInvalid, AdapterIncompatible, PickledWeightsRefused,
+        BackboneNotFound) before anything is written, and ServerError if the copy fails (nothing is left then).
+        """
+        adapter_dir = Path(adapter_dir).expanduser()
+        validate_adapter(adapter_dir, store, backbone)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_staging()
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
+        try:
+            hasher = hashlib.sha256()
+            try:
+                for name in ADAPTER_FILES:
+                    copy_hashing(adapter_dir / name, staging / name, hasher)
+            except OSError as exc:  # disk full, source gone: nothing was stored
+                message = f"cannot copy adapter {adapter_dir} into the adapter store {self.root}: {exc}"
+                raise ServerError(message) from exc
+            digest = hasher.hexdigest()
+            if self.exists(digest):
+                return digest
+            entry = self.root / digest
+            if entry.exists():  # files removed from an entry by hand: replace it whole
+                logger.warning("adapter %s at %s is incomplete; replacing it", digest[:12], entry)
+                self._remove(entry)
+            for name in ADAPTER_FILES:  # shared read-only with every function process
+                (staging / name).chmod(0o644)
+            staging.chmod(0o755)
+            try:
+                os.rename(staging, entry)
+            except OSError as exc:
+                if self.exists(digest):  # a concurrent put of the same bytes won the race
+                    return digest
+                raise ServerError(f"cannot move adapter {digest[:12]} into place at {entry}: {exc}") from exc
+            _fsync_dir(self.root)
+            logger.info("stored adapter %s from %s", digest[:12], adapter_dir)
+            return digest
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def delete(self, digest: str) -> None:
+        """Remove an entry (AdapterNotFound if absent); it disappears at once, then its files are removed."""
+        self.path(digest)
+        self._remove(self.root / digest)
+
+    def _remove(self, entry: Path) -> None:
+        doomed = Path(tempfile.mkdtemp(prefix=DELETING_PREFIX, dir=self.root))
+        with contextlib.suppress(FileNotFoundError):  # deleted concurrently
+            os.rename(entry, doomed / entry.name)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove_stale_staging(self) -> None:
+        cutoff = time.time() - STALE_STAGING_S
+        for path in self.root.iterdir():
+            if path.name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
+                try:
+                    if path.stat().st_mtime < cutoff:
+                        shutil.rmtree(path, ignore_errors=True)
+                except FileNotFoundError:
+                    pass
+
+
+def copy_hashing(src: Path, dst: Path, hasher: hashlib._Hash) -> None:
+    """Copy `src` to `dst` feeding every byte to `hasher`; `dst` is on disk (fsynced) when this returns."""
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        while chunk := fin.read(COPY_CHUNK_BYTES):
+            hasher.update(chunk)
+            fout.write(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

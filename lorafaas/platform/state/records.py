@@ -1,0 +1,143 @@
+"""What the state store keeps: deployed functions, invocations, API keys. Data only, stored as msgspec JSON.
+
+Records are frozen; an update is a new record (`msgspec.structs.replace`) written back whole. Decoding ignores
+fields it does not know, so a newer writer's records stay readable by an older reader.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+import msgspec
+
+from lorafaas.errors import InvalidInput
+from lorafaas.platform.model_store import check_name
+
+DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+LORA_MODES = ("local", "remote")  # remote: MoE expert adapters run on the shared LoRA server
+MAX_SLO_TTFT_MS = 600_000
+MAX_KEEP_ALIVE_S = 86_400.0
+MAX_INSTANCES = 64
+MAX_TOKENS_LIMIT = 131_072
+InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
+
+
+def check_digest(digest: str, what: str = "adapter digest") -> str:
+    if not isinstance(digest, str) or not DIGEST_PATTERN.match(digest):
+        raise InvalidInput(f"{what} {digest!r} is invalid: expected 64 lowercase hex characters (a sha256)")
+    return digest
+
+
+def _check_range(what: str, value: float, low: float, high: float, unit: str = "") -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput(f"{what} is {value}; it must be a finite number between {low:g} and {high:g}{unit}")
+    if not low <= value <= high:
+        raise InvalidInput(f"{what} is {value:g}{unit}; it must be between {low:g} and {high:g}{unit}")
+
+
+class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A deployed function: one adapter on one backbone, with its SLO and scaling bounds (the desired state)."""
+
+    name: str
+    tenant: str
+    backbone: str
+    adapter_digest: str  # sha256 hex of the adapter in the adapter store
+    slo_ttft_ms: int = 1000
+    keep_alive_s: float = 60.0
+    min_instances: int = 0
+    max_instances: int = 4
+    max_tokens_limit: int = 1024
+    lora_mode: str = "local"
+    version: int = 1  # bumped by each update
+    created_at: float
+    updated_at: float
+
+    def check(self) -> FunctionSpec:
+        """Raise InvalidInput (or InvalidName) naming the first field out of bounds; return self."""
+        check_name(self.name, "function")
+        check_name(self.tenant, "tenant")
+        check_name(self.backbone, "backbone")
+        check_digest(self.adapter_digest)
+        _check_range("slo_ttft_ms", self.slo_ttft_ms, 1, MAX_SLO_TTFT_MS, " ms")
+        _check_range("keep_alive_s", self.keep_alive_s, 0, MAX_KEEP_ALIVE_S, " s")
+        _check_range("max_instances", self.max_instances, 1, MAX_INSTANCES)
+        _check_range("min_instances", self.min_instances, 0, MAX_INSTANCES)
+        if self.min_instances > self.max_instances:
+            raise InvalidInput(
+                f"min_instances is {self.min_instances} but max_instances is {self.max_instances}; "
+                "min_instances must not exceed max_instances"
+            )
+        _check_range("max_tokens_limit", self.max_tokens_limit, 1, MAX_TOKENS_LIMIT)
+        if self.lora_mode not in LORA_MODES:
+            raise InvalidInput(f"lora_mode is {self.lora_mode!r}; expected one of {', '.join(LORA_MODES)}")
+        if self.version < 1:
+            raise InvalidInput(f"version is {self.version}; versions start at 1")
+        if self.updated_at < self.created_at:
+            raise InvalidInput(f"updated_at {self.updated_at} is before created_at {self.created_at}")
+        return self
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What was asked: a plain `prompt` or chat `messages` (exactly one), and the sampling parameters."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    seed: int | None = None
+
+    def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> InvocationRequest:
+        """Raise InvalidInput naming the first field out of bounds; return self."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidInput("give exactly one of 'prompt' or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise InvalidInput("'messages' is empty; give at least one message")
+        _check_range("max_tokens", self.max_tokens, 1, max_tokens_limit)
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput(f"top_p is {self.top_p:g}; it must be greater than 0 and at most 1")
+        return self
+
+
+class InvocationRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One invocation's lifecycle: queued -> running -> succeeded | failed | cancelled; kept until `expires_at`."""
+
+    invocation_id: str
+    function: str
+    tenant: str
+    status: InvocationStatus
+    request: InvocationRequest
+    result_text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error_code: str | None = None
+    error_message: str | None = None
+    created_at: float
+    updated_at: float
+    expires_at: float  # retention deadline: `delete_expired_invocations(now)` removes the record after it
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """An API key as stored: only its sha256, never the key itself."""
+
+    key_id: str  # public, short; shown in listings and logs
+    tenant: str
+    key_hash: str
+    is_admin: bool = False
+    created_at: float
