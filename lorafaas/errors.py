@@ -9,6 +9,7 @@
     │   │   ├── AdapterNotFound       no adapter with this digest in the adapter store
     │   │   ├── ApiKeyNotFound
     │   │   └── LeaseNotFound         a backbone lease that was released or reaped
+    │   ├── Forbidden                 403: the key may not do this (admin-only operations)
     │   ├── AlreadyExists             409
     │   │   └── DaemonAlreadyRunning  one backbone daemon per (device, backbone)
     │   ├── LeasesHeld                409: a backbone daemon asked to stop while functions are attached
@@ -26,6 +27,7 @@
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease
         ├── InstanceUnavailable       503: a function worker does not answer, or went away mid-request
+        ├── PlatformUnavailable       503: the CLI cannot reach the gateway
         ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
@@ -140,6 +142,11 @@ class InstanceUnavailable(ServerError):
     http_status = 503
 
 
+class PlatformUnavailable(ServerError):
+    code = "platform_unavailable"
+    http_status = 503
+
+
 class ProtocolError(ServerError):
     code = "protocol_error"
 
@@ -167,6 +174,11 @@ class ApiKeyNotFound(NotFound):
 class Unauthorized(ClientError):
     code = "unauthorized"
     http_status = 401
+
+
+class Forbidden(ClientError):
+    code = "forbidden"
+    http_status = 403
 
 
 class StoreUnavailable(ServerError):

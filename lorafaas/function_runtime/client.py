@@ -56,6 +56,18 @@ class WorkerClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    async def wait_closed(self) -> None:
+        """Return when the worker's connection ends (the worker exited, crashed or closed it)."""
+        try:
+            await asyncio.shield(self._pump)
+        except asyncio.CancelledError:
+            if not self._pump.done():  # the caller was cancelled, not the pump
+                raise
+
+    @property
+    def connected(self) -> bool:
+        return not self._pump.done()
+
     async def close(self) -> None:
         self._pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ class LocalLauncher:
         self.log_dir = self.home / "logs"
         self._daemons: dict[str, tuple[subprocess.Popen, Path]] = {}  # started (and stopped) by us
         self._borrowed: set[str] = set()  # backbones whose daemon was already running
+        self._lock = threading.RLock()
         self._zygote: subprocess.Popen | None = None
         self.instances: list[InstanceHandle] = []
 
@@ -93,6 +95,11 @@ class LocalLauncher:
     def daemon_socket(self, backbone: str) -> Path:
         """The socket of the backbone's daemon on this launcher's device, starting the daemon if needed."""
         config = DaemonConfig(home=self.home, backbone=backbone, device=self.device)
+        with self._lock:  # callers on several threads must not start two daemons for one backbone
+            return self._ensure_daemon(config)
+
+    def _ensure_daemon(self, config: DaemonConfig) -> Path:
+        backbone = config.backbone
         if backbone in self._daemons or backbone in self._borrowed:
             return config.paths.socket
         try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
@@ -105,6 +112,10 @@ class LocalLauncher:
         return config.paths.socket
 
     def start_zygote(self) -> None:
+        with self._lock:
+            self._start_zygote()
+
+    def _start_zygote(self) -> None:
         if self._zygote is None or self._zygote.poll() is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir.mkdir(parents=True, exist_ok=True)

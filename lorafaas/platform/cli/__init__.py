@@ -11,7 +11,7 @@ from rich.markup import escape
 from lorafaas import __version__
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
-from lorafaas.platform.cli import adapter, backbone, bench, demo
+from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, up
 from lorafaas.platform.cli.output import err_console
 
 app = typer.Typer(
@@ -25,6 +25,15 @@ app.add_typer(backbone.app, name="backbone")
 app.add_typer(adapter.app, name="adapter")
 app.add_typer(bench.app, name="bench")
 app.command("demo")(demo.demo)
+app.command("up")(up.up)
+app.command("deploy")(functions.deploy)
+app.command("list")(functions.list_functions)
+app.command("describe")(functions.describe)
+app.command("invoke")(functions.invoke)
+app.command("logs")(functions.logs)
+app.command("scale")(functions.scale)
+app.command("delete")(functions.delete)
+app.add_typer(functions.keys_app, name="keys")
 
 
 def _show_version(value: bool) -> None:

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.platform.cli.demo import DEMO_ADAPTERS_DIR
 from lorafaas.platform.cli.output import RichProgress, console, human_bytes, print_json
+from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dirs
 
 app = typer.Typer(help="Benchmarks of the platform's mechanisms.", no_args_is_help=True)
 
@@ -87,8 +87,7 @@ def memory(
     from lorafaas.function_runtime.bench_memory import bench_adapters, run_memory_bench
 
     config: LorafaasConfig = ctx.obj
-    demo = sorted(p for p in DEMO_ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file()) \
-        if DEMO_ADAPTERS_DIR.is_dir() else []
+    demo = demo_adapter_dirs()
     with RichProgress() as progress:
         adapters = bench_adapters(config.home, backbone, demo, functions)
         result = run_memory_bench(config.home, backbone, adapters, progress)

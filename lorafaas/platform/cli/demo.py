@@ -14,10 +14,9 @@ from rich.table import Table
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import SourceUnavailable
 from lorafaas.platform.cli.output import RichProgress, console, err_console, print_json
+from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR
 from lorafaas.platform.model_store import ModelStore
 
-# examples/ sits beside the package in a clone (the README installs with `pip install -e .`).
-DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[3] / "examples" / "adapters"
 DEMO_PROMPT = "Tell me about the ocean."
 
 

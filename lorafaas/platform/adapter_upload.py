@@ -1,0 +1,81 @@
+"""Adapters arriving over HTTP: a tar archive (optionally gzipped) holding adapter_config.json and
+adapter_model.safetensors, unpacked safely into a scratch directory for validation.
+
+Only those two regular files are taken, at the archive's root or inside one top-level folder; anything else
+(links, devices, absolute or `..` paths, other names, oversized members) is refused with a message naming it, and
+nothing outside the scratch directory is ever written.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path, PurePosixPath
+
+from lorafaas.errors import AdapterInvalid, PickledWeightsRefused
+from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+from lorafaas.weights import PICKLE_SUFFIXES
+
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_WEIGHTS_BYTES = 2 * 1024**3
+ALLOWED = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
+
+
+def unpack_adapter(archive: bytes, out_dir: Path) -> Path:
+    """Write the archive's two adapter files into `out_dir`; returns `out_dir`."""
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(archive), mode="r:*")  # noqa: SIM115 (closed by the with below)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise AdapterInvalid(f"the adapter upload is not a tar archive ({exc})") from exc
+    found: set[str] = set()
+    with tar:
+        for member in tar:
+            name = _checked_name(member)
+            if name is None:
+                continue
+            if member.size > ALLOWED[name]:
+                raise AdapterInvalid(f"{member.name} is {member.size} bytes; the limit is {ALLOWED[name]} bytes")
+            if name in found:
+                raise AdapterInvalid(f"the archive holds {name} twice")
+            source = tar.extractfile(member)
+            (Path(out_dir) / name).write_bytes(source.read(ALLOWED[name] + 1))
+            found.add(name)
+    missing = set(ALLOWED) - found
+    if missing:
+        raise AdapterInvalid(f"the adapter archive lacks {', '.join(sorted(missing))}")
+    return Path(out_dir)
+
+
+def _checked_name(member: tarfile.TarInfo) -> str | None:
+    """The adapter file this member is, None for a folder; raises for anything unsafe or unexpected."""
+    path = PurePosixPath(member.name)
+    if path.is_absolute() or ".." in path.parts:
+        raise AdapterInvalid(f"archive member {member.name!r} points outside the adapter; refused")
+    if member.isdir():
+        return None
+    if not member.isfile():
+        kind = "a link" if member.issym() or member.islnk() else "not a regular file"
+        raise AdapterInvalid(f"archive member {member.name!r} is {kind}; only regular files are accepted")
+    parts = [p for p in path.parts if p != "."]
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise PickledWeightsRefused(
+            f"archive member {member.name!r} is pickled weights; lorafaas accepts {WEIGHTS_FILE} only"
+        )
+    if len(parts) > 2 or parts[-1] not in ALLOWED:
+        raise AdapterInvalid(
+            f"unexpected archive member {member.name!r}; an adapter archive holds only {CONFIG_FILE} and "
+            f"{WEIGHTS_FILE}"
+        )
+    return parts[-1]
+
+
+def pack_adapter(adapter_dir: Path) -> bytes:
+    """The CLI's side: a gzipped tar of the adapter's two files."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            path = Path(adapter_dir) / name
+            if not path.is_file():
+                raise AdapterInvalid(f"{adapter_dir} has no {name}")
+            tar.add(path, arcname=name, recursive=False)
+    return buffer.getvalue()

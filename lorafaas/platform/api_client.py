@@ -1,0 +1,126 @@
+"""The CLI's client of a lorafaas gateway (httpx); error bodies come back as the LorafaasError that produced them."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import PlatformUnavailable, Unauthorized
+from lorafaas.platform.adapter_upload import pack_adapter
+from lorafaas.platform.auth import read_admin_key
+from lorafaas.wire import error_class
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def resolve_key(config: LorafaasConfig) -> str:
+    """$LORAFAAS_API_KEY, else the local platform's admin key in $LORAFAAS_HOME/admin.key."""
+    key = os.environ.get("LORAFAAS_API_KEY")
+    if key:
+        return key
+    if (config.home / "admin.key").is_file():
+        return read_admin_key(config.home)
+    raise Unauthorized(
+        f"no API key: set LORAFAAS_API_KEY, or start a local platform with `lorafaas up` (it keeps its admin key in "
+        f"{config.home / 'admin.key'})"
+    )
+
+
+class ApiClient:
+    def __init__(self, url: str, key: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._http.close()
+
+    # -- functions -------------------------------------------------------------------------------------------------
+
+    def deploy(self, spec: dict, adapter_dir: Path) -> dict:
+        files = {"adapter": ("adapter.tar.gz", pack_adapter(adapter_dir), "application/gzip")}
+        return self._call("POST", "/v1/functions", data={"spec": json.dumps(spec)}, files=files).json()
+
+    def update(self, name: str, spec: dict, adapter_dir: Path | None = None) -> dict:
+        files = {"adapter": ("adapter.tar.gz", pack_adapter(adapter_dir), "application/gzip")} if adapter_dir else None
+        return self._call("PATCH", f"/v1/functions/{name}", data={"spec": json.dumps(spec)}, files=files).json()
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/v1/functions").json()["functions"]
+
+    def describe(self, name: str) -> dict:
+        return self._call("GET", f"/v1/functions/{name}").json()
+
+    def delete(self, name: str) -> dict:
+        return self._call("DELETE", f"/v1/functions/{name}").json()
+
+    def logs(self, name: str) -> str:
+        return self._call("GET", f"/v1/functions/{name}/logs").text
+
+    # -- invocations -----------------------------------------------------------------------------------------------
+
+    def invoke(self, name: str, body: dict) -> dict:
+        return self._call("POST", f"/v1/functions/{name}/invoke", json=body).json()
+
+    def invoke_async(self, name: str, body: dict) -> dict:
+        return self._call("POST", f"/v1/functions/{name}/invoke", json=body,
+                          headers={"Prefer": "respond-async"}).json()
+
+    def invocation(self, invocation_id: str) -> dict:
+        return self._call("GET", f"/v1/invocations/{invocation_id}").json()
+
+    def invoke_stream(self, name: str, body: dict) -> Iterator[dict]:
+        """Yield the SSE events' JSON documents; an `error` event is raised as its LorafaasError."""
+        try:
+            with self._http.stream("POST", f"/v1/functions/{name}/invoke", json={**body, "stream": True}) as reply:
+                if reply.status_code >= 400:
+                    reply.read()
+                    self._raise(reply)
+                event_name = None
+                for line in reply.iter_lines():
+                    if line.startswith("event:"):
+                        event_name = line.removeprefix("event:").strip()
+                    elif line.startswith("data:"):
+                        document = json.loads(line.removeprefix("data:").strip())
+                        if event_name == "error":
+                            error = document["error"]
+                            raise error_class(error["code"])(error["message"])
+                        yield document
+                        event_name = None
+        except httpx.TransportError as exc:
+            raise PlatformUnavailable(f"lost the connection to lorafaas at {self.url}: {exc}") from exc
+
+    # -- keys ------------------------------------------------------------------------------------------------------
+
+    def create_key(self, tenant: str) -> dict:
+        return self._call("POST", "/v1/keys", json={"tenant": tenant}).json()
+
+    def list_keys(self) -> list[dict]:
+        return self._call("GET", "/v1/keys").json()["keys"]
+
+    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            reply = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise PlatformUnavailable(
+                f"cannot reach lorafaas at {self.url} ({exc}); start a local platform with `lorafaas up`"
+            ) from exc
+        if reply.status_code >= 400:
+            self._raise(reply)
+        return reply
+
+    @staticmethod
+    def _raise(reply: httpx.Response) -> None:
+        try:
+            error = reply.json()["error"]
+            raise error_class(error["code"])(error["message"])
+        except (ValueError, KeyError, TypeError):
+            raise PlatformUnavailable(f"lorafaas answered HTTP {reply.status_code}: {reply.text[:200]}") from None

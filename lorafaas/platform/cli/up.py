@@ -1,0 +1,52 @@
+"""`lorafaas up`: the whole local platform in the foreground."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import typer
+
+from lorafaas.config import LorafaasConfig
+from lorafaas.platform.cli.output import err_console
+
+
+def up(
+    ctx: typer.Context,
+    port: int = typer.Option(8080, "--port", min=1, max=65535),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    devices: str = typer.Option("cpu", "--devices", help="cpu, cpu=8G (memory budget) or cuda:N."),
+    state_url: str | None = typer.Option(None, "--state", envvar="LORAFAAS_STATE_URL",
+                                         help="redis://host:port/db for a shared store (default: SQLite in home)."),
+    demo: bool = typer.Option(False, "--demo", help="Import smollm2-135m and deploy the demo functions if absent."),
+) -> None:
+    """Run the local platform (gateway, node agent, stores) until interrupted."""
+    from lorafaas.platform.server import ServerConfig, parse_devices, run_server
+
+    config: LorafaasConfig = ctx.obj
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config = ServerConfig(
+        home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
+        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo,
+    )
+    url = f"http://{host}:{port}"
+
+    def announce(platform, demo_names: list[str]) -> None:
+        if platform.new_admin_key:
+            err_console.print(f"[bold]admin key[/] (shown once; also kept in {config.home / 'admin.key'}, mode 0600):")
+            err_console.print(platform.new_admin_key, markup=False)
+        err_console.print(f"[green]lorafaas is up[/] at {url} (home {config.home}); Ctrl-C stops it")
+        for name in demo_names[:1]:
+            key = f"$(cat {config.home}/admin.key)"
+            body = '{"prompt": "Tell me about the ocean.", "stream": true}'
+            err_console.print(
+                f"try:\n  lorafaas invoke {name} \"Tell me about the ocean.\"\n"
+                f"  curl -N {url}/v1/functions/{name}/invoke -H \"Authorization: Bearer {key}\" "
+                f"-H 'Content-Type: application/json' -d '{body}'\n"
+                f"  OpenAI client: base_url='{url}/v1', api_key=<the admin key>, model='{name}'",
+                markup=False,
+            )
+        if demo_names:
+            err_console.print(f"demo functions: {', '.join(demo_names)}")
+
+    run_server(server_config, on_ready=announce)

@@ -1,0 +1,260 @@
+"""The gateway's FastAPI application: function CRUD, invoke (JSON, SSE, async), invocations, health, metrics.
+
+Every failure is a JSON body `{"error": {"code", "message", "type"}}` with a 4xx/5xx status, produced in one place
+(`_error_response`) from LorafaasError's `code` and `http_status`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from lorafaas import __version__
+from lorafaas.errors import ClientError, Forbidden, InvalidInput, LorafaasError
+from lorafaas.function_runtime import messages as m
+from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
+from lorafaas.platform.service import FunctionService
+from lorafaas.platform.state.records import ApiKeyRecord, InvocationRequest
+
+log = logging.getLogger(__name__)
+MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
+
+
+def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
+               is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+    app = FastAPI(title="lorafaas", version=__version__, lifespan=lifespan,
+                  description="Each LoRA adapter deployed as an isolated serverless function.")
+    app.state.service = service
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    def caller(request: Request) -> ApiKeyRecord:
+        return authenticate(service.store, request.headers.get("authorization"))
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        service.store.ping()
+        if not is_ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["health"])
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/functions", status_code=201, tags=["functions"])
+    async def deploy(spec: str = Form(..., description="DeploySpec as JSON"),
+                     adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
+                     who: ApiKeyRecord = Depends(caller)) -> dict:
+        fields = _parse_spec(spec)
+        deployed = await service.deploy(who, fields, await _read_upload(adapter))
+        return msgspec.to_builtins(deployed)
+
+    @app.get("/v1/functions", tags=["functions"])
+    async def list_functions(who: ApiKeyRecord = Depends(caller)) -> dict:
+        return {"functions": [msgspec.to_builtins(s) for s in service.list(who)]}
+
+    @app.get("/v1/functions/{name}", tags=["functions"])
+    async def describe(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        return service.describe(who, name)
+
+    @app.patch("/v1/functions/{name}", tags=["functions"])
+    async def update(name: str, spec: str = Form("{}"), adapter: UploadFile | None = File(None),
+                     who: ApiKeyRecord = Depends(caller)) -> dict:
+        fields = _parse_spec(spec)
+        if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):
+            raise InvalidInput("PATCH cannot change a function's name, backbone or tenant; deploy a new function")
+        archive = await _read_upload(adapter) if adapter is not None else None
+        return msgspec.to_builtins(await service.update(who, name, fields, archive))
+
+    @app.delete("/v1/functions/{name}", tags=["functions"])
+    async def delete(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        await service.delete(who, name)
+        return {"deleted": name}
+
+    @app.get("/v1/functions/{name}/logs", tags=["functions"], response_class=PlainTextResponse)
+    async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> str:
+        return service.logs(who, name)
+
+    @app.post("/v1/functions/{name}/invoke", tags=["invoke"])
+    async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
+                     who: ApiKeyRecord = Depends(caller)) -> Response:
+        invocation = body.to_request()
+        if mode == "async" or "respond-async" in request.headers.get("prefer", ""):
+            record = service.submit(who, name, invocation)
+            return JSONResponse(
+                {"invocation_id": record.invocation_id, "status": record.status,
+                 "location": f"/v1/invocations/{record.invocation_id}"},
+                status_code=202, headers={"Location": f"/v1/invocations/{record.invocation_id}"},
+            )
+        events = await start_invocation(service, metrics, who, name, invocation)
+        if body.stream:
+            return StreamingResponse(_native_sse(events), media_type="text/event-stream")
+        return JSONResponse(await _collect(events, name))
+
+    @app.get("/v1/invocations/{invocation_id}", tags=["invoke"])
+    async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        return msgspec.to_builtins(service.get_invocation(who, invocation_id))
+
+    @app.post("/v1/keys", status_code=201, tags=["keys"])
+    async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
+        _require_admin(who)
+        key = create_key(service.store, body.tenant)
+        return {"tenant": body.tenant, "key_id": key_id_of(key), "key": key}
+
+    @app.get("/v1/keys", tags=["keys"])
+    async def list_keys(who: ApiKeyRecord = Depends(caller)) -> dict:
+        _require_admin(who)
+        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at}
+                         for k in service.store.list_keys()]}
+
+    from lorafaas.platform.gateway.openai_api import openai_router
+
+    app.include_router(openai_router(service, metrics, caller))
+    return app
+
+
+class InvocationEvents:
+    """A started invocation: its first event already received (so errors before it became HTTP errors)."""
+
+    def __init__(self, first, rest: AsyncIterator, function: str, metrics: GatewayMetrics, started: float) -> None:
+        self.first, self.rest, self.function, self.metrics, self.started = first, rest, function, metrics, started
+        self.ttft_s = time.perf_counter() - started
+
+    async def __aiter__(self):
+        finished = None
+        try:
+            event = self.first
+            while True:
+                if isinstance(event, m.Finished):
+                    finished = event
+                yield event
+                if finished is not None:
+                    return
+                try:
+                    event = await anext(self.rest)
+                except StopAsyncIteration:
+                    return
+        finally:
+            if finished is None:  # the client went away or the instance failed: stop the generation too
+                await self.rest.aclose()
+            self.metrics.observe(self.function, "succeeded" if finished else "failed", self.ttft_s,
+                                 time.perf_counter() - self.started, finished.completion_tokens if finished else 0)
+
+
+async def start_invocation(service: FunctionService, metrics: GatewayMetrics, who: ApiKeyRecord, name: str,
+                           invocation: InvocationRequest) -> InvocationEvents:
+    started = time.perf_counter()
+    stream = service.invoke(who, name, invocation)
+    try:
+        first = await anext(stream)
+    except LorafaasError as exc:
+        metrics.observe(name, "rejected" if isinstance(exc, ClientError) else "failed")
+        raise
+    return InvocationEvents(first, stream, name, metrics, started)
+
+
+async def _collect(events: InvocationEvents, name: str) -> dict:
+    async for event in events:
+        if isinstance(event, m.Finished):
+            return {"function": name, "text": event.text, "finish_reason": event.finish_reason,
+                    "usage": _usage(event),
+                    "timings": {"ttft_s": round(events.ttft_s, 4), "e2e_s": round(event.e2e_s, 4)}}
+    raise LorafaasError("the instance ended the request without a result")
+
+
+async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            if isinstance(event, m.Token):
+                yield sse({"type": "token", "text": event.text, "token_id": event.token_id})
+            else:
+                yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
+                           "usage": _usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
+    except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
+        yield sse(_error_body(exc), event="error")
+
+
+def sse(document: dict | str, event: str | None = None) -> bytes:
+    data = document if isinstance(document, str) else json.dumps(document, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
+
+
+def _usage(event: m.Finished) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def _require_admin(who: ApiKeyRecord) -> None:
+    if not who.is_admin:
+        raise Forbidden("only the admin key can manage API keys")
+
+
+def _parse_spec(raw: str) -> dict:
+    try:
+        return DeploySpec.model_validate_json(raw).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        raise InvalidInput(f"invalid spec: {_first_problem(exc.errors())}") from exc
+
+
+async def _read_upload(upload: UploadFile) -> bytes:
+    data = await upload.read(MAX_ADAPTER_UPLOAD_BYTES + 1)
+    if len(data) > MAX_ADAPTER_UPLOAD_BYTES:
+        raise InvalidInput(f"the adapter upload exceeds {MAX_ADAPTER_UPLOAD_BYTES} bytes")
+    return data
+
+
+def _first_problem(errors: list[dict]) -> str:
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+
+
+def _error_body(exc: LorafaasError) -> dict:
+    kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
+    return {"error": {"code": exc.code, "message": exc.message, "type": kind}}
+
+
+def _error_response(status: int, code: str, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"code": code, "message": message, "type": kind}}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def lorafaas_error(_: Request, exc: LorafaasError) -> JSONResponse:
+        if exc.http_status >= 500:
+            log.warning("%s: %s", exc.code, exc.message)
+        return _error_response(exc.http_status, exc.code, exc.message)
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error_response(400, "malformed_json", "the request body is not valid JSON")
+        return _error_response(422, "invalid_input", _first_problem(errors))
+
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+
+    handlers: dict[type, Callable[..., Awaitable[JSONResponse]]] = {
+        LorafaasError: lorafaas_error, RequestValidationError: validation_error, HTTPException: http_error,
+    }
+    for exc_class, handler in handlers.items():
+        app.add_exception_handler(exc_class, handler)

@@ -1,0 +1,60 @@
+"""Prometheus metrics: counters and histograms updated per request, gauges read from the node agent at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from lorafaas.function_runtime.memory import read_memory
+from lorafaas.platform.node_agent import NodeAgent
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self, agent: NodeAgent) -> None:
+        self.registry = CollectorRegistry()
+        self.invocations = Counter("lorafaas_invocations", "Invocations by function and outcome",
+                                   ["function", "status"], registry=self.registry)
+        self.ttft = Histogram("lorafaas_ttft_seconds", "Time to first token seen by the gateway", ["function"],
+                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.tpot = Histogram("lorafaas_tpot_seconds", "Time per output token after the first", ["function"],
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=self.registry)
+        self.registry.register(_AgentCollector(agent))
+
+    def observe(self, function: str, status: str, ttft_s: float | None = None, e2e_s: float | None = None,
+                completion_tokens: int = 0) -> None:
+        self.invocations.labels(function, status).inc()
+        if ttft_s is not None:
+            self.ttft.labels(function).observe(ttft_s)
+            if e2e_s is not None and completion_tokens > 1:
+                self.tpot.labels(function).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+
+
+class _AgentCollector:
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+
+    def collect(self):
+        cold = GaugeMetricFamily("lorafaas_cold_starts", "Cold starts by function and kind",
+                                 labels=["function", "kind"])
+        for (function, kind), count in sorted(self.agent.num_cold_starts.items()):
+            cold.add_metric([function, kind], count)
+        instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
+                                      labels=["function", "state"])
+        for (function, state), count in sorted(self.agent.count_by_state().items()):
+            instances.add_metric([function, state], count)
+        memory = GaugeMetricFamily("lorafaas_instance_memory_bytes", "PSS of the function instances by device",
+                                   labels=["device"])
+        per_device: dict[str, int] = {}
+        for pool in self.agent.instances.values():
+            for instance in pool:
+                if instance.pid is not None and instance.state == "ready":
+                    try:
+                        per_device[instance.device] = per_device.get(instance.device, 0) + \
+                            read_memory(instance.pid).pss_bytes
+                    except OSError:  # exited between listing and reading
+                        continue
+        for device, pss in sorted(per_device.items()):
+            memory.add_metric([device], pss)
+        return [cold, instances, memory]

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible API: `model` is the function's name; the official `openai` client works unchanged.
+
+    GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream as SSE chunks ending with [DONE])
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from lorafaas.errors import InvalidInput, LorafaasError
+from lorafaas.function_runtime import messages as m
+from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.schemas import MessageIn, make_request
+from lorafaas.platform.service import FunctionService
+from lorafaas.platform.state.records import ApiKeyRecord
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI parameters are accepted and ignored
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] | str | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def limit(self, default: int) -> int:
+        if self.n != 1:
+            raise InvalidInput(f"n is {self.n}; lorafaas returns one choice per request (n=1)")
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class ChatBody(_OpenAIBody):
+    messages: list[MessageIn]
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: str | list[str]
+
+
+def openai_router(service: FunctionService, metrics: GatewayMetrics,
+                  caller: Callable[..., ApiKeyRecord]) -> APIRouter:
+    from lorafaas.platform.gateway.app import start_invocation
+
+    router = APIRouter(tags=["openai"])
+
+    @router.get("/v1/models")
+    async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
+        return {"object": "list", "data": [
+            {"id": s.name, "object": "model", "created": int(s.created_at), "owned_by": s.tenant}
+            for s in service.list(who)
+        ]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
+        request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
+                               body.seed)
+        events = await start_invocation(service, metrics, who, body.model, request)
+        reply = _Reply("chatcmpl", body.model, chat=True)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(events))
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise InvalidInput(f"prompt holds {len(prompts)} prompts; send one per request")
+        request = make_request(prompts[0], None, body.limit(16), body.temperature, body.top_p, body.stop, body.seed)
+        events = await start_invocation(service, metrics, who, body.model, request)
+        reply = _Reply("cmpl", body.model, chat=False)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(events))
+
+    return router
+
+
+class _Reply:
+    """Shapes one invocation's events as an OpenAI (chat) completion or its stream of chunks."""
+
+    def __init__(self, prefix: str, model: str, chat: bool) -> None:
+        self.id = f"{prefix}-{secrets.token_hex(12)}"
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    async def whole(self, events) -> dict:
+        async for event in events:
+            if isinstance(event, m.Finished):
+                choice = {"index": 0, "finish_reason": _finish(event), "logprobs": None}
+                choice |= {"message": {"role": "assistant", "content": event.text}} if self.chat \
+                    else {"text": event.text}
+                return self._envelope(self.object, [choice]) | {"usage": _usage(event)}
+        raise LorafaasError("the instance ended the request without a result")
+
+    async def stream(self, events, include_usage: bool) -> AsyncIterator[bytes]:
+        from lorafaas.platform.gateway.app import _error_body, sse
+
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            yield sse(self._envelope(chunk_object, [self._delta({"role": "assistant", "content": ""}, None)]))
+        try:
+            async for event in events:
+                if isinstance(event, m.Token) and event.text:
+                    yield sse(self._envelope(chunk_object, [self._delta({"content": event.text}, None, event.text)]))
+                elif isinstance(event, m.Finished):
+                    yield sse(self._envelope(chunk_object, [self._delta({}, _finish(event), "")]))
+                    if include_usage:
+                        yield sse(self._envelope(chunk_object, []) | {"usage": _usage(event)})
+            yield sse("[DONE]")
+        except LorafaasError as exc:
+            yield sse(_error_body(exc))
+
+    def _delta(self, delta: dict, finish_reason: str | None, text: str = "") -> dict:
+        if self.chat:
+            return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _finish(event: m.Finished) -> str:
+    return "length" if event.finish_reason == "length" else "stop"
+
+
+def _usage(event: m.Finished) -> dict:
+    return msgspec.to_builtins({"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+                                "total_tokens": event.prompt_tokens + event.completion_tokens})

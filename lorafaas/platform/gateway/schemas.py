@@ -1,0 +1,60 @@
+"""Request bodies at the HTTP edge (pydantic), converted at once into the internal records."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lorafaas.platform.state.records import ChatMessage, InvocationRequest
+
+
+class MessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(pattern="^(system|user|assistant)$")
+    content: str
+
+
+class InvokeBody(BaseModel):
+    """POST /v1/functions/{name}/invoke"""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0  # greedy by default: the same prompt gives the same answer
+    top_p: float = 1.0
+    stop: list[str] | str | None = None
+    seed: int | None = None
+    stream: bool = False
+
+    def to_request(self) -> InvocationRequest:
+        return make_request(self.prompt, self.messages, self.max_tokens, self.temperature, self.top_p, self.stop,
+                            self.seed)
+
+
+class DeploySpec(BaseModel):
+    """The `spec` form field of POST /v1/functions (and, partially, of PATCH)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    backbone: str | None = None
+    tenant: str | None = None  # admin only: deploy on behalf of a tenant
+    slo_ttft_ms: int | None = None
+    keep_alive_s: float | None = None
+    min_instances: int | None = None
+    max_instances: int | None = None
+    max_tokens_limit: int | None = None
+
+
+class KeyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str
+
+
+def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -> InvocationRequest:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return InvocationRequest(
+        prompt=prompt,
+        messages=[ChatMessage(role=msg.role, content=msg.content) for msg in messages] if messages is not None
+        else None,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
+    )

@@ -1,0 +1,306 @@
+"""The node agent: function instances on this machine, from cold start to scale-to-zero.
+
+It owns the instance table (all mutations happen on the event loop, between awaits, so no locks), and for each
+function: routes requests to the least-loaded ready instance, starts a new one (a cold start from the library pool)
+when all are busy and the function may grow, keeps `min_instances` ready, retires instances idle past their
+keep-alive, restarts crashed ones, and on redeploy starts the new version before draining the old (atomic switch).
+
+Instances are processes started by a `LocalLauncher`; every call to a worker goes through its `WorkerClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from lorafaas.errors import InstanceUnavailable, LorafaasError
+from lorafaas.function_runtime import messages as m
+from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
+from lorafaas.function_runtime.zygote import prepare_backbone
+from lorafaas.platform.state.records import FunctionSpec
+
+log = logging.getLogger(__name__)
+
+InstanceState = Literal["starting", "ready", "draining", "stopped", "crashed"]
+REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    device: str = "cpu"
+    max_batch_size: int = 8
+    num_threads: int = 1
+    reconcile_interval_s: float = 0.5
+    stop_timeout_s: float = 10.0
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    function: str
+    version: int
+    device: str
+    state: InstanceState = "starting"
+    handle: InstanceHandle | None = None
+    client: WorkerClient | None = None
+    in_flight: int = 0
+    started_at: float = field(default_factory=time.time)
+    last_used_s: float = 0.0  # agent clock
+    cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int | None:
+        return self.handle.pid if self.handle else None
+
+    def describe(self) -> dict:
+        return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
+                "version": self.version, "in_flight": self.in_flight, "started_at": self.started_at,
+                "cold_start": dict(self.cold_start)}
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        launcher: LocalLauncher,
+        adapter_path: Callable[[str], Path],
+        config: AgentConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.launcher = launcher
+        self.adapter_path = adapter_path
+        self.config = config or AgentConfig()
+        self.clock = clock
+        self.specs: dict[str, FunctionSpec] = {}
+        self.instances: dict[str, list[Instance]] = {}
+        self.last_cold_start: dict[str, dict[str, float]] = {}
+        self.num_cold_starts: dict[tuple[str, str], int] = {}  # (function, kind) -> count
+        self.num_restarts: dict[str, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._reconciler: asyncio.Task | None = None
+        self._random = random.Random(0)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.launcher.start_zygote)
+        self._reconciler = asyncio.create_task(self._reconcile_forever())
+
+    async def stop(self) -> None:
+        if self._reconciler:
+            self._reconciler.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for instances in self.instances.values():
+            for instance in list(instances):
+                await self._stop_instance(instance)
+        await asyncio.to_thread(self.launcher.close)
+
+    def apply(self, spec: FunctionSpec) -> None:
+        """Adopt a (new version of a) function spec; the reconciler starts, drains and retires instances."""
+        if not any(s.backbone == spec.backbone for s in self.specs.values()):
+            self._spawn(self._prepare_backbone(spec.backbone))
+        previous = self.specs.get(spec.name)
+        self.specs[spec.name] = spec
+        self.instances.setdefault(spec.name, [])
+        if previous is not None and previous.version != spec.version:
+            self._spawn(self._roll(spec))
+        self._spawn(self._reconcile(spec.name))
+
+    async def _prepare_backbone(self, backbone: str) -> None:
+        """The first function on a backbone starts its daemon and puts its tokenizer in the library pool, so that
+        cold starts find the backbone resident."""
+        await asyncio.to_thread(self.launcher.daemon_socket, backbone)
+        await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
+
+    async def remove(self, name: str) -> None:
+        self.specs.pop(name, None)
+        for instance in self.instances.pop(name, []):
+            await self._stop_instance(instance)
+
+    # -- invocation ------------------------------------------------------------------------------------------------
+
+    async def invoke(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
+        """Stream one request's events. A request that fails before its first token is retried once elsewhere."""
+        for attempt in (1, 2):
+            instance = await self._route(spec)
+            instance.in_flight += 1
+            produced = False
+            try:
+                async for event in instance.client.generate(request):
+                    produced = True
+                    yield event
+                return
+            except InstanceUnavailable:
+                if produced or attempt == 2:
+                    raise
+                log.warning("%s: instance %s failed before the first token; retrying", spec.name,
+                            instance.instance_id)
+            finally:
+                instance.in_flight -= 1
+                instance.last_used_s = self.clock()
+
+    async def _route(self, spec: FunctionSpec) -> Instance:
+        pool = self.instances.setdefault(spec.name, [])
+        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
+        ready = [i for i in current if i.state == "ready"]
+        free = [i for i in ready if i.in_flight < self.config.max_batch_size]
+        if free:
+            return self._least_loaded(free)
+        if len(current) < spec.max_instances:
+            kind = "libraries_preloaded"
+            return await self._start_instance(spec, stages=REQUEST_STAGES, kind=kind)
+        starting = [i for i in current if i.state == "starting"]
+        if starting and not ready:
+            await starting[0].ready_event.wait()
+            if starting[0].state == "ready":
+                return starting[0]
+            raise InstanceUnavailable(f"function {spec.name}: its instance failed to start")
+        if not ready:
+            raise InstanceUnavailable(f"function {spec.name} has no instance able to serve")
+        return self._least_loaded(ready)  # every instance is full: queue in the least loaded one's batch
+
+    def _least_loaded(self, instances: list[Instance]) -> Instance:
+        lowest = min(i.in_flight for i in instances)
+        return self._random.choice([i for i in instances if i.in_flight == lowest])
+
+    # -- instances -------------------------------------------------------------------------------------------------
+
+    async def _start_instance(self, spec: FunctionSpec, stages: tuple[m.StageName, ...], kind: str) -> Instance:
+        instance = Instance("(starting)", spec.name, spec.version, self.config.device)
+        self.instances.setdefault(spec.name, []).append(instance)  # counted at once, so bursts respect max
+        started = time.perf_counter()
+        try:
+            worker_spec = await asyncio.to_thread(  # may start the backbone daemon: off the event loop
+                self.launcher.spec, spec.name, spec.backbone, self.adapter_path(spec.adapter_digest),
+                max_batch_size=self.config.max_batch_size, num_threads=self.config.num_threads,
+            )
+            instance.instance_id = worker_spec.instance_id
+            instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
+            instance.cold_start["spawn"] = time.perf_counter() - started
+            instance.client = await instance.handle.connect()
+            for stage in stages:
+                instance.cold_start[stage] = (await instance.client.stage(stage)).seconds
+        except (LorafaasError, OSError) as exc:
+            instance.state = "crashed"
+            instance.ready_event.set()
+            self.instances[spec.name].remove(instance)
+            if instance.handle:
+                await asyncio.to_thread(instance.handle.kill)
+            raise InstanceUnavailable(f"function {spec.name}: starting an instance failed: {exc}") from exc
+        instance.cold_start["total"] = time.perf_counter() - started
+        instance.state = "ready"
+        instance.last_used_s = self.clock()
+        instance.ready_event.set()
+        self.last_cold_start[spec.name] = dict(instance.cold_start)
+        self.num_cold_starts[spec.name, kind] = self.num_cold_starts.get((spec.name, kind), 0) + 1
+        self._spawn(self._watch(instance))
+        log.info("%s: instance %s (pid %s) ready in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
+                 instance.cold_start["total"] * 1e3, kind)
+        return instance
+
+    async def _watch(self, instance: Instance) -> None:
+        await instance.client.wait_closed()
+        if instance.state in ("ready", "starting"):
+            instance.state = "crashed"
+            self.num_restarts[instance.function] = self.num_restarts.get(instance.function, 0) + 1
+            log.warning("%s: instance %s (pid %s) exited unexpectedly", instance.function, instance.instance_id,
+                        instance.pid)
+            pool = self.instances.get(instance.function, [])
+            if instance in pool:
+                pool.remove(instance)
+            if instance.handle:
+                await asyncio.to_thread(instance.handle.kill)
+            if instance.function in self.specs:
+                self._spawn(self._reconcile(instance.function))
+
+    async def _stop_instance(self, instance: Instance) -> None:
+        if instance.state in ("stopped", "crashed"):
+            return
+        instance.state = "stopped"
+        pool = self.instances.get(instance.function, [])
+        if instance in pool:
+            pool.remove(instance)
+        if instance.client is not None:
+            with contextlib.suppress(LorafaasError, OSError):
+                await instance.client.shutdown()
+            await instance.client.close()
+        if instance.handle is not None:
+            await asyncio.to_thread(instance.handle.kill, 15, self.config.stop_timeout_s)
+            with contextlib.suppress(ValueError):
+                self.launcher.instances.remove(instance.handle)
+        log.info("%s: instance %s stopped", instance.function, instance.instance_id)
+
+    # -- reconciliation --------------------------------------------------------------------------------------------
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reconcile_interval_s)
+            for name in list(self.specs):
+                try:
+                    await self._reconcile(name)
+                except LorafaasError as exc:
+                    log.warning("%s: reconcile failed: %s", name, exc.message)
+
+    async def _reconcile(self, name: str) -> None:
+        """min_instances ready (pre-warmed, all artifacts); idle instances past keep-alive retired."""
+        spec = self.specs.get(name)
+        if spec is None:
+            return
+        pool = self.instances.setdefault(name, [])
+        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
+        for _ in range(spec.min_instances - len(current)):
+            await self._start_instance(spec, stages=m.STAGES, kind="prewarm")
+        now = self.clock()
+        idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0
+                       and now - i.last_used_s >= spec.keep_alive_s), key=lambda i: i.last_used_s)
+        for instance in idle[: max(0, len(current) - spec.min_instances)]:
+            log.info("%s: instance %s idle for %.1f s (keep-alive %.1f s): retiring", name, instance.instance_id,
+                     now - instance.last_used_s, spec.keep_alive_s)
+            await self._stop_instance(instance)
+
+    async def _roll(self, spec: FunctionSpec) -> None:
+        """Redeploy: the new version's instance is ready before the old ones drain."""
+        pool = self.instances.get(spec.name, [])
+        old = [i for i in pool if i.version != spec.version]
+        if any(i.state == "ready" for i in old):
+            await self._start_instance(spec, stages=m.STAGES, kind="redeploy")
+        for instance in old:
+            instance.state = "draining"
+        while any(i.in_flight for i in old):
+            await asyncio.sleep(0.05)
+        for instance in old:
+            await self._stop_instance(instance)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+
+    # -- views -------------------------------------------------------------------------------------------------------
+
+    def describe(self, name: str) -> list[dict]:
+        return [i.describe() for i in self.instances.get(name, [])]
+
+    def count_by_state(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for name, pool in self.instances.items():
+            for instance in pool:
+                counts[name, instance.state] = counts.get((name, instance.state), 0) + 1
+        return counts
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        message = exc.message if isinstance(exc, LorafaasError) else repr(exc)
+        log.warning("background task failed: %s", message)

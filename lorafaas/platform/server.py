@@ -1,0 +1,132 @@
+"""`lorafaas up`: the whole local platform in one foreground process.
+
+State store (SQLite under $LORAFAAS_HOME, or Redis), model and adapter stores, the node agent (backbone daemons, the
+library pool, function workers) and the gateway (uvicorn). On start it restores every stored function and resumes
+accepted asynchronous invocations; on SIGTERM/SIGINT it stops every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from lorafaas.errors import InvalidInput
+from lorafaas.function_runtime.launcher import LocalLauncher
+from lorafaas.platform.adapter_store import AdapterStore
+from lorafaas.platform.auth import ensure_admin_key
+from lorafaas.platform.gateway.app import create_app
+from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.node_agent import AgentConfig, NodeAgent
+from lorafaas.platform.service import FunctionService
+from lorafaas.platform.state.interface import open_store, sqlite_url
+
+log = logging.getLogger(__name__)
+EXPIRY_INTERVAL_S = 60.0
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "cpu" or "cuda:N"
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    home: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    devices: tuple[Device, ...] = ()
+    state_url: str | None = None  # default: SQLite in home
+    admin_key: str | None = None  # LORAFAAS_ADMIN_KEY
+    demo: bool = False
+
+
+def parse_devices(text: str) -> tuple[Device, ...]:
+    """`cpu`, `cpu=8G`, `cuda:0` ...; a device without a budget gets 80% of available memory (CPU)."""
+    devices = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, _, budget = item.partition("=")
+        if name != "cpu" and not re.fullmatch(r"cuda:\d+", name):
+            raise InvalidInput(f"device {name!r} is not 'cpu' or 'cuda:N'")
+        devices.append(Device(name, _parse_size(budget) if budget else _default_budget()))
+    if not devices:
+        raise InvalidInput("--devices names no device; use e.g. 'cpu' or 'cpu=8G'")
+    if len(devices) > 1:
+        raise InvalidInput(f"--devices names {len(devices)} devices; a local node agent drives one device for now")
+    return tuple(devices)
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", text.strip().lower())
+    if not match:
+        raise InvalidInput(f"memory budget {text!r} is not a size like 8G or 512M")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+
+
+def _default_budget() -> int:
+    return int(psutil.virtual_memory().available * 0.8)
+
+
+class Platform:
+    """Everything `lorafaas up` runs, built from a ServerConfig (also used by tests to run a platform in-process)."""
+
+    def __init__(self, config: ServerConfig, on_ready=None) -> None:
+        self.config = config
+        self.on_ready = on_ready  # called with (platform, demo function names) once serving
+        home = config.home
+        home.mkdir(parents=True, exist_ok=True)
+        device = (config.devices or (Device("cpu", _default_budget()),))[0]
+        self.store = open_store(config.state_url or sqlite_url(home))
+        self.models = ModelStore(home / "models")
+        self.adapters = AdapterStore(home / "adapters")
+        self.launcher = LocalLauncher(home, device=device.name)
+        self.agent = NodeAgent(self.launcher, self.adapters.path, AgentConfig(device=device.name))
+        self.service = FunctionService(self.store, self.models, self.adapters, self.agent)
+        self.metrics = GatewayMetrics(self.agent)
+        self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
+        self.ready = False
+        self.app = create_app(self.service, self.metrics, lifespan=self._lifespan, is_ready=lambda: self.ready)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app):
+        await self.agent.start()
+        restored = await self.service.restore()
+        log.info("restored %d function(s) from the store", restored)
+        demo_names: list[str] = []
+        if self.config.demo:
+            from lorafaas.platform.demo_functions import deploy_demo_functions
+
+            demo_names = await deploy_demo_functions(self)
+        expiry = asyncio.create_task(self._expire_forever())
+        self.ready = True
+        if self.on_ready is not None:
+            self.on_ready(self, demo_names)
+        try:
+            yield
+        finally:
+            self.ready = False
+            expiry.cancel()
+            await self.agent.stop()
+            self.store.close()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_INTERVAL_S)
+            removed = self.service.expire_invocations()
+            if removed:
+                log.info("removed %d expired invocation record(s)", removed)
+
+
+def run_server(config: ServerConfig, on_ready=None) -> None:
+    import uvicorn
+
+    platform = Platform(config, on_ready)
+    uvicorn.run(platform.app, host=config.host, port=config.port, log_level="warning", access_log=False)

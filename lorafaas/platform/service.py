@@ -1,0 +1,200 @@
+"""The platform's operations, independent of HTTP: deploy, update, delete, list, invoke (sync, streaming, async).
+
+Every operation takes the caller's key record: a tenant sees and touches only its own functions (another tenant's
+function is reported as not found, so names leak nothing); the admin key sees all. Desired state is written to the
+store before the node agent acts on it, so a restarted platform rebuilds everything from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from lorafaas.errors import AlreadyExists, FunctionNotFound, InvocationNotFound, LorafaasError, ServerError
+from lorafaas.function_runtime import messages as m
+from lorafaas.platform.adapter_store import AdapterStore
+from lorafaas.platform.adapter_upload import unpack_adapter
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.node_agent import NodeAgent
+from lorafaas.platform.state.interface import StateStore
+from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, InvocationRequest
+
+log = logging.getLogger(__name__)
+
+INVOCATION_RETENTION_S = 3600.0
+SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit")
+
+
+class FunctionService:
+    def __init__(self, store: StateStore, models: ModelStore, adapters: AdapterStore, agent: NodeAgent) -> None:
+        self.store = store
+        self.models = models
+        self.adapters = adapters
+        self.agent = agent
+        self._background: set[asyncio.Task] = set()
+
+    # -- start-up --------------------------------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Hand every stored function to the agent and resume accepted async invocations; returns #functions."""
+        specs = self.store.list_functions()
+        for spec in specs:
+            self.agent.apply(spec)
+        for record in self.store.list_invocations():
+            if record.status in ("queued", "running"):
+                self._run_in_background(record)
+        return len(specs)
+
+    # -- functions -------------------------------------------------------------------------------------------------
+
+    async def deploy(self, caller: ApiKeyRecord, fields: dict, adapter_archive: bytes) -> FunctionSpec:
+        name = fields.get("name", "")
+        tenant = fields.get("tenant") if caller.is_admin and fields.get("tenant") else caller.tenant
+        now = time.time()
+        spec = FunctionSpec(name=name, tenant=tenant, backbone=fields.get("backbone", ""), adapter_digest="0" * 64,
+                            created_at=now, updated_at=now, **_spec_values(fields)).check()
+        self.models.get(spec.backbone)  # BackboneNotFound before any work
+        if self._exists(spec.name):
+            raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
+                                "--replace`) or delete it first")
+        digest = await self._store_adapter(adapter_archive, spec.backbone)
+        spec = msgspec.structs.replace(spec, adapter_digest=digest)
+        self.store.put_function(spec, create=True)
+        self.agent.apply(spec)
+        log.info("deployed %s (tenant %s, backbone %s, adapter %s)", spec.name, spec.tenant, spec.backbone,
+                 digest[:12])
+        return spec
+
+    async def update(self, caller: ApiKeyRecord, name: str, fields: dict, adapter_archive: bytes | None
+                     ) -> FunctionSpec:
+        """Change a function's settings and/or adapter; a new adapter rolls out atomically."""
+        current = self.get(caller, name)
+        changes = _spec_values(fields)
+        if adapter_archive is not None:
+            changes["adapter_digest"] = await self._store_adapter(adapter_archive, current.backbone)
+        spec = msgspec.structs.replace(current, **changes, version=current.version + 1,
+                                       updated_at=max(time.time(), current.created_at)).check()
+        self.store.put_function(spec, create=False)
+        self.agent.apply(spec)
+        return spec
+
+    def get(self, caller: ApiKeyRecord, name: str) -> FunctionSpec:
+        try:
+            spec = self.store.get_function(name)
+        except FunctionNotFound:
+            spec = None
+        if spec is None or not (caller.is_admin or spec.tenant == caller.tenant):
+            raise FunctionNotFound(f"function {name!r} does not exist")
+        return spec
+
+    def list(self, caller: ApiKeyRecord) -> list[FunctionSpec]:
+        return self.store.list_functions(None if caller.is_admin else caller.tenant)
+
+    async def delete(self, caller: ApiKeyRecord, name: str) -> None:
+        spec = self.get(caller, name)
+        self.store.delete_function(spec.name)
+        await self.agent.remove(spec.name)
+
+    def describe(self, caller: ApiKeyRecord, name: str) -> dict:
+        spec = self.get(caller, name)
+        return {"function": msgspec.to_builtins(spec), "instances": self.agent.describe(spec.name),
+                "last_cold_start": self.agent.last_cold_start.get(spec.name)}
+
+    def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
+        spec = self.get(caller, name)
+        parts = []
+        for path in sorted(self.agent.launcher.log_dir.glob(f"{spec.name}-*.log"), key=lambda p: p.stat().st_mtime):
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - tail_bytes))
+                parts.append(f"==> {path.stem} <==\n" + f.read().decode(errors="replace"))
+        return "\n".join(parts)
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self.store.get_function(name)
+        except FunctionNotFound:
+            return False
+        return True
+
+    async def _store_adapter(self, archive: bytes, backbone: str) -> str:
+        def unpack_and_store() -> str:
+            with tempfile.TemporaryDirectory(prefix="lorafaas-upload-") as scratch:
+                return self.adapters.put(unpack_adapter(archive, Path(scratch)), self.models, backbone)
+
+        return await asyncio.to_thread(unpack_and_store)
+
+    # -- invocations -----------------------------------------------------------------------------------------------
+
+    async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest
+                     ) -> AsyncIterator[m.Token | m.Finished]:
+        spec = self.get(caller, name)
+        request.check(spec.max_tokens_limit)
+        async for event in self.agent.invoke(spec, to_generate(request, secrets.token_hex(8))):
+            yield event
+
+    def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
+        """Accept an asynchronous invocation: stored first (it survives a restart), then run in the background."""
+        spec = self.get(caller, name)
+        request.check(spec.max_tokens_limit)
+        now = time.time()
+        record = InvocationRecord(
+            invocation_id=secrets.token_hex(12), function=spec.name, tenant=spec.tenant, status="queued",
+            request=request, created_at=now, updated_at=now, expires_at=now + INVOCATION_RETENTION_S,
+        )
+        self.store.put_invocation(record)
+        self._run_in_background(record)
+        return record
+
+    def get_invocation(self, caller: ApiKeyRecord, invocation_id: str) -> InvocationRecord:
+        record = self.store.get_invocation(invocation_id)
+        if not (caller.is_admin or record.tenant == caller.tenant):
+            raise InvocationNotFound(f"invocation {invocation_id!r} does not exist")
+        return record
+
+    def _run_in_background(self, record: InvocationRecord) -> None:
+        task = asyncio.create_task(self._run(record))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _run(self, record: InvocationRecord) -> None:
+        self.store.put_invocation(msgspec.structs.replace(record, status="running", updated_at=time.time()))
+        try:
+            spec = self.store.get_function(record.function)
+            finished = None
+            async for event in self.agent.invoke(spec, to_generate(record.request, record.invocation_id)):
+                if isinstance(event, m.Finished):
+                    finished = event
+            if finished is None:
+                raise ServerError("the instance ended the request without a result")
+            done = msgspec.structs.replace(
+                record, status="succeeded", result_text=finished.text, finish_reason=finished.finish_reason,
+                prompt_tokens=finished.prompt_tokens, completion_tokens=finished.completion_tokens,
+                updated_at=time.time(),
+            )
+        except LorafaasError as exc:
+            done = msgspec.structs.replace(record, status="failed", error_code=exc.code, error_message=exc.message,
+                                           updated_at=time.time())
+        self.store.put_invocation(done)
+
+    def expire_invocations(self) -> int:
+        return self.store.delete_expired_invocations(time.time())
+
+
+def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
+    params = m.SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                              stop=tuple(request.stop), seed=request.seed)
+    if request.messages is not None:
+        messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
+        return m.Generate(request_id=request_id, messages=messages, params=params)
+    return m.Generate(request_id=request_id, prompt=request.prompt, params=params)
+
+
+def _spec_values(fields: dict) -> dict:
+    return {key: fields[key] for key in SPEC_FIELDS if fields.get(key) is not None}

@@ -1,0 +1,1 @@
+"""State stores: function specs, invocations and API keys behind one interface (SQLite | Redis)."""
