@@ -19,24 +19,13 @@ from typing import TypeVar
 
 import msgspec
 
-from lorafaas import errors
 from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.config import DaemonConfig
-from lorafaas.errors import DaemonUnavailable, LorafaasError, ProtocolError
+from lorafaas.errors import DaemonUnavailable, ProtocolError
+from lorafaas.wire import encode_frame, error_class, recv_message
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 10.0
-
-
-def _error_classes() -> dict[str, type[LorafaasError]]:
-    classes: dict[str, type[LorafaasError]] = {}
-    pending = [LorafaasError]
-    while pending:
-        cls = pending.pop(0)
-        classes[cls.code] = cls
-        pending.extend(cls.__subclasses__())
-    classes["internal"] = errors.ServerError
-    return classes
 
 
 class DaemonClient:
@@ -92,28 +81,17 @@ class DaemonClient:
 
     def _call(self, request: m.Request, expected: type[T]) -> T:
         try:
-            self._sock.sendall(m.encode_frame(request))
-            length = m.frame_length(self._recv_exactly(m.FRAME_HEADER_BYTES))
-            response = m.response_decoder.decode(self._recv_exactly(length))
-        except (OSError, EOFError) as exc:
+            self._sock.sendall(encode_frame(request))
+            response = recv_message(self._sock, m.response_decoder)
+        except OSError as exc:
             raise DaemonUnavailable(f"the backbone daemon at {self.socket_path} stopped answering: {exc}") from exc
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise ProtocolError(f"the backbone daemon at {self.socket_path} sent a malformed reply: {exc}") from exc
         if isinstance(response, m.ErrorReply):
-            raise _error_classes().get(response.code, errors.ServerError)(response.message)
+            raise error_class(response.code)(response.message)
         if not isinstance(response, expected):
             raise ProtocolError(f"expected {expected.__name__} from the daemon, got {type(response).__name__}")
         return response
-
-    def _recv_exactly(self, n: int) -> bytes:
-        chunks = []
-        while n:
-            chunk = self._sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise EOFError("the connection was closed")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
 
 
 def spawn_daemon(config: DaemonConfig, *, timeout_s: float = 300.0, stderr=None) -> subprocess.Popen:

@@ -19,8 +19,6 @@ import msgspec
 from lorafaas.cuda_ipc.messages import SegmentManifest
 
 PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 16 * 1024 * 1024
-FRAME_HEADER_BYTES = 4
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -118,19 +116,5 @@ class ErrorReply(_Message, tag="error"):
 
 Response = Welcome | Attached | HeartbeatAck | Detached | DaemonStatus | ShuttingDown | ErrorReply
 
-_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
 response_decoder = msgspec.msgpack.Decoder(Response)
-
-
-def encode_frame(message: msgspec.Struct) -> bytes:
-    payload = _encoder.encode(message)
-    return len(payload).to_bytes(FRAME_HEADER_BYTES, "big") + payload
-
-
-def frame_length(header: bytes) -> int:
-    """The payload length announced by a frame header; raises ValueError beyond MAX_FRAME_BYTES."""
-    length = int.from_bytes(header, "big")
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    return length

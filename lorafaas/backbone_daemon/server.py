@@ -31,6 +31,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
 from lorafaas.platform.model_store import ModelStore
+from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
 
@@ -253,10 +254,10 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int:
 
 
 async def _read_request(reader: asyncio.StreamReader) -> m.Request:
-    length = m.frame_length(await reader.readexactly(m.FRAME_HEADER_BYTES))
+    length = frame_length(await reader.readexactly(FRAME_HEADER_BYTES))
     return m.request_decoder.decode(await reader.readexactly(length))
 
 
 async def _send(writer: asyncio.StreamWriter, response: m.Response) -> None:
-    writer.write(m.encode_frame(response))
+    writer.write(encode_frame(response))
     await writer.drain()

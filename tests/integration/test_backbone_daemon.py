@@ -24,6 +24,7 @@ from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, LeaseNotFou
 from lorafaas.function_runtime.reference import load_backbone
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
+from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame
 
 BACKBONE = "tiny-dense"
 READY_TIMEOUT_S = 120.0
@@ -129,8 +130,8 @@ def test_a_client_of_another_protocol_version_is_refused(running) -> None:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(str(config.paths.socket))
-        sock.sendall(m.encode_frame(m.Hello(protocol_version=m.PROTOCOL_VERSION + 1)))
-        reply = m.response_decoder.decode(sock.recv(1 << 16)[m.FRAME_HEADER_BYTES:])
+        sock.sendall(encode_frame(m.Hello(protocol_version=m.PROTOCOL_VERSION + 1)))
+        reply = m.response_decoder.decode(sock.recv(1 << 16)[FRAME_HEADER_BYTES:])
     assert isinstance(reply, m.ErrorReply) and reply.code == "protocol_error"
 
 

@@ -12,6 +12,7 @@ from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
 from lorafaas.backbone_daemon.leases import LeaseTable, process_alive, process_start_ticks
 from lorafaas.cuda_ipc.messages import SegmentManifest, ShmLocation
 from lorafaas.errors import InvalidInput, InvalidName, LeaseNotFound
+from lorafaas.wire import MAX_FRAME_BYTES, encode_frame, frame_length
 
 
 class FakeClock:
@@ -73,15 +74,15 @@ def test_requests_and_responses_round_trip_in_frames() -> None:
     info = m.BackboneInfo(name="b", model_dir="/x", architecture="LlamaForCausalLM", weights_sha256="0" * 64)
     for request in (m.Hello(protocol_version=m.PROTOCOL_VERSION), m.Attach(function="f"), m.Heartbeat(lease_id="l"),
                     m.Detach(lease_id="l"), m.Status(), m.Shutdown(force=True)):
-        frame = m.encode_frame(request)
-        assert m.frame_length(frame[:4]) == len(frame) - 4
+        frame = encode_frame(request)
+        assert frame_length(frame[:4]) == len(frame) - 4
         assert m.request_decoder.decode(frame[4:]) == request
     attached = m.Attached(lease_id="l", manifest=manifest, backbone=info, lease_ttl_s=None)
-    assert m.response_decoder.decode(m.encode_frame(attached)[4:]) == attached
+    assert m.response_decoder.decode(encode_frame(attached)[4:]) == attached
     with pytest.raises(msgspec.ValidationError):
         m.request_decoder.decode(msgspec.msgpack.encode({"type": "attach"}))  # no function
     with pytest.raises(ValueError, match="exceeds"):
-        m.frame_length((m.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+        frame_length((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
 
 
 def test_paths_keep_backbones_apart_and_recognise_their_own_segments(tmp_path) -> None:
