@@ -268,3 +268,21 @@ def test_functions_survive_a_restart(tmp_path, tiny_dense_dir, adapters) -> None
     finally:
         running.stop()
         shutil.rmtree(tmp_path / "adapters", ignore_errors=True)
+
+
+def test_a_platform_on_redis_keeps_its_functions_across_restarts(tmp_path, tiny_dense_dir, adapters,
+                                                                   redis_url) -> None:
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    running = PlatformProcess(tmp_path, extra_args=("--state", redis_url)).start()
+    try:
+        with running.client() as client:
+            deploy(client, "alpha", adapters["alpha"])
+            answer = client.invoke("alpha", chat())["text"]
+        running.stop()
+        assert not (tmp_path / "state.db").exists(), "the state lives in Redis, not in SQLite"
+        running.start()
+        with running.client() as client:
+            assert [f["name"] for f in client.list()] == ["alpha"]
+            assert client.invoke("alpha", chat())["text"] == answer
+    finally:
+        running.stop()
