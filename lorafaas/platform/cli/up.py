@@ -38,7 +38,7 @@ def up(
         err_console.print(f"[green]lorafaas is up[/] at {url} (home {config.home}); Ctrl-C stops it")
         for name in demo_names[:1]:
             key = f"$(cat {config.home}/admin.key)"
-            body = '{"prompt": "Tell me about the ocean.", "stream": true}'
+            body = '{"messages": [{"role": "user", "content": "Tell me about the ocean."}], "stream": true}'
             err_console.print(
                 f"try:\n  lorafaas invoke {name} \"Tell me about the ocean.\"\n"
                 f"  curl -N {url}/v1/functions/{name}/invoke -H \"Authorization: Bearer {key}\" "
