@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from lorafaas.cuda_ipc.layout import check_manifest, tensor_views
+from lorafaas.cuda_ipc.layout import check_manifest, segment_contains, tensor_views
 from lorafaas.cuda_ipc.messages import CudaIpcLocation, SegmentManifest, TensorEntry
 from lorafaas.errors import SegmentError, TransportUnavailable
 
@@ -144,10 +144,7 @@ class CudaAttachment:
         self.tensors = tensor_views(base, manifest.tensors)
 
     def contains(self, tensor) -> bool:
-        if tensor.numel() == 0:
-            return True  # no bytes, nowhere to be
-        start = tensor.data_ptr()
-        return self.base_ptr <= start and start + tensor.numel() * tensor.element_size() <= self.base_ptr + self.size
+        return segment_contains(self.base_ptr, self.size, tensor)
 
     def close(self) -> None:
         """Drop the views and close the handle; tensors still viewing the segment must not be used afterwards."""

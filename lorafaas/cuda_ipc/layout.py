@@ -108,6 +108,14 @@ def check_manifest(manifest: SegmentManifest) -> None:
         raise SegmentError("segment manifest names a tensor twice")
 
 
+def segment_contains(base_ptr: int, size: int, tensor: torch.Tensor) -> bool:
+    """True if all of `tensor`'s bytes lie inside the segment [base_ptr, base_ptr + size)."""
+    if tensor.numel() == 0:
+        return True  # no bytes, nowhere to be
+    start = tensor.data_ptr()
+    return base_ptr <= start and start + tensor.numel() * tensor.element_size() <= base_ptr + size
+
+
 def tensor_views(base: torch.Tensor, entries: Iterable[TensorEntry]) -> dict[str, torch.Tensor]:
     """Views of a flat uint8 tensor (the whole segment) as the tensors of the table; no byte is copied."""
     import torch

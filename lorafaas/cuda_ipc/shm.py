@@ -14,7 +14,7 @@ import os
 import warnings
 from pathlib import Path
 
-from lorafaas.cuda_ipc.layout import check_manifest, tensor_views
+from lorafaas.cuda_ipc.layout import check_manifest, segment_contains, tensor_views
 from lorafaas.cuda_ipc.messages import SegmentManifest, ShmLocation, TensorEntry
 from lorafaas.errors import SegmentError
 
@@ -151,11 +151,7 @@ class ShmAttachment:
         self.tensors = tensor_views(base, manifest.tensors)
 
     def contains(self, tensor) -> bool:
-        """True if all of `tensor`'s bytes lie inside this segment."""
-        if tensor.numel() == 0:
-            return True  # no bytes, nowhere to be
-        start = tensor.data_ptr()
-        return self.base_ptr <= start and start + tensor.numel() * tensor.element_size() <= self.base_ptr + self.size
+        return segment_contains(self.base_ptr, self.size, tensor)
 
     def close(self) -> None:
         """Drop this attachment's views; the mapping goes when the last tensor viewing it is freed."""
