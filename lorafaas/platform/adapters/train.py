@@ -156,6 +156,8 @@ def train_adapter(
     progress.stage(f"saving adapter to {out_dir}")
     peft_model.save_pretrained(out_dir, safe_serialization=True)
     set_base_model(out_dir, manifest.name)
+    for path in out_dir.iterdir():  # safetensors writes 0600; platform processes of other users must read it
+        path.chmod(0o644)
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub says nothing true about this adapter
     record = {
         "backbone": manifest.name,

@@ -13,7 +13,7 @@ err_console = Console(stderr=True)
 
 
 def print_json(document: object) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(document, indent=2, default=str, ensure_ascii=False) + "\n")
 
 
 def human_bytes(num_bytes: float) -> str:
