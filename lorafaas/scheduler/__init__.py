@@ -1,1 +1,73 @@
-"""Pure policy (no I/O, no torch): pre-loading, adaptive batching, offloading, placement, keep-alive."""
+"""Pure policy (no I/O, no torch, no clock): pre-loading, adaptive batching, offloading, placement, keep-alive.
+
+Plain frozen data in (`messages.ClusterView`), decisions out (`messages.Plan` and the policies' decision types);
+times arrive as `now_s` arguments. `Scheduler` bundles the policies for a node agent or the simulator.
+"""
+
+from lorafaas.scheduler.batching import BatchDecision, BatchPolicy, PendingBatch, PrefillModel, order_batches
+from lorafaas.scheduler.config import SchedulerConfig
+from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
+from lorafaas.scheduler.messages import (
+    ArtifactCost,
+    ArtifactCosts,
+    BackboneName,
+    ClusterView,
+    DeviceId,
+    DeviceView,
+    Dispatch,
+    FunctionName,
+    FunctionProfile,
+    InstanceId,
+    InstanceView,
+    Offload,
+    Plan,
+    Preload,
+    QueueView,
+    Residency,
+    SlotId,
+    WorkerSlot,
+)
+from lorafaas.scheduler.offload import OffloadDecision, batch_memory_bytes, plan_offload
+from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy
+from lorafaas.scheduler.preload import PreloadPlan, PreloadPlanner, plan_difference
+from lorafaas.scheduler.rates import RateTracker
+from lorafaas.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "ArtifactCost",
+    "ArtifactCosts",
+    "BackboneName",
+    "BatchDecision",
+    "BatchPolicy",
+    "ClusterView",
+    "DeviceId",
+    "DeviceView",
+    "Dispatch",
+    "FunctionName",
+    "FunctionProfile",
+    "InstanceId",
+    "InstanceView",
+    "KeepAliveDecision",
+    "KeepAlivePolicy",
+    "Offload",
+    "OffloadDecision",
+    "PendingBatch",
+    "PlacementDecision",
+    "PlacementPolicy",
+    "Plan",
+    "PrefillModel",
+    "Preload",
+    "PreloadPlan",
+    "PreloadPlanner",
+    "QueueView",
+    "RateTracker",
+    "Residency",
+    "Scheduler",
+    "SchedulerConfig",
+    "SlotId",
+    "WorkerSlot",
+    "batch_memory_bytes",
+    "order_batches",
+    "plan_difference",
+    "plan_offload",
+]

@@ -111,3 +111,15 @@ def throughput(
         result = run_throughput_bench(config.home, backbone, adapter or _default_adapter(), concurrency, max_tokens,
                                       progress)
     _show(result, as_json, f"throughput on {backbone}")
+
+
+@app.command("scheduler")
+def scheduler(
+    repeats: int = typer.Option(15, "--repeats", min=1, max=200, help="Timed runs of each decision (median)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic views."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Decision times of the pure scheduling policies on synthetic views (pre-load plan, batch, offload)."""
+    from lorafaas.platform.bench_scheduler import run_scheduler_bench
+
+    _show(run_scheduler_bench(repeats, seed), as_json, "scheduler decision times")

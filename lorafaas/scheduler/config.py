@@ -1,0 +1,102 @@
+"""`SchedulerConfig`: every switch and bound of the policies, checked once when it is built.
+
+Each mechanism can be switched off so an evaluation can ablate it:
+    preloading=False          the pre-load plan is empty (nothing is loaded or unloaded ahead of requests)
+    adaptive_batching=False   every queued request is dispatched at once, up to `max_batch_size`, no waiting
+    offloading=False          an arriving batch that does not fit gets a "cannot free" answer, nothing is evicted
+    keep_alive_policy="fixed" every function is kept `fixed_keep_alive_s` after its last request, no pre-warm
+    placement_top_k=1         placement is deterministic (no random tie-break)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+KeepAlivePolicyName = Literal["fixed", "hybrid"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # switches
+    preloading: bool = True
+    adaptive_batching: bool = True
+    offloading: bool = True
+    keep_alive_policy: KeepAlivePolicyName = "hybrid"
+
+    # pre-loading: views with at most this many functions also run the greedy seeded with each of the
+    # `preload_seeds` most valuable closures, keeping the best plan (0 turns it off)
+    preload_seeded_max_functions: int = 32
+    preload_seeds: int = 3
+
+    # arrival rates: exponentially decaying event count with time constant `rate_window_s`
+    rate_window_s: float = 60.0
+    rate_min_horizon_s: float = 1.0  # a rate is never computed over less than this (no 1/0 at the first arrival)
+    rate_change_tolerance: float = 0.25  # relative change of any rate that calls for a new pre-load plan
+
+    # batching: T(b) = T0 + a(b-1), fitted online; priors until two distinct batch sizes are seen
+    max_batch_size: int = 32
+    prior_t0_s: float = 0.05
+    prior_per_request_s: float = 0.01
+    prefill_fit_decay: float = 0.98  # weight kept by past observations at each new one (1.0: plain least squares)
+
+    # offloading
+    offload_to_host: bool = True  # an evicted adapter goes to its worker slot's host memory when it fits there
+
+    # placement
+    placement_top_k: int = 3  # random choice among this many best candidates of the best class
+
+    # keep-alive (Shahrad et al., "Serverless in the Wild", ATC 2020)
+    fixed_keep_alive_s: float = 600.0
+    histogram_bin_s: float = 60.0
+    histogram_range_s: float = 4 * 3600.0
+    head_percentile: float = 5.0
+    tail_percentile: float = 99.0
+    prewarm_margin: float = 0.10  # pre-warm window = head * (1 - margin)
+    keep_alive_margin: float = 0.10  # keep-alive window ends at tail * (1 + margin)
+    min_histogram_samples: int = 10
+    min_histogram_cv: float = 2.0  # CV of the bin counts below this: the histogram is not representative
+    max_out_of_range_fraction: float = 0.5  # more idle times beyond the range than this: fixed fallback
+
+    def __post_init__(self) -> None:
+        positive = ("rate_window_s", "rate_min_horizon_s", "prior_t0_s", "fixed_keep_alive_s", "histogram_bin_s",
+                    "histogram_range_s")
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number > 0")
+        if self.keep_alive_policy not in ("fixed", "hybrid"):
+            raise ValueError(f"SchedulerConfig.keep_alive_policy is {self.keep_alive_policy!r}; "
+                             "choose 'fixed' or 'hybrid'")
+        if self.prior_per_request_s < 0:
+            raise ValueError(f"SchedulerConfig.prior_per_request_s is {self.prior_per_request_s}; must be >= 0")
+        if not 1 <= self.max_batch_size <= 4096:
+            raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
+        if not 0 < self.prefill_fit_decay <= 1:
+            raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
+        if self.rate_change_tolerance <= 0:
+            raise ValueError(f"SchedulerConfig.rate_change_tolerance is {self.rate_change_tolerance}; must be > 0")
+        if self.preload_seeded_max_functions < 0 or self.preload_seeds < 0:
+            raise ValueError("SchedulerConfig: preload_seeded_max_functions and preload_seeds must be >= 0")
+        if self.placement_top_k < 1:
+            raise ValueError(f"SchedulerConfig.placement_top_k is {self.placement_top_k}; must be >= 1 "
+                             "(1 turns the random tie-break off)")
+        if not 0 <= self.head_percentile < self.tail_percentile <= 100:
+            raise ValueError(f"SchedulerConfig percentiles: need 0 <= head ({self.head_percentile}) < tail "
+                             f"({self.tail_percentile}) <= 100")
+        for name in ("prewarm_margin", "keep_alive_margin", "max_out_of_range_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"SchedulerConfig.{name} is {getattr(self, name)}; must be in [0, 1]")
+        if self.histogram_range_s < self.histogram_bin_s:
+            raise ValueError(f"SchedulerConfig.histogram_range_s ({self.histogram_range_s}) is shorter than one bin "
+                             f"(histogram_bin_s = {self.histogram_bin_s})")
+        if self.histogram_range_s / self.histogram_bin_s > 100_000:
+            raise ValueError(f"SchedulerConfig: {self.histogram_range_s / self.histogram_bin_s:.0f} histogram bins; "
+                             "at most 100000 (widen histogram_bin_s or shorten histogram_range_s)")
+        if self.min_histogram_samples < 1 or self.min_histogram_cv < 0:
+            raise ValueError("SchedulerConfig: min_histogram_samples must be >= 1 and min_histogram_cv >= 0")
+
+    @property
+    def num_histogram_bins(self) -> int:
+        return math.ceil(self.histogram_range_s / self.histogram_bin_s - 1e-9)

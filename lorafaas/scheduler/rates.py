@@ -1,0 +1,82 @@
+"""Online arrival rates per function: an exponentially decaying event count over an injected clock.
+
+    c(t)      = sum over arrivals t_k <= t of exp(-(t - t_k) / tau)           (kept as one number per function)
+    rate(t)   = c(t) / (tau * (1 - exp(-max(t - t_first, h) / tau)))
+
+For a Poisson stream of rate lambda started at t_first, E[c(t)] = lambda * tau * (1 - exp(-(t - t_first) / tau)),
+so the estimate is unbiased from the first arrival on (h, `rate_min_horizon_s`, only avoids dividing by zero) and
+forgets the past with time constant tau (`rate_window_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from lorafaas.scheduler.config import SchedulerConfig
+from lorafaas.scheduler.messages import ClusterView, FunctionName
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    count: float
+    last_s: float
+    first_s: float
+
+
+class RateTracker:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self._streams: dict[FunctionName, _Stream] = {}
+        self._planned: dict[FunctionName, float] = {}
+
+    def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
+        stream = self._streams.get(function)
+        if stream is None:
+            self._streams[function] = _Stream(float(count), now_s, now_s)
+            return
+        if now_s > stream.last_s:  # arrivals reported slightly out of order count as simultaneous
+            stream.count *= math.exp(-(now_s - stream.last_s) / self.config.rate_window_s)
+            stream.last_s = now_s
+        stream.count += count
+
+    def rate(self, function: FunctionName, now_s: float) -> float | None:
+        """Arrivals per second, or None for a function never seen."""
+        stream = self._streams.get(function)
+        if stream is None:
+            return None
+        tau = self.config.rate_window_s
+        decayed = stream.count * math.exp(-max(0.0, now_s - stream.last_s) / tau)
+        horizon = max(now_s - stream.first_s, self.config.rate_min_horizon_s)
+        return decayed / (tau * -math.expm1(-horizon / tau))
+
+    def rates(self, now_s: float) -> dict[FunctionName, float]:
+        return {f: self.rate(f, now_s) or 0.0 for f in self._streams}
+
+    def forget(self, function: FunctionName) -> None:
+        self._streams.pop(function, None)
+        self._planned.pop(function, None)
+
+    def apply(self, view: ClusterView, now_s: float) -> ClusterView:
+        """The view with each profile's arrival rate replaced by the estimate (functions never seen keep theirs)."""
+        functions = dict(view.functions)
+        for name, profile in view.functions.items():
+            estimate = self.rate(name, now_s)
+            if estimate is not None and estimate != profile.arrival_rate_per_s:
+                functions[name] = dataclasses.replace(profile, arrival_rate_per_s=estimate)
+        return dataclasses.replace(view, functions=functions)
+
+    def mark_planned(self, now_s: float) -> None:
+        """Remember the rates a plan was made with (see `changed_since_plan`)."""
+        self._planned = self.rates(now_s)
+
+    def changed_since_plan(self, now_s: float) -> bool:
+        """Has any rate moved by more than `rate_change_tolerance` (relative) since `mark_planned`? Rates below one
+        arrival per window are compared as one arrival per window, so that noise on idle functions does not count."""
+        floor = 1.0 / self.config.rate_window_s
+        tolerance = self.config.rate_change_tolerance
+        for function, rate in self.rates(now_s).items():
+            before = max(self._planned.get(function, 0.0), floor)
+            if abs(max(rate, floor) - before) > tolerance * before:
+                return True
+        return False

@@ -1,0 +1,98 @@
+"""`Scheduler`: the one object a node agent (or the simulator) drives; it owns the policies' learned state.
+
+    observe_arrival / observe_prefill / observe_idle   feed what happened (times from the caller's clock)
+    plan(view, now_s) -> Plan                          periodic: pre-load actions and the batches to dispatch now
+    should_replan(now_s)                               an arrival rate moved beyond tolerance since the last plan
+    decide_batch(...)                                  one function's fill-or-expire decision, on each arrival
+    make_room(view, device, needed_bytes)              offloading for an arriving batch
+    place(function, view)                              which instance or device a request or instance goes to
+    keep_alive(function)                               pre-warm and keep-alive windows after an invocation
+
+The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.offloads`, `plan.preloads`, `plan.dispatches`
+in order, then feed what it observed. Nothing here performs I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lorafaas.scheduler.batching import BatchDecision, BatchPolicy, PendingBatch, order_batches
+from lorafaas.scheduler.config import SchedulerConfig
+from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
+from lorafaas.scheduler.messages import ClusterView, DeviceId, FunctionName, Plan
+from lorafaas.scheduler.offload import OffloadDecision, plan_offload
+from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy
+from lorafaas.scheduler.preload import PreloadPlanner
+from lorafaas.scheduler.rates import RateTracker
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None, rng: random.Random | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.rates = RateTracker(self.config)
+        self.preloader = PreloadPlanner(self.config)
+        self.placement = PlacementPolicy(self.config, rng if rng is not None else random.Random(0))
+        self.keep_alives = KeepAlivePolicy(self.config)
+        self._batching: dict[FunctionName, BatchPolicy] = {}
+
+    # -- observations ------------------------------------------------------------------------------------------
+
+    def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
+        self.rates.observe_arrival(function, now_s, count)
+
+    def observe_prefill(self, function: FunctionName, slo_ttft_s: float, batch_size: int, prefill_s: float) -> None:
+        self.batch_policy(function, slo_ttft_s).observe(batch_size, prefill_s)
+
+    def observe_idle(self, function: FunctionName, idle_s: float) -> None:
+        self.keep_alives.observe_idle(function, idle_s)
+
+    def forget(self, function: FunctionName) -> None:
+        """A deleted function: drop what was learned about it."""
+        self.rates.forget(function)
+        self.keep_alives.forget(function)
+        self._batching.pop(function, None)
+
+    # -- decisions ---------------------------------------------------------------------------------------------
+
+    def plan(self, view: ClusterView, now_s: float) -> Plan:
+        """Pre-load actions from `view.resident` to the knapsack's target (rates: the online estimates where a
+        function has had arrivals, the profile's otherwise) and the queued batches to dispatch now, by margin."""
+        rated = self.rates.apply(view, now_s)
+        preload = self.preloader.plan(rated, now_s)
+        self.rates.mark_planned(now_s)
+        pending: list[PendingBatch] = []
+        for queue in view.queues:
+            profile = view.functions.get(queue.function)
+            if profile is None:
+                continue
+            policy = self.batch_policy(queue.function, profile.slo_ttft_s)
+            decision = policy.decide(queue.queue_len, queue.oldest_wait_s, now_s)
+            if decision.dispatch:
+                pending.append(PendingBatch(queue.function, queue.device, decision.size, queue.oldest_wait_s,
+                                            profile.slo_ttft_s, policy.model.predict_s(decision.size)))
+        return Plan(offloads=preload.offloads, preloads=preload.preloads, dispatches=tuple(order_batches(pending)),
+                    target=preload.target)
+
+    def should_replan(self, now_s: float) -> bool:
+        return self.rates.changed_since_plan(now_s)
+
+    def batch_policy(self, function: FunctionName, slo_ttft_s: float) -> BatchPolicy:
+        """The function's policy; a changed SLO keeps the fitted prefill model."""
+        policy = self._batching.get(function)
+        if policy is None or policy.slo_ttft_s != slo_ttft_s:
+            policy = BatchPolicy(self.config, slo_ttft_s, policy.model if policy is not None else None)
+            self._batching[function] = policy
+        return policy
+
+    def decide_batch(self, function: FunctionName, slo_ttft_s: float, queue_len: int, oldest_wait_s: float,
+                     now_s: float) -> BatchDecision:
+        return self.batch_policy(function, slo_ttft_s).decide(queue_len, oldest_wait_s, now_s)
+
+    def make_room(self, view: ClusterView, device: DeviceId, needed_bytes: int) -> OffloadDecision:
+        return plan_offload(view, device, needed_bytes, self.config)
+
+    def place(self, function: FunctionName, view: ClusterView) -> PlacementDecision | None:
+        return self.placement.place(function, view)
+
+    def keep_alive(self, function: FunctionName) -> KeepAliveDecision:
+        return self.keep_alives.decide(function)

@@ -1,0 +1,86 @@
+"""Keep-alive: fixed, and the hybrid histogram of Shahrad et al. on synthetic idle-time distributions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lorafaas.scheduler import KeepAlivePolicy, SchedulerConfig
+
+MIN = 60.0
+
+
+def policy_with(idle_times_s, **config) -> KeepAlivePolicy:
+    policy = KeepAlivePolicy(SchedulerConfig(**config))
+    for idle_s in idle_times_s:
+        policy.observe_idle("f", idle_s)
+    return policy
+
+
+def test_fixed_policy_ignores_history() -> None:
+    decision = policy_with([10 * MIN + 5] * 50, keep_alive_policy="fixed", fixed_keep_alive_s=300).decide("f")
+    assert (decision.prewarm_s, decision.keep_alive_s, decision.reason) == (0.0, 300, "fixed")
+
+
+def test_concentrated_idle_times_give_prewarm_and_keepalive() -> None:
+    # 100 idle times in [10, 11) minutes: head = 600 s (bin 10's lower edge), tail = 660 s (its upper edge)
+    rng = random.Random(1)
+    decision = policy_with([10 * MIN + rng.uniform(0, 59) for _ in range(100)]).decide("f")
+    assert decision.reason == "histogram"
+    assert decision.prewarm_s == pytest.approx(600 * 0.9)  # 5th percentile minus 10%
+    assert decision.keep_alive_s == pytest.approx(660 * 1.1 - 540)  # 99th percentile plus 10%, after the pre-warm
+
+
+def test_two_modes() -> None:
+    # 50 at ~5 min and 50 at ~30 min: 5th percentile in bin 5 (300 s), 99th in bin 30 (up to 1860 s)
+    idle = [5 * MIN + 1] * 50 + [30 * MIN + 1] * 50
+    decision = policy_with(idle).decide("f")
+    assert decision.reason == "histogram"
+    assert decision.prewarm_s == pytest.approx(270)
+    assert decision.keep_alive_s == pytest.approx(1860 * 1.1 - 270)
+
+
+def test_short_idle_times_keep_the_instance_loaded() -> None:
+    decision = policy_with([5.0] * 30).decide("f")  # all in the first bin: no pre-warm gap, keep it 66 s
+    assert decision.prewarm_s == 0.0 and decision.keep_alive_s == pytest.approx(66.0)
+
+
+def test_too_few_samples_fall_back() -> None:
+    decision = policy_with([10 * MIN] * 9, fixed_keep_alive_s=123).decide("f")
+    assert (decision.keep_alive_s, decision.reason) == (123, "fixed:few_samples")
+    assert KeepAlivePolicy().decide("never-seen").reason == "fixed:few_samples"
+
+
+def test_flat_histogram_is_not_representative() -> None:
+    # one idle time per minute bin over the whole 4 h range: CV of the bin counts is 0
+    decision = policy_with([k * MIN + 30 for k in range(240)]).decide("f")
+    assert decision.reason == "fixed:flat"
+
+
+def test_mostly_out_of_range_falls_back() -> None:
+    idle = [5 * 3600.0] * 60 + [10 * MIN] * 40  # 60% beyond 4 h
+    decision = policy_with(idle).decide("f")
+    assert decision.reason == "fixed:out_of_range"
+    assert policy_with(idle, max_out_of_range_fraction=0.7).decide("f").reason == "histogram"
+
+
+def test_bin_width_and_range_are_configurable() -> None:
+    # 10 s bins over 10 minutes: idle times of ~35 s land in bin 3: head 30 s, tail 40 s
+    decision = policy_with([35.0] * 20, histogram_bin_s=10, histogram_range_s=600).decide("f")
+    assert decision.prewarm_s == pytest.approx(27.0)
+    assert decision.keep_alive_s == pytest.approx(44.0 - 27.0)
+    histogram = policy_with([35.0] * 20, histogram_bin_s=10, histogram_range_s=600).histogram("f")
+    assert len(histogram.counts) == 60 and histogram.counts[3] == 20
+
+
+def test_decision_follows_new_observations_and_forget() -> None:
+    policy = policy_with([10 * MIN + 1] * 20)
+    assert policy.decide("f").reason == "histogram"
+    for _ in range(30):
+        policy.observe_idle("f", 9 * 3600.0)
+    assert policy.decide("f").reason == "fixed:out_of_range"
+    policy.forget("f")
+    assert policy.decide("f").reason == "fixed:few_samples"
+    with pytest.raises(ValueError, match="idle time"):
+        policy.observe_idle("f", -1.0)

@@ -1,0 +1,64 @@
+"""Online arrival rates over an injected clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from scheduler_builders import fn, view
+
+from lorafaas.scheduler import RateTracker, SchedulerConfig
+
+
+def poisson(tracker: RateTracker, function: str, rate: float, start_s: float, end_s: float, seed: int = 0) -> float:
+    rng, t = random.Random(seed), start_s
+    while True:
+        t += rng.expovariate(rate)
+        if t > end_s:
+            return end_s
+        tracker.observe_arrival(function, t)
+
+
+def test_steady_rate_is_estimated() -> None:
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60))
+    now = poisson(tracker, "f", 2.0, 0.0, 600.0)
+    assert tracker.rate("f", now) == pytest.approx(2.0, rel=0.25)
+
+
+def test_unbiased_from_the_start() -> None:
+    # deterministic arrivals every 0.5 s for 10 s: without the start-up correction the estimate would be ~0.3/s
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60))
+    for k in range(20):
+        tracker.observe_arrival("f", 0.5 * k)
+    assert tracker.rate("f", 10.0) == pytest.approx(2.0, rel=0.1)
+
+
+def test_rate_decays_when_arrivals_stop() -> None:
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60))
+    for k in range(2400):  # 2/s for 20 minutes
+        tracker.observe_arrival("f", 0.5 * k)
+    at_stop = tracker.rate("f", 1200.0)
+    assert tracker.rate("f", 1200.0 + 60 * math.log(2)) == pytest.approx(at_stop / 2, rel=1e-3)
+    assert tracker.rate("never", 0.0) is None
+
+
+def test_apply_replaces_rates_of_observed_functions_only() -> None:
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60))
+    for k in range(20):
+        tracker.observe_arrival("a", 0.5 * k)
+    rated = tracker.apply(view([fn("a", rate=9.0), fn("b", rate=7.0)]), 10.0)
+    assert rated.functions["a"].arrival_rate_per_s == pytest.approx(2.0, rel=0.1)
+    assert rated.functions["b"].arrival_rate_per_s == 7.0
+
+
+def test_replan_only_on_a_real_change() -> None:
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60, rate_change_tolerance=0.25))
+    now = poisson(tracker, "f", 2.0, 0.0, 600.0, seed=1)
+    tracker.mark_planned(now)
+    assert not tracker.changed_since_plan(now + 0.5)
+    now = poisson(tracker, "f", 8.0, now, now + 60.0, seed=2)  # the rate quadruples
+    assert tracker.changed_since_plan(now)
+    tracker.mark_planned(now)
+    tracker.forget("f")
+    assert not tracker.changed_since_plan(now)

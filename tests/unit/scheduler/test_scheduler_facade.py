@@ -1,0 +1,100 @@
+"""The `Scheduler` a node agent drives, its configuration, and the package's purity."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+from scheduler_builders import fn, res, view
+from typer.testing import CliRunner
+
+import lorafaas.scheduler
+from lorafaas.scheduler import QueueView, Scheduler, SchedulerConfig
+
+
+def test_plan_uses_online_rates_and_orders_dispatches() -> None:
+    scheduler = Scheduler(SchedulerConfig(), random.Random(0))
+    # a is busy (estimated from arrivals), b's profile says 5/s but it was never seen: b keeps its rate
+    for k in range(40):
+        scheduler.observe_arrival("a", 0.25 * k)
+    for size, seconds in ((1, 0.10), (5, 0.18)):
+        scheduler.observe_prefill("a", 0.5, size, seconds)
+    v = view([fn("a", slo_s=0.5, warmup=None), fn("b", rate=5.0, slo_s=0.3, warmup=None)],
+             devices=[("d0", 100, 0)], slots=[("s0", 100, 0, None), ("s1", 100, 0, None)])
+    queued = [QueueView("a", "d0", 30, 0.0), QueueView("b", "d0", 1, 0.29), QueueView("a", "d1", 1, 0.0)]
+    plan = scheduler.plan(dataclasses.replace(v, queues=tuple(queued)), now_s=10.0)
+    assert {p.function for p in plan.preloads} == {"a", "b"}
+    # a: T(b) = 0.10 + 0.02 (b-1), B = 21, its 30 queued fill a batch; b: priors T(1) = 0.05, d = 0.3 - 0.05 = 0.25
+    # and its request has waited 0.29: expired; a's single request on d1 may wait 0.5 - 0.10 = 0.4 more.
+    # M = 2 on d0: margin a = 0.5 - (0 + 2 * T(21) = 1.0) = -0.5, margin b = 0.3 - (0.29 + 2 * 0.05) = -0.09
+    assert [(d.function, d.device, d.size) for d in plan.dispatches] == [("a", "d0", 21), ("b", "d0", 1)]
+    assert [d.margin_s for d in plan.dispatches] == pytest.approx([-0.5, -0.09])
+    assert not scheduler.should_replan(10.0)
+    for k in range(200):
+        scheduler.observe_arrival("a", 10.0 + 0.02 * k)  # 50/s now
+    assert scheduler.should_replan(14.0)
+
+
+def test_decisions_route_to_the_policies() -> None:
+    scheduler = Scheduler(SchedulerConfig(fixed_keep_alive_s=42))
+    decision = scheduler.decide_batch("f", 0.5, queue_len=1, oldest_wait_s=0.0, now_s=0.0)
+    assert not decision.dispatch
+    policy = scheduler.batch_policy("f", 0.5)
+    scheduler.observe_prefill("f", 0.8, 1, 0.1)  # the SLO changed: same fitted model, new B
+    assert scheduler.batch_policy("f", 0.8).model is policy.model
+    loaded = view([fn("f")], devices=[("d0", 12, 0)], resident=[res("f", "backbone", "device", "d0"),
+                                                               res("f", "adapter", "device", "d0")])
+    assert scheduler.make_room(loaded, "d0", 2).satisfied
+    assert scheduler.place("f", loaded).kind == "backbone"
+    assert scheduler.keep_alive("f").keep_alive_s == 42
+    for _ in range(20):
+        scheduler.observe_idle("f", 61.0)
+    assert scheduler.keep_alive("f").reason == "histogram"
+    scheduler.forget("f")
+    assert scheduler.keep_alive("f").reason == "fixed:few_samples"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_batch_size", 0, "max_batch_size"),
+    ("rate_window_s", 0.0, "rate_window_s"),
+    ("prefill_fit_decay", 1.5, "prefill_fit_decay"),
+    ("keep_alive_policy", "arima", "'fixed' or 'hybrid'"),
+    ("placement_top_k", 0, "placement_top_k"),
+    ("head_percentile", 99.5, "percentiles"),
+    ("histogram_range_s", 30.0, "shorter than one bin"),
+    ("prewarm_margin", 2.0, "prewarm_margin"),
+])
+def test_config_bounds_name_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**{field: value})
+
+
+ALLOWED = {"__future__", "bisect", "heapq", "math", "random", "dataclasses", "typing", "collections",
+           "collections.abc"}
+
+
+def test_the_scheduler_package_stays_pure() -> None:
+    """Only the standard library's data and math modules and the package itself: no I/O, clocks, torch, platform."""
+    package = Path(lorafaas.scheduler.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name in ALLOWED or name.startswith("lorafaas.scheduler"), f"{path.name} imports {name}"
+
+
+def test_bench_scheduler_command_prints_the_four_figures() -> None:
+    from lorafaas.platform.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "scheduler", "--json", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert set(figures) == {"preload_plan_ms_100x8", "preload_plan_ms_1000x16", "batch_decision_us",
+                            "offload_decision_ms"}
+    assert all(value > 0 for value in figures.values())
