@@ -18,6 +18,8 @@
     │   │   ├── PromptTooLong
     │   │   ├── PickledWeightsRefused
     │   │   ├── MalformedModel
+    │   │   ├── TraceMalformed        a trace file's header or row is not in its format (file and line named)
+    │   │   ├── ClusterInvalid        a simulator cluster description lacks a field or is out of bounds
     │   │   └── AdapterInvalid        the adapter's own files are broken
     │   │       └── AdapterIncompatible   well-formed, but not for this backbone
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
@@ -184,3 +186,11 @@ class Forbidden(ClientError):
 class StoreUnavailable(ServerError):
     code = "store_unavailable"
     http_status = 503
+
+
+class TraceMalformed(InvalidInput):
+    code = "trace_malformed"
+
+
+class ClusterInvalid(InvalidInput):
+    code = "cluster_invalid"
