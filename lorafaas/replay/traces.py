@@ -173,7 +173,8 @@ def iter_2019_durations(path: Path | str) -> Iterator[FunctionDurations]:
     for row in it:
         rows.check_width(row, len(header))
         v = [rows.number(row, header, i) for i in range(3, 3 + len(_DURATION_COLUMNS))]
-        percentiles = {int(name.rsplit("_", 1)[1]): value for name, value in zip(_DURATION_COLUMNS[4:], v[4:], strict=True)}
+        percentiles = {int(name.rsplit("_", 1)[1]): value
+                       for name, value in zip(_DURATION_COLUMNS[4:], v[4:], strict=True)}
         yield FunctionDurations(row[0], row[1], row[2], v[0], int(v[1]), v[2], v[3], percentiles)
 
 
@@ -188,7 +189,8 @@ def iter_2019_memory(path: Path | str) -> Iterator[AppMemory]:
     for row in it:
         rows.check_width(row, len(header))
         v = [rows.number(row, header, i) for i in range(first, len(header))]
-        percentiles = {int(name.rsplit("pct", 1)[1]): value for name, value in zip(_MEMORY_COLUMNS[2:], v[2:], strict=True)}
+        percentiles = {int(name.rsplit("pct", 1)[1]): value
+                       for name, value in zip(_MEMORY_COLUMNS[2:], v[2:], strict=True)}
         yield AppMemory(row[0], row[1], row[2] if has_function else None, int(v[0]), v[1], percentiles)
 
 
