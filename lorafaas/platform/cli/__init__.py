@@ -11,7 +11,7 @@ from rich.markup import escape
 from lorafaas import __version__
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
-from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, up
+from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, replay, up
 from lorafaas.platform.cli.output import err_console
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ app.command("logs")(functions.logs)
 app.command("scale")(functions.scale)
 app.command("delete")(functions.delete)
 app.add_typer(functions.keys_app, name="keys")
+app.command("replay")(replay.replay)
 
 
 def _show_version(value: bool) -> None:
