@@ -25,7 +25,9 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
 from lorafaas.function_runtime.zygote import prepare_backbone
+from lorafaas.platform.admission import Admission
 from lorafaas.platform.state.records import FunctionSpec
+from lorafaas.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
 @dataclass(frozen=True)
 class AgentConfig:
     device: str = "cpu"
-    max_batch_size: int = 8
+    max_batch_size: int = 8  # per instance: the worker's batch capacity
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
     reconcile_interval_s: float = 0.5
     stop_timeout_s: float = 10.0
@@ -87,6 +90,9 @@ class NodeAgent:
         self._tasks: set[asyncio.Task] = set()
         self._reconciler: asyncio.Task | None = None
         self._random = random.Random(0)
+        self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
+        self.admission = Admission(self.scheduler, self.clock, self._acquire)
+        self._last_end: dict[str, float] = {}  # when each function last became idle (agent clock)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -129,14 +135,19 @@ class NodeAgent:
     # -- invocation ------------------------------------------------------------------------------------------------
 
     async def invoke(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
-        """Stream one request's events. A request that fails before its first token is retried once elsewhere."""
+        """Stream one request's events. It waits in the function's queue until the batch policy dispatches it; a
+        request that fails before its first token is retried once elsewhere."""
+        self._observe_arrival(spec.name)
         for attempt in (1, 2):
-            instance = await self._route(spec)
-            instance.in_flight += 1
+            admitted = await self.admission.admit(spec)
+            instance, dispatched = admitted.instance, self.clock()
             produced = False
             try:
                 async for event in instance.client.generate(request):
-                    produced = True
+                    if not produced:
+                        produced = True
+                        self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, admitted.batch_size,
+                                                       self.clock() - dispatched)
                     yield event
                 return
             except InstanceUnavailable:
@@ -147,26 +158,38 @@ class NodeAgent:
             finally:
                 instance.in_flight -= 1
                 instance.last_used_s = self.clock()
+                self._observe_end(spec.name)
+                self.admission.wake(spec.name)
 
-    async def _route(self, spec: FunctionSpec) -> Instance:
+    def _observe_arrival(self, name: str) -> None:
+        now = self.clock()
+        self.scheduler.observe_arrival(name, now)
+        if name in self._last_end and not self._in_flight(name):  # an idle period ends: keep-alive histogram
+            self.scheduler.observe_idle(name, now - self._last_end[name])
+
+    def _observe_end(self, name: str) -> None:
+        if not self._in_flight(name):
+            self._last_end[name] = self.clock()
+
+    def _in_flight(self, name: str) -> int:
+        return sum(i.in_flight for i in self.instances.get(name, []))
+
+    async def _acquire(self, spec: FunctionSpec, cap: int) -> Instance | None:
+        """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
+        if the function may grow; None when all are full."""
         pool = self.instances.setdefault(spec.name, [])
         current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
-        ready = [i for i in current if i.state == "ready"]
-        free = [i for i in ready if i.in_flight < self.config.max_batch_size]
+        free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)
         if len(current) < spec.max_instances:
-            kind = "libraries_preloaded"
-            return await self._start_instance(spec, stages=REQUEST_STAGES, kind=kind)
+            return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
         starting = [i for i in current if i.state == "starting"]
-        if starting and not ready:
+        if starting:
             await starting[0].ready_event.wait()
-            if starting[0].state == "ready":
+            if starting[0].state == "ready" and starting[0].in_flight < cap:
                 return starting[0]
-            raise InstanceUnavailable(f"function {spec.name}: its instance failed to start")
-        if not ready:
-            raise InstanceUnavailable(f"function {spec.name} has no instance able to serve")
-        return self._least_loaded(ready)  # every instance is full: queue in the least loaded one's batch
+        return None
 
     def _least_loaded(self, instances: list[Instance]) -> Instance:
         lowest = min(i.in_flight for i in instances)
@@ -259,13 +282,21 @@ class NodeAgent:
         current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
         for _ in range(spec.min_instances - len(current)):
             await self._start_instance(spec, stages=m.STAGES, kind="prewarm")
-        now = self.clock()
+        now, keep_alive_s = self.clock(), self.keep_alive_s(spec)
         idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0
-                       and now - i.last_used_s >= spec.keep_alive_s), key=lambda i: i.last_used_s)
+                       and now - i.last_used_s >= keep_alive_s), key=lambda i: i.last_used_s)
         for instance in idle[: max(0, len(current) - spec.min_instances)]:
             log.info("%s: instance %s idle for %.1f s (keep-alive %.1f s): retiring", name, instance.instance_id,
-                     now - instance.last_used_s, spec.keep_alive_s)
+                     now - instance.last_used_s, keep_alive_s)
             await self._stop_instance(instance)
+
+    def keep_alive_s(self, spec: FunctionSpec) -> float:
+        """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""
+        if self.config.scheduler.keep_alive_policy == "hybrid":
+            decision = self.scheduler.keep_alive(spec.name)
+            if decision.reason == "histogram":
+                return decision.prewarm_s + decision.keep_alive_s
+        return spec.keep_alive_s
 
     async def _roll(self, spec: FunctionSpec) -> None:
         """Redeploy: the new version's instance is ready before the old ones drain."""
