@@ -39,6 +39,7 @@ REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
 class AgentConfig:
     device: str = "cpu"
     max_batch_size: int = 8  # per instance: the worker's batch capacity
+    device_budget_bytes: int = 8 * 1024**3
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
     reconcile_interval_s: float = 0.5

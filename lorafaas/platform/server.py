@@ -26,6 +26,7 @@ from lorafaas.platform.model_store import ModelStore
 from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.interface import open_store, sqlite_url
+from lorafaas.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 EXPIRY_INTERVAL_S = 60.0
@@ -47,6 +48,23 @@ class ServerConfig:
     state_url: str | None = None  # default: SQLite in home
     admin_key: str | None = None  # LORAFAAS_ADMIN_KEY
     demo: bool = False
+    policy: str = "lorafaas"  # or an ablation: see POLICIES
+
+
+# The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
+POLICIES = {
+    "lorafaas": SchedulerConfig(max_batch_size=8),
+    "no-preload": SchedulerConfig(max_batch_size=8, preloading=False),
+    "no-offload": SchedulerConfig(max_batch_size=8, offloading=False),
+    "fixed-batch": SchedulerConfig(max_batch_size=1, adaptive_batching=False),
+    "fixed-keep-alive": SchedulerConfig(max_batch_size=8, keep_alive_policy="fixed"),
+}
+
+
+def scheduler_config(policy: str) -> SchedulerConfig:
+    if policy not in POLICIES:
+        raise InvalidInput(f"policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+    return POLICIES[policy]
 
 
 def parse_devices(text: str) -> tuple[Device, ...]:
@@ -88,7 +106,9 @@ class Platform:
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")
         self.launcher = LocalLauncher(home, device=device.name)
-        self.agent = NodeAgent(self.launcher, self.adapters.path, AgentConfig(device=device.name))
+        agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
+                                   scheduler=scheduler_config(config.policy))
+        self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config)
         self.service = FunctionService(self.store, self.models, self.adapters, self.agent)
         self.metrics = GatewayMetrics(self.agent)
         self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)

@@ -123,3 +123,31 @@ def scheduler(
     from lorafaas.platform.bench_scheduler import run_scheduler_bench
 
     _show(run_scheduler_bench(repeats, seed), as_json, "scheduler decision times")
+
+
+@app.command("batching")
+def batching(
+    ctx: typer.Context,
+    bursts: int = typer.Option(3, "--bursts", min=1, max=50),
+    burst_size: int = typer.Option(24, "--burst-size", min=1, max=500),
+    gap_s: float = typer.Option(5.0, "--gap", min=0.0, help="Seconds between bursts."),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, max=512),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Bursty load on the demo functions: adaptive batching vs batch size 1, each on a fresh platform."""
+    from lorafaas.platform.bench_batching import run_batching_bench
+    from lorafaas.platform.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_batching_bench(ModelStore(config.models_dir), bursts, burst_size, gap_s, max_tokens,
+                                    progress=progress)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("policy", "requests/s", "TTFT SLO met", "mean TTFT", "p99 TTFT", "errors",
+                  title=f"{bursts} bursts of {burst_size} requests, SLO {result.slo_ttft_ms} ms")
+    for policy, row in result.policies.items():
+        table.add_row(policy, f"{row.requests_per_s:.2f}", f"{row.ttft_slo_attainment:.0%}",
+                      f"{row.mean_ttft_s * 1e3:.0f} ms", f"{row.p99_ttft_s * 1e3:.0f} ms", str(row.errors))
+    console.print(table)

@@ -19,6 +19,9 @@ def up(
     state_url: str | None = typer.Option(None, "--state", envvar="LORAFAAS_STATE_URL",
                                          help="redis://host:port/db for a shared store (default: SQLite in home)."),
     demo: bool = typer.Option(False, "--demo", help="Import smollm2-135m and deploy the demo functions if absent."),
+    policy: str = typer.Option("lorafaas", "--policy",
+                               help="Scheduler mechanisms: lorafaas (all), or an ablation: no-preload, no-offload, "
+                                    "fixed-batch, fixed-keep-alive."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, run_server
@@ -27,7 +30,7 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
-        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo,
+        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy,
     )
     url = f"http://{host}:{port}"
 

@@ -1,0 +1,94 @@
+"""The agent's admission queue releases requests as the scheduler's batch policy decides (fill-or-expire)."""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from lorafaas.platform.admission import Admission
+from lorafaas.platform.state.records import FunctionSpec
+from lorafaas.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class Slot:
+    """Stands in for an instance: the admission only reads and bumps `in_flight`."""
+
+    in_flight: int = 0
+
+
+def spec(slo_ttft_ms: int = 1000) -> FunctionSpec:
+    return FunctionSpec(name="fn", tenant="t", backbone="b", adapter_digest="0" * 64, slo_ttft_ms=slo_ttft_ms,
+                        created_at=0.0, updated_at=0.0)
+
+
+def admission(config: SchedulerConfig, slot: Slot) -> Admission:
+    async def acquire(_spec: FunctionSpec, cap: int):
+        return slot if slot.in_flight < cap else None
+
+    return Admission(Scheduler(config), time.monotonic, acquire)
+
+
+def test_a_full_batch_is_released_at_once_to_one_instance() -> None:
+    slot = Slot()
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=8), slot)
+        return await asyncio.gather(*(gate.admit(spec()) for _ in range(8)))
+
+    admitted = asyncio.run(scenario())
+    assert [a.batch_size for a in admitted] == [8] * 8
+    assert slot.in_flight == 8
+
+
+def test_a_partial_batch_waits_for_its_deadline_then_goes() -> None:
+    slot = Slot()
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=8, prior_t0_s=0.05, prior_per_request_s=0.01), slot)
+        started = time.monotonic()
+        admitted = await asyncio.gather(gate.admit(spec(slo_ttft_ms=300)), gate.admit(spec(slo_ttft_ms=300)))
+        return admitted, time.monotonic() - started
+
+    admitted, waited = asyncio.run(scenario())
+    assert [a.batch_size for a in admitted] == [2, 2]
+    assert waited >= 0.2, "d = SLO - T(2) = 0.3 - 0.06 s: the batch waits for more requests first"
+
+
+def test_fixed_batch_of_one_keeps_one_request_in_flight_in_arrival_order() -> None:
+    slot = Slot()
+    order: list[int] = []
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=1, adaptive_batching=False), slot)
+
+        async def request(i: int) -> None:
+            admitted = await gate.admit(spec())
+            assert slot.in_flight == 1 and admitted.batch_size == 1
+            order.append(i)
+            await asyncio.sleep(0.01)
+            slot.in_flight -= 1
+            gate.wake("fn")
+
+        await asyncio.gather(*(request(i) for i in range(4)))
+
+    asyncio.run(scenario())
+    assert order == [0, 1, 2, 3]
+    assert slot.in_flight == 0
+
+
+def test_a_cancelled_caller_leaves_the_queue_without_taking_a_place() -> None:
+    slot = Slot(in_flight=1)  # full: nothing can be released yet
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=1, adaptive_batching=False), slot)
+        waiting = asyncio.create_task(gate.admit(spec()))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.01)
+        slot.in_flight = 0
+        gate.wake("fn")
+        admitted = await asyncio.wait_for(gate.admit(spec()), 5)
+        return admitted
+
+    admitted = asyncio.run(scenario())
+    assert admitted.batch_size == 1 and slot.in_flight == 1
