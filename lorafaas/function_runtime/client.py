@@ -88,13 +88,18 @@ class WorkerClient:
         return await self._call(m.GetStats(), m.Stats)
 
     async def shutdown(self) -> None:
-        self._writer.write(encode_frame(m.Shutdown()))
-        await self._writer.drain()
+        await self._send(m.Shutdown())
+
+    async def _send(self, request: msgspec.Struct) -> None:
+        try:
+            self._writer.write(encode_frame(request))
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise InstanceUnavailable(f"function worker {self.hello.instance_id} went away: {exc}") from exc
 
     async def _call(self, request: msgspec.Struct, expected: type):
         async with self._control:
-            self._writer.write(encode_frame(request))
-            await self._writer.drain()
+            await self._send(request)
             reply = await self._control_replies.get()
         if reply is _END:
             raise InstanceUnavailable(f"function worker {self.hello.instance_id} closed the connection")
@@ -112,8 +117,7 @@ class WorkerClient:
         self._streams[request.request_id] = queue
         finished = False
         try:
-            self._writer.write(encode_frame(request))
-            await self._writer.drain()
+            await self._send(request)
             while True:
                 event = await queue.get()
                 if event is _END:
@@ -133,8 +137,7 @@ class WorkerClient:
                 self._writer.write(encode_frame(m.Cancel(request.request_id)))
 
     async def cancel(self, request_id: str) -> None:
-        self._writer.write(encode_frame(m.Cancel(request_id)))
-        await self._writer.drain()
+        await self._send(m.Cancel(request_id))
 
     async def _read_replies(self) -> None:
         try:

@@ -111,6 +111,25 @@ class LocalLauncher:
                 self._daemons[backbone] = (spawn_daemon(config, stderr=log_file), config.paths.socket)
         return config.paths.socket
 
+    def running_backbones(self) -> list[str]:
+        """Backbones whose daemon runs on this launcher's device (started here or found running)."""
+        return [b for b, (process, _) in self._daemons.items() if process.poll() is None] + sorted(self._borrowed)
+
+    def stop_daemon(self, backbone: str) -> bool:
+        """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise."""
+        with self._lock:
+            entry = self._daemons.pop(backbone, None)
+        if entry is None:
+            return False
+        process, socket_path = entry
+        try:
+            stop_daemon(process, socket_path, force=True)
+        except Exception:  # stopping must not fail the caller: kill it
+            log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
+            process.kill()
+            process.wait()
+        return True
+
     def start_zygote(self) -> None:
         with self._lock:
             self._start_zygote()
@@ -168,11 +187,13 @@ class LocalLauncher:
                 self._zygote.kill()
                 self._zygote.wait()
             self._zygote = None
-        for process, socket_path in self._daemons.values():
+        with self._lock:
+            daemons = list(self._daemons.values())
+            self._daemons.clear()
+        for process, socket_path in daemons:
             try:
                 stop_daemon(process, socket_path, force=True)
             except Exception:  # a daemon that will not answer is killed; close() must not leave processes behind
                 log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
                 process.kill()
                 process.wait()
-        self._daemons.clear()

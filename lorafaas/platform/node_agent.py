@@ -24,8 +24,9 @@ from lorafaas.errors import InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
-from lorafaas.function_runtime.zygote import prepare_backbone
+from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
+from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import Scheduler, SchedulerConfig
 
@@ -43,6 +44,7 @@ class AgentConfig:
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
     reconcile_interval_s: float = 0.5
+    plan_interval_s: float = 5.0
     stop_timeout_s: float = 10.0
 
 
@@ -59,6 +61,7 @@ class Instance:
     started_at: float = field(default_factory=time.time)
     last_used_s: float = 0.0  # agent clock
     cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
+    loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -68,7 +71,7 @@ class Instance:
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
                 "version": self.version, "in_flight": self.in_flight, "started_at": self.started_at,
-                "cold_start": dict(self.cold_start)}
+                "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start)}
 
 
 class NodeAgent:
@@ -93,12 +96,18 @@ class NodeAgent:
         self._random = random.Random(0)
         self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
         self.admission = Admission(self.scheduler, self.clock, self._acquire)
+        self.policy = AgentScheduler(self)
+        self.in_flight_tokens: dict[str, int] = {}  # estimated tokens of the requests running, per function
+        self.library_import_s: float | None = None
+        self._last_plan_s = -1e9
         self._last_end: dict[str, float] = {}  # when each function last became idle (agent clock)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await asyncio.to_thread(self.launcher.start_zygote)
+        status = await asyncio.to_thread(zygote_status, self.launcher.zygote_socket)
+        self.library_import_s = status.import_s
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
     async def stop(self) -> None:
@@ -113,8 +122,8 @@ class NodeAgent:
 
     def apply(self, spec: FunctionSpec) -> None:
         """Adopt a (new version of a) function spec; the reconciler starts, drains and retires instances."""
-        if not any(s.backbone == spec.backbone for s in self.specs.values()):
-            self._spawn(self._prepare_backbone(spec.backbone))
+        if self.config.scheduler.preloading and not any(s.backbone == spec.backbone for s in self.specs.values()):
+            self._spawn(self.prepare_backbone(spec.backbone))
         previous = self.specs.get(spec.name)
         self.specs[spec.name] = spec
         self.instances.setdefault(spec.name, [])
@@ -122,14 +131,18 @@ class NodeAgent:
             self._spawn(self._roll(spec))
         self._spawn(self._reconcile(spec.name))
 
-    async def _prepare_backbone(self, backbone: str) -> None:
-        """The first function on a backbone starts its daemon and puts its tokenizer in the library pool, so that
-        cold starts find the backbone resident."""
-        await asyncio.to_thread(self.launcher.daemon_socket, backbone)
+    async def prepare_backbone(self, backbone: str) -> None:
+        """Make the backbone resident: its daemon running and its tokenizer in the library pool, so that cold starts
+        find it loaded (a pre-load; with pre-loading on, the first function on a backbone does it too)."""
+        if backbone not in self.launcher.running_backbones():
+            started = time.perf_counter()
+            await asyncio.to_thread(self.launcher.daemon_socket, backbone)
+            self.policy.record_daemon_start(backbone, time.perf_counter() - started)
         await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
 
     async def remove(self, name: str) -> None:
         self.specs.pop(name, None)
+        self.scheduler.forget(name)
         for instance in self.instances.pop(name, []):
             await self._stop_instance(instance)
 
@@ -143,10 +156,19 @@ class NodeAgent:
             admitted = await self.admission.admit(spec)
             instance, dispatched = admitted.instance, self.clock()
             produced = False
+            tokens = self.policy.request_tokens(request)
+            if self.config.scheduler.offloading:
+                try:
+                    await self.policy.make_room(spec, tokens)
+                except BaseException:
+                    self._release(spec.name, instance)
+                    raise
+            self.in_flight_tokens[spec.name] = self.in_flight_tokens.get(spec.name, 0) + tokens
             try:
                 async for event in instance.client.generate(request):
                     if not produced:
                         produced = True
+                        instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, admitted.batch_size,
                                                        self.clock() - dispatched)
                     yield event
@@ -157,10 +179,15 @@ class NodeAgent:
                 log.warning("%s: instance %s failed before the first token; retrying", spec.name,
                             instance.instance_id)
             finally:
-                instance.in_flight -= 1
-                instance.last_used_s = self.clock()
-                self._observe_end(spec.name)
-                self.admission.wake(spec.name)
+                self.in_flight_tokens[spec.name] = max(0, self.in_flight_tokens.get(spec.name, 0) - tokens)
+                self._release(spec.name, instance)
+
+    def _release(self, name: str, instance: Instance) -> None:
+        """A request admitted to `instance` is over."""
+        instance.in_flight -= 1
+        instance.last_used_s = self.clock()
+        self._observe_end(name)
+        self.admission.wake(name)
 
     def _observe_arrival(self, name: str) -> None:
         now = self.clock()
@@ -213,6 +240,7 @@ class NodeAgent:
             instance.client = await instance.handle.connect()
             for stage in stages:
                 instance.cold_start[stage] = (await instance.client.stage(stage)).seconds
+                instance.loaded.add(stage)
         except (LorafaasError, OSError) as exc:
             instance.state = "crashed"
             instance.ready_event.set()
@@ -225,6 +253,7 @@ class NodeAgent:
         instance.last_used_s = self.clock()
         instance.ready_event.set()
         self.last_cold_start[spec.name] = dict(instance.cold_start)
+        self.policy.record_cold_start(spec, instance.cold_start)
         self.num_cold_starts[spec.name, kind] = self.num_cold_starts.get((spec.name, kind), 0) + 1
         self._spawn(self._watch(instance))
         log.info("%s: instance %s (pid %s) ready in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
@@ -245,6 +274,9 @@ class NodeAgent:
                 await asyncio.to_thread(instance.handle.kill)
             if instance.function in self.specs:
                 self._spawn(self._reconcile(instance.function))
+
+    async def stop_instance(self, instance: Instance) -> None:
+        await self._stop_instance(instance)
 
     async def _stop_instance(self, instance: Instance) -> None:
         if instance.state in ("stopped", "crashed"):
@@ -273,6 +305,24 @@ class NodeAgent:
                     await self._reconcile(name)
                 except LorafaasError as exc:
                     log.warning("%s: reconcile failed: %s", name, exc.message)
+            try:
+                await self._plan_artifacts()
+            except LorafaasError as exc:
+                log.warning("pre-load plan failed: %s", exc.message)
+
+    async def _plan_artifacts(self) -> None:
+        """Pre-loading on: apply the knapsack's plan when rates moved (or every plan_interval_s). Off: nothing is
+        kept ahead of requests, so a backbone no instance uses is unloaded."""
+        now = self.clock()
+        if self.config.scheduler.preloading:
+            if self.scheduler.should_replan(now) or now - self._last_plan_s >= self.config.plan_interval_s:
+                self._last_plan_s = now
+                await self.policy.apply_plan(now)
+            return
+        in_use = {self.specs[n].backbone for n, pool in self.instances.items() if pool and n in self.specs}
+        for backbone in self.launcher.running_backbones():
+            if backbone not in in_use:
+                await asyncio.to_thread(self.launcher.stop_daemon, backbone)
 
     async def _reconcile(self, name: str) -> None:
         """min_instances ready (pre-warmed, all artifacts); idle instances past keep-alive retired."""
@@ -322,6 +372,9 @@ class NodeAgent:
 
     def describe(self, name: str) -> list[dict]:
         return [i.describe() for i in self.instances.get(name, [])]
+
+    def offloaded(self, name: str) -> list[dict]:
+        return self.policy.describe(name)
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         counts: dict[tuple[str, str], int] = {}

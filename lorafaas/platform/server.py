@@ -51,11 +51,11 @@ class ServerConfig:
     policy: str = "lorafaas"  # or an ablation: see POLICIES
 
 
-# The scheduler's mechanisms the node agent applies, all on ("lorafaas") or one switched off, for evaluations (same
-# names as the simulator). Pre-loading and offloading plans are not applied by the agent yet, so their ablations
-# are not offered here.
+# The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
 POLICIES = {
     "lorafaas": SchedulerConfig(max_batch_size=8),
+    "no-preload": SchedulerConfig(max_batch_size=8, preloading=False),
+    "no-offload": SchedulerConfig(max_batch_size=8, offloading=False),
     "fixed-batch": SchedulerConfig(max_batch_size=1, adaptive_batching=False),
     "fixed-keep-alive": SchedulerConfig(max_batch_size=8, keep_alive_policy="fixed"),
 }

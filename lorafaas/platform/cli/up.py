@@ -20,8 +20,8 @@ def up(
                                          help="redis://host:port/db for a shared store (default: SQLite in home)."),
     demo: bool = typer.Option(False, "--demo", help="Import smollm2-135m and deploy the demo functions if absent."),
     policy: str = typer.Option("lorafaas", "--policy",
-                               help="Scheduler mechanisms: lorafaas (all), or an ablation: fixed-batch (batch size 1), "
-                                    "fixed-keep-alive (no idle-time histogram)."),
+                               help="Scheduler mechanisms: lorafaas (all), or an ablation: no-preload, no-offload, "
+                                    "fixed-batch (batch size 1), fixed-keep-alive (no idle-time histogram)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, run_server
