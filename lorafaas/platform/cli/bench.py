@@ -135,7 +135,7 @@ def batching(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Bursty load on the demo functions: adaptive batching vs batch size 1, each on a fresh platform."""
-    from lorafaas.platform.bench_batching import run_batching_bench
+    from lorafaas.platform.bench_live import run_batching_bench
     from lorafaas.platform.model_store import ModelStore
 
     config: LorafaasConfig = ctx.obj
@@ -151,3 +151,20 @@ def batching(
         table.add_row(policy, f"{row.requests_per_s:.2f}", f"{row.ttft_slo_attainment:.0%}",
                       f"{row.mean_ttft_s * 1e3:.0f} ms", f"{row.p99_ttft_s * 1e3:.0f} ms", str(row.errors))
     console.print(table)
+
+
+@app.command("preload")
+def preload(
+    ctx: typer.Context,
+    rounds: int = typer.Option(2, "--rounds", min=1, max=20, help="Cold invocations of each demo function."),
+    keep_alive_s: float = typer.Option(2.0, "--keep-alive", min=0.5, max=60.0),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Cold invocations with pre-loading on and off, each on a fresh platform."""
+    from lorafaas.platform.bench_live import run_preload_bench
+    from lorafaas.platform.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_preload_bench(ModelStore(config.models_dir), rounds, keep_alive_s, progress)
+    _show(result, as_json, "cold invocations, pre-loading on (lorafaas) and off (no-preload)")
