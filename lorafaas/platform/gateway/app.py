@@ -6,9 +6,7 @@ Every failure is a JSON body `{"error": {"code", "message", "type"}}` with a 4xx
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -20,13 +18,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from lorafaas import __version__
-from lorafaas.errors import ClientError, Forbidden, InvalidInput, LorafaasError
+from lorafaas.errors import Forbidden, InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
+from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
-from lorafaas.platform.state.records import ApiKeyRecord, InvocationRequest
+from lorafaas.platform.state.records import ApiKeyRecord
 
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
@@ -130,51 +129,11 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     return app
 
 
-class InvocationEvents:
-    """A started invocation: its first event already received (so errors before it became HTTP errors)."""
-
-    def __init__(self, first, rest: AsyncIterator, function: str, metrics: GatewayMetrics, started: float) -> None:
-        self.first, self.rest, self.function, self.metrics, self.started = first, rest, function, metrics, started
-        self.ttft_s = time.perf_counter() - started
-
-    async def __aiter__(self):
-        finished = None
-        try:
-            event = self.first
-            while True:
-                if isinstance(event, m.Finished):
-                    finished = event
-                yield event
-                if finished is not None:
-                    return
-                try:
-                    event = await anext(self.rest)
-                except StopAsyncIteration:
-                    return
-        finally:
-            if finished is None:  # the client went away or the instance failed: stop the generation too
-                await self.rest.aclose()
-            self.metrics.observe(self.function, "succeeded" if finished else "failed", self.ttft_s,
-                                 time.perf_counter() - self.started, finished.completion_tokens if finished else 0)
-
-
-async def start_invocation(service: FunctionService, metrics: GatewayMetrics, who: ApiKeyRecord, name: str,
-                           invocation: InvocationRequest) -> InvocationEvents:
-    started = time.perf_counter()
-    stream = service.invoke(who, name, invocation)
-    try:
-        first = await anext(stream)
-    except LorafaasError as exc:
-        metrics.observe(name, "rejected" if isinstance(exc, ClientError) else "failed")
-        raise
-    return InvocationEvents(first, stream, name, metrics, started)
-
-
 async def _collect(events: InvocationEvents, name: str) -> dict:
     async for event in events:
         if isinstance(event, m.Finished):
             return {"function": name, "text": event.text, "finish_reason": event.finish_reason,
-                    "usage": _usage(event),
+                    "usage": usage(event),
                     "timings": {"ttft_s": round(events.ttft_s, 4), "e2e_s": round(event.e2e_s, 4)}}
     raise LorafaasError("the instance ended the request without a result")
 
@@ -186,19 +145,9 @@ async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
                 yield sse({"type": "token", "text": event.text, "token_id": event.token_id})
             else:
                 yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
-                           "usage": _usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
+                           "usage": usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
     except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
-        yield sse(_error_body(exc), event="error")
-
-
-def sse(document: dict | str, event: str | None = None) -> bytes:
-    data = document if isinstance(document, str) else json.dumps(document, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
-
-
-def _usage(event: m.Finished) -> dict:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+        yield sse(error_body(exc), event="error")
 
 
 def _require_admin(who: ApiKeyRecord) -> None:
@@ -226,11 +175,6 @@ def _first_problem(errors: list[dict]) -> str:
     first = errors[0]
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-
-
-def _error_body(exc: LorafaasError) -> dict:
-    kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
-    return {"error": {"code": exc.code, "message": exc.message, "type": kind}}
 
 
 def _error_response(status: int, code: str, message: str) -> JSONResponse:

@@ -9,7 +9,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-import msgspec
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -18,6 +17,7 @@ from lorafaas.errors import InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.schemas import MessageIn, make_request
+from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
 
@@ -55,9 +55,16 @@ class CompletionBody(_OpenAIBody):
 
 def openai_router(service: FunctionService, metrics: GatewayMetrics,
                   caller: Callable[..., ApiKeyRecord]) -> APIRouter:
-    from lorafaas.platform.gateway.app import start_invocation
-
     router = APIRouter(tags=["openai"])
+
+    async def respond(body: _OpenAIBody, request, chat: bool, who: ApiKeyRecord) -> Response:
+        """Run the invocation and shape it as a (chat) completion, or as its stream of chunks."""
+        events = await start_invocation(service, metrics, who, body.model, request)
+        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(events))
 
     @router.get("/v1/models")
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
@@ -70,12 +77,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
                                body.seed)
-        events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Reply("chatcmpl", body.model, chat=True)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(events))
+        return await respond(body, request, chat=True, who=who)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
@@ -83,12 +85,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
         if len(prompts) != 1:
             raise InvalidInput(f"prompt holds {len(prompts)} prompts; send one per request")
         request = make_request(prompts[0], None, body.limit(16), body.temperature, body.top_p, body.stop, body.seed)
-        events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Reply("cmpl", body.model, chat=False)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(events))
+        return await respond(body, request, chat=False, who=who)
 
     return router
 
@@ -109,12 +106,10 @@ class _Reply:
                 choice = {"index": 0, "finish_reason": _finish(event), "logprobs": None}
                 choice |= {"message": {"role": "assistant", "content": event.text}} if self.chat \
                     else {"text": event.text}
-                return self._envelope(self.object, [choice]) | {"usage": _usage(event)}
+                return self._envelope(self.object, [choice]) | {"usage": usage(event)}
         raise LorafaasError("the instance ended the request without a result")
 
     async def stream(self, events, include_usage: bool) -> AsyncIterator[bytes]:
-        from lorafaas.platform.gateway.app import _error_body, sse
-
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
             yield sse(self._envelope(chunk_object, [self._delta({"role": "assistant", "content": ""}, None)]))
@@ -125,10 +120,10 @@ class _Reply:
                 elif isinstance(event, m.Finished):
                     yield sse(self._envelope(chunk_object, [self._delta({}, _finish(event), "")]))
                     if include_usage:
-                        yield sse(self._envelope(chunk_object, []) | {"usage": _usage(event)})
+                        yield sse(self._envelope(chunk_object, []) | {"usage": usage(event)})
             yield sse("[DONE]")
         except LorafaasError as exc:
-            yield sse(_error_body(exc))
+            yield sse(error_body(exc))
 
     def _delta(self, delta: dict, finish_reason: str | None, text: str = "") -> dict:
         if self.chat:
@@ -141,8 +136,3 @@ class _Reply:
 
 def _finish(event: m.Finished) -> str:
     return "length" if event.finish_reason == "length" else "stop"
-
-
-def _usage(event: m.Finished) -> dict:
-    return msgspec.to_builtins({"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                                "total_tokens": event.prompt_tokens + event.completion_tokens})

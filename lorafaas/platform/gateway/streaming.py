@@ -1,0 +1,71 @@
+"""A started invocation as the HTTP layer streams it: its events, SSE framing, usage and error bodies.
+
+Shared by lorafaas' own API and the OpenAI-compatible one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from lorafaas.errors import ClientError, LorafaasError
+from lorafaas.function_runtime import messages as m
+from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.service import FunctionService
+from lorafaas.platform.state.records import ApiKeyRecord, InvocationRequest
+
+
+class InvocationEvents:
+    """A started invocation: its first event already received (so errors before it became HTTP errors)."""
+
+    def __init__(self, first, rest: AsyncIterator, function: str, metrics: GatewayMetrics, started: float) -> None:
+        self.first, self.rest, self.function, self.metrics, self.started = first, rest, function, metrics, started
+        self.ttft_s = time.perf_counter() - started
+
+    async def __aiter__(self):
+        finished = None
+        try:
+            event = self.first
+            while True:
+                if isinstance(event, m.Finished):
+                    finished = event
+                yield event
+                if finished is not None:
+                    return
+                try:
+                    event = await anext(self.rest)
+                except StopAsyncIteration:
+                    return
+        finally:
+            if finished is None:  # the client went away or the instance failed: stop the generation too
+                await self.rest.aclose()
+            self.metrics.observe(self.function, "succeeded" if finished else "failed", self.ttft_s,
+                                 time.perf_counter() - self.started, finished.completion_tokens if finished else 0)
+
+
+async def start_invocation(service: FunctionService, metrics: GatewayMetrics, who: ApiKeyRecord, name: str,
+                           invocation: InvocationRequest) -> InvocationEvents:
+    started = time.perf_counter()
+    stream = service.invoke(who, name, invocation)
+    try:
+        first = await anext(stream)
+    except LorafaasError as exc:
+        metrics.observe(name, "rejected" if isinstance(exc, ClientError) else "failed")
+        raise
+    return InvocationEvents(first, stream, name, metrics, started)
+
+
+def sse(document: dict | str, event: str | None = None) -> bytes:
+    data = document if isinstance(document, str) else json.dumps(document, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
+
+
+def usage(event: m.Finished) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def error_body(exc: LorafaasError) -> dict:
+    kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
+    return {"error": {"code": exc.code, "message": exc.message, "type": kind}}
