@@ -11,6 +11,7 @@ between steps.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class StepOutput:
     full_text: str = ""  # set when finished
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prefill_s: float | None = None  # on a request's first token: its prefill's forward time
 
 
 @dataclass
@@ -165,8 +167,11 @@ class GenerationEngine:
 
     def _admit(self, seq: _Sequence) -> list[StepOutput]:
         ids = torch.tensor([seq.prompt_ids])
+        started = self.clock()
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-        output = self._emit(seq, next_token(out.logits[0, -1, :], seq.params, seq.generator))
+        prefill_s = self.clock() - started
+        output = dataclasses.replace(self._emit(seq, next_token(out.logits[0, -1, :], seq.params, seq.generator)),
+                                     prefill_s=prefill_s)
         if output.finish_reason is None:
             self._join(seq, out.past_key_values, len(seq.prompt_ids), output.token_id)
         return [output]

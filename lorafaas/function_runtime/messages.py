@@ -121,6 +121,7 @@ class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
     request_id: str
     token_id: int
     text: str  # the new text this token completes (may be empty while a multi-byte character is pending)
+    prefill_s: float | None = None  # on the first token: the prefill's forward time (feeds the batching model)
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):

@@ -176,7 +176,8 @@ class WorkerServer:
                     continue
                 if out.token_id is not None:
                     route.first_token_s = route.first_token_s or now
-                    self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text))
+                    self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text,
+                                                     prefill_s=out.prefill_s))
                 if out.finish_reason is not None:
                     del self._routes[out.request_id]
                     route.connection.request_ids.discard(out.request_id)

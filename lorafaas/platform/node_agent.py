@@ -169,8 +169,7 @@ class NodeAgent:
                     if not produced:
                         produced = True
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
-                        self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, admitted.batch_size,
-                                                       self.clock() - dispatched)
+                        self._observe_prefill(spec, admitted.batch_size, event, self.clock() - dispatched)
                     yield event
                 return
             except InstanceUnavailable:
@@ -188,6 +187,14 @@ class NodeAgent:
         instance.last_used_s = self.clock()
         self._observe_end(name)
         self.admission.wake(name)
+
+    def _observe_prefill(self, spec: FunctionSpec, batch_size: int, first: m.Token | m.Finished,
+                         waited_s: float) -> None:
+        """T(b) for the batching model: the worker prefills a batch's requests one after another, so a batch of b
+        has its last first token after b prefills (measured by the worker: queueing and contention excluded)."""
+        prefill_s = getattr(first, "prefill_s", None)
+        seconds = prefill_s * batch_size if prefill_s is not None else waited_s
+        self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, batch_size, seconds)
 
     def _observe_arrival(self, name: str) -> None:
         now = self.clock()
