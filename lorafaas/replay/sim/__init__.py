@@ -1,0 +1,1 @@
+"""The discrete-event cluster simulator: cluster specs, cost model, policies, engine, runner."""

@@ -1,0 +1,194 @@
+"""Cluster descriptions for the simulator: devices, nodes, backbones, functions, loading figures and a price sheet.
+
+A cluster YAML (see `lorafaas/replay/clusters/paper.yaml`) is read into frozen specs, every field checked with a
+`ClusterInvalid` that names the file, the field, the value and the bound. Sizes are GB (10^9 bytes) and bandwidths
+GB/s in the YAML, bytes and bytes/s here. `load_cluster("paper")` or `load_cluster("local")` reads the shipped files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from lorafaas.errors import ClusterInvalid
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str
+    size_bytes: int
+    prefill_base_s: float  # one prefill's fixed cost
+    prefill_s_per_token: float  # per prompt token in the batch
+    decode_step_s: float  # one decode step at batch 1
+    decode_step_per_seq_s: float  # added per extra sequence in the batch
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    name: str
+    backbone: str
+    adapter_bytes: int
+    slo_ttft_s: float
+
+
+@dataclass(frozen=True)
+class LoadingSpec:
+    libraries_s: float  # container/process start + imports
+    libraries_bytes: int  # host memory they hold
+    warmup_s: float  # kernels, allocator, thread pools
+    warmup_bytes: int  # device memory it holds
+    bind_s: float  # attach to a shared backbone copy already on the device
+    instance_overhead_bytes: int  # device memory of one instance process (context, workspace)
+    disk_bytes_per_s: float  # ordinary checkpoint loading from local disk into host memory
+    host_to_device_bytes_per_s: float
+    fast_dram_bytes_per_s: float  # ServerlessLLM's loader from a checkpoint cached in host memory to the device
+    fast_ssd_bytes_per_s: float  # ServerlessLLM's loader from local SSD to the device
+    host_cache_bytes: int  # per node: host memory for cached checkpoints (ServerlessLLM) and worker slots
+
+
+@dataclass(frozen=True)
+class PriceSheet:
+    name: str
+    source: str
+    gpu_active_per_gb_s: float
+    gpu_idle_per_gb_s: float
+    per_request: float
+    currency: str = "USD"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    device_kind: str
+    num_nodes: int
+    devices_per_node: int
+    device_memory_bytes: int
+    backbones: dict[str, BackboneSpec]
+    functions: dict[str, FunctionSpec]
+    default_adapter_bytes: int
+    default_slo_ttft_s: float
+    loading: LoadingSpec
+    price: PriceSheet
+    contention: float  # a phase on a device running n batches takes (1 + contention * (n - 1)) times longer
+    max_batch_size: int  # per instance batch
+    max_concurrent_batches: int  # batches one instance (serverless) runs at once
+    serverful_max_concurrent_batches: int  # batches one always-on server runs at once (continuous batching)
+    keep_alive_s: float  # fixed keep-alive of the baselines and of the fixed policy
+    plan_interval_s: float
+    slots_per_node: int
+    slot_bytes: int
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def function(self, name: str, index: int) -> FunctionSpec:
+        """A listed function, or one made for an unlisted workload function: backbones round-robin by first use."""
+        spec = self.functions.get(name)
+        if spec is not None:
+            return spec
+        backbones = sorted(self.backbones)
+        return FunctionSpec(name, backbones[index % len(backbones)], self.default_adapter_bytes,
+                            self.default_slo_ttft_s)
+
+
+class _Fields:
+    def __init__(self, where: str, data: object) -> None:
+        if not isinstance(data, dict):
+            raise ClusterInvalid(f"{where}: expected a mapping, got {type(data).__name__}")
+        self.where, self.data = where, data
+
+    def sub(self, key: str) -> _Fields:
+        return _Fields(f"{self.where}.{key}", self.data.get(key, {}))
+
+    def number(self, key: str, default: float | None = None, low: float = 0.0, high: float = math.inf) -> float:
+        value = self.data.get(key, default)
+        if value is None:
+            raise ClusterInvalid(f"{self.where}.{key} is missing")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ClusterInvalid(f"{self.where}.{key} is {value!r}; expected a number")
+        if not low <= value <= high:
+            raise ClusterInvalid(f"{self.where}.{key} is {value}; it must be in [{low}, {high}]")
+        return float(value)
+
+    def integer(self, key: str, default: int | None = None, low: int = 1, high: int = 1_000_000) -> int:
+        value = self.number(key, default, low, high)
+        if value != int(value):
+            raise ClusterInvalid(f"{self.where}.{key} is {value}; expected a whole number")
+        return int(value)
+
+    def text(self, key: str, default: str | None = None) -> str:
+        value = self.data.get(key, default)
+        if not isinstance(value, str) or not value:
+            raise ClusterInvalid(f"{self.where}.{key} is {value!r}; expected a non-empty string")
+        return value
+
+
+def parse_cluster(data: object, where: str) -> ClusterSpec:
+    top = _Fields(where, data)
+    dev, load, price = top.sub("device"), top.sub("loading"), top.sub("price")
+    backbones = {}
+    for name, raw in (top.data.get("backbones") or {}).items():
+        b = _Fields(f"{where}.backbones.{name}", raw)
+        backbones[name] = BackboneSpec(name, int(b.number("size_gb", low=1e-6) * GB), b.number("prefill_base_ms") / 1e3,
+                                       b.number("prefill_ms_per_token") / 1e3, b.number("decode_ms_per_step", low=1e-6)
+                                       / 1e3, b.number("decode_ms_per_extra_seq") / 1e3,
+                                       int(b.number("kv_kb_per_token") * 1e3))
+    if not backbones:
+        raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
+    default_slo = top.number("default_slo_ttft_ms", 1000, 1e-3) / 1e3
+    functions = {}
+    for i, raw in enumerate(top.data.get("functions") or []):
+        f = _Fields(f"{where}.functions[{i}]", raw)
+        backbone = f.text("backbone")
+        if backbone not in backbones:
+            raise ClusterInvalid(f"{f.where}.backbone is {backbone!r}; the cluster's backbones are {sorted(backbones)}")
+        name = f.text("name")
+        functions[name] = FunctionSpec(name, backbone, int(f.number("adapter_mb", low=1e-6) * 1e6),
+                                       f.number("slo_ttft_ms", default_slo * 1e3, 1e-3) / 1e3)
+    loading = LoadingSpec(
+        load.number("libraries_s"), int(load.number("libraries_gb") * GB), load.number("warmup_s"),
+        int(load.number("warmup_gb") * GB), load.number("bind_s"), int(load.number("instance_overhead_gb") * GB),
+        load.number("disk_gbps", low=1e-6) * GB, load.number("host_to_device_gbps", low=1e-6) * GB,
+        load.number("fast_dram_gbps", low=1e-6) * GB, load.number("fast_ssd_gbps", low=1e-6) * GB,
+        int(load.number("host_cache_gb") * GB))
+    sheet = PriceSheet(price.text("name"), price.text("source"), price.number("gpu_active_per_gb_s"),
+                       price.number("gpu_idle_per_gb_s"), price.number("per_request", 0.0),
+                       price.text("currency", "USD"))
+    memory = int(dev.number("memory_gb", low=1e-3) * GB)
+    largest = max(b.size_bytes for b in backbones.values())
+    if largest + loading.instance_overhead_bytes > memory:
+        raise ClusterInvalid(f"{where}: the largest backbone ({largest / GB:.1f} GB) and one instance's overhead "
+                             f"({loading.instance_overhead_bytes / GB:.1f} GB) exceed a device's {memory / GB:.1f} GB")
+    return ClusterSpec(
+        top.text("name"), dev.text("kind", "gpu"), top.integer("nodes"), top.integer("devices_per_node"), memory,
+        backbones, functions, int(top.number("default_adapter_mb", 100, 1e-6) * 1e6), default_slo, loading, sheet,
+        top.number("contention", 1.0, 0.0, 10.0), top.integer("max_batch_size", 16, 1, 4096),
+        top.integer("max_concurrent_batches", 1, 1, 1024), top.integer("serverful_max_concurrent_batches", 8, 1, 1024),
+        top.number("keep_alive_s", 600, 0.0), top.number("plan_interval_s", 60, 0.1),
+        top.integer("slots_per_node", 8, 0, 100_000), int(top.number("slot_gb", 32, 1e-3) * GB))
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """`paper`, `local` (shipped) or a path to a cluster YAML."""
+    text_name = str(name_or_path)
+    if text_name in ("paper", "local"):
+        where = f"lorafaas/replay/clusters/{text_name}.yaml"
+        text = resources.files("lorafaas.replay").joinpath("clusters", f"{text_name}.yaml").read_text()
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ClusterInvalid(f"cluster {text_name!r} is neither `paper`, `local` nor a YAML file")
+        where, text = str(path), path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ClusterInvalid(f"{where}: not YAML: {exc}") from exc
+    return parse_cluster(data, where)

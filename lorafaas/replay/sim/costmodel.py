@@ -1,0 +1,77 @@
+"""The simulator's cost model: loading delays per artifact and tier, prefill and decode times, memory, and the
+`ArtifactCosts` the pre-loading knapsack values artifacts by.
+
+    prefill_s(b, tokens)       T0 + per-token x prompt tokens in the batch (compute-bound)
+    decode_step_s(b)           step at batch 1 + per extra sequence (memory-bound: the weights are read once a step)
+    contention(n)              a phase that starts while n batches run on its device takes 1 + c (n - 1) times longer
+    backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
+                               bound to a copy already on the device (sharing) in `bind_s`
+    backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at
+                               `fast_dram_gbps`, else from SSD at `fast_ssd_gbps`
+    adapter                    as the backbone, by its own size
+    libraries, warm-up         fixed delays (`libraries_s`, `warmup_s`) unless pre-loaded
+"""
+
+from __future__ import annotations
+
+from lorafaas.replay.sim.cluster import BackboneSpec, ClusterSpec, FunctionSpec
+from lorafaas.scheduler import ArtifactCost, ArtifactCosts
+
+
+class CostModel:
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self.load = cluster.loading
+
+    def backbone(self, function: FunctionSpec) -> BackboneSpec:
+        return self.cluster.backbones[function.backbone]
+
+    # -- compute -----------------------------------------------------------------------------------------------
+
+    def prefill_s(self, backbone: BackboneSpec, prompt_tokens: int) -> float:
+        return backbone.prefill_base_s + backbone.prefill_s_per_token * prompt_tokens
+
+    def decode_step_s(self, backbone: BackboneSpec, batch_size: int) -> float:
+        return backbone.decode_step_s + backbone.decode_step_per_seq_s * (batch_size - 1)
+
+    def contention(self, num_running: int) -> float:
+        return 1.0 + self.cluster.contention * max(0, num_running - 1)
+
+    def kv_bytes(self, backbone: BackboneSpec, tokens: int) -> int:
+        return backbone.kv_bytes_per_token * tokens
+
+    # -- loading -----------------------------------------------------------------------------------------------
+
+    def backbone_load_s(self, size_bytes: int, on_device: bool, on_host: bool, shared: bool) -> float:
+        if on_device:
+            return self.load.bind_s if shared else 0.0
+        if on_host:
+            return size_bytes / self.load.host_to_device_bytes_per_s
+        return size_bytes / self.load.disk_bytes_per_s
+
+    def fast_backbone_load_s(self, size_bytes: int, cached_in_host: bool) -> float:
+        rate = self.load.fast_dram_bytes_per_s if cached_in_host else self.load.fast_ssd_bytes_per_s
+        return size_bytes / rate
+
+    def artifact_costs(self, function: FunctionSpec) -> ArtifactCosts:
+        """Value (delay removed from a cold start) and memory of each artifact in each tier, for the knapsack."""
+        size = self.backbone(function).size_bytes
+        disk, h2d = self.load.disk_bytes_per_s, self.load.host_to_device_bytes_per_s
+        return ArtifactCosts(
+            libraries=ArtifactCost(self.load.libraries_s, self.load.libraries_bytes),
+            backbone_host=ArtifactCost(max(0.0, size / disk - size / h2d), size),
+            backbone_device=ArtifactCost(size / disk, size),
+            adapter_host=ArtifactCost(max(0.0, function.adapter_bytes / disk - function.adapter_bytes / h2d),
+                                      function.adapter_bytes),
+            adapter_device=ArtifactCost(function.adapter_bytes / disk, function.adapter_bytes),
+            warmup=ArtifactCost(self.load.warmup_s, self.load.warmup_bytes),
+        )
+
+    def device_bytes(self, kind: str, function: FunctionSpec) -> int:
+        if kind == "backbone":
+            return self.backbone(function).size_bytes
+        if kind == "adapter":
+            return function.adapter_bytes
+        if kind == "warmup":
+            return self.load.warmup_bytes
+        return 0

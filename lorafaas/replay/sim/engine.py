@@ -1,0 +1,334 @@
+"""Discrete-event simulation of a serverless LoRA cluster driving the real `lorafaas.scheduler` policies.
+
+The simulator is an executor like the node agent: it feeds the `Scheduler` what happened (`observe_arrival`,
+`observe_prefill`, `observe_idle`), asks it what to do (`decide_batch` on each arrival and recheck, `place` for a new
+instance, `make_room` when a new instance does not fit, `keep_alive` after an invocation, `plan` every
+`plan_interval_s` or when `should_replan`), and applies the decisions to its state with a fake clock and the cost
+model. Baselines that are not lorafaas (ServerlessLLM, InstaInfer, serverful) switch mechanisms off or replace them
+(fast loader, locality placement, LRU eviction, fixed keep-alive, always-on servers); see `policies.py`.
+
+One request: arrival -> its function's queue -> a batch is dispatched (by the policy's batching) to an instance with
+room (or a new one: cold start = the sum of the delays of its artifacts not yet resident) -> prefill (TTFT) ->
+decode, every request finishing after its own output tokens. Phases are slowed by contention with the batches
+running on the same device when they start. Nothing here reads a clock: the same seed gives the same metrics.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lorafaas.replay.results import RequestResult
+from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
+from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.policies import PolicySpec
+from lorafaas.replay.sim.state import DeviceState, MemoryState
+from lorafaas.replay.sim.views import ViewBuilder
+from lorafaas.replay.workload import Workload
+from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfig
+
+MAX_INSTANCES_PER_FUNCTION = 64
+
+
+@dataclass
+class SimInstance:
+    instance_id: str
+    function: FunctionName
+    device: DeviceState
+    ready_at_s: float
+    cold_start_s: float
+    overhead_bytes: int
+    running: int = 0
+    last_used_s: float = 0.0
+    expire_token: int = 0
+    first_batch: bool = True
+    permanent: bool = False  # serverful servers
+
+
+@dataclass
+class FunctionState:
+    spec: FunctionSpec
+    queue: deque[int] = field(default_factory=deque)
+    instances: list[SimInstance] = field(default_factory=list)
+    recheck_at_s: float = math.inf
+    last_end_s: float | None = None
+    blocked: bool = False
+
+
+@dataclass
+class SimOutcome:
+    results: list[RequestResult]
+    cost: float
+    duration_s: float
+    num_cold_starts: int
+    num_plans: int
+    cold_breakdowns: dict[str, list[dict[str, float]]]
+
+
+class Simulator:
+    def __init__(self, cluster: ClusterSpec, policy: PolicySpec, workload: Workload, seed: int = 0) -> None:
+        self.cluster, self.policy, self.workload = cluster, policy, workload
+        self.costs = CostModel(cluster)
+        self.rng = random.Random(seed)
+        config = SchedulerConfig(preloading=policy.preloading, offloading=policy.offloading,
+                                 keep_alive_policy=policy.keep_alive, fixed_keep_alive_s=cluster.keep_alive_s,
+                                 max_batch_size=cluster.max_batch_size)
+        self.scheduler = Scheduler(config, random.Random(seed))
+        self.fns: dict[FunctionName, FunctionState] = {}
+        for i, name in enumerate(workload.functions):
+            self.fns[FunctionName(name)] = FunctionState(cluster.function(name, i))
+        devices = [DeviceState(DeviceId(f"n{n}-d{k}"), n, cluster.device_memory_bytes)
+                   for n in range(cluster.num_nodes) for k in range(cluster.devices_per_node)]
+        backbone_of = {f: (s.spec.backbone if policy.sharing else f"{s.spec.backbone}@{f}")
+                       for f, s in self.fns.items()}
+        sizes = {(f, kind): self.costs.device_bytes(kind, s.spec) for f, s in self.fns.items()
+                 for kind in ("backbone", "adapter", "warmup", "libraries")}
+        self.mem = MemoryState(devices, cluster.price, backbone_of, sizes)
+        self.views = ViewBuilder(self, cluster, self.costs)
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.results = [RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
+                        for i, r in enumerate(workload.requests)]
+        self.num_cold_starts = self.num_plans = 0
+        self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
+        self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
+        self.blocked: set[FunctionName] = set()
+        self.instance_ids = itertools.count()
+        self.concurrency = (cluster.serverful_max_concurrent_batches if policy.batching == "immediate"
+                            else cluster.max_concurrent_batches)
+
+    # -- event loop ---------------------------------------------------------------------------------------------
+
+    def push(self, at_s: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self.events, (at_s, next(self.seq), kind, payload))
+
+    def run(self) -> SimOutcome:
+        handlers: dict[str, Callable[[object], None]] = {"recheck": self._on_recheck, "done": self._on_done,
+                                                         "expire": self._on_expire, "plan": self._on_plan}
+        if self.policy.serverful:
+            self._start_servers()
+        elif self.policy.preloading:
+            self.push(0.0, "plan", "tick")
+        requests = self.workload.requests
+        i = 0
+        while i < len(requests) or self.events:
+            if i < len(requests) and (not self.events or requests[i].arrival_s <= self.events[0][0]):
+                self.now = requests[i].arrival_s
+                self._on_arrival(i)
+                i += 1
+                continue
+            at, _, kind, payload = heapq.heappop(self.events)
+            if kind == "plan" and i >= len(requests):
+                continue  # no more arrivals: stop planning
+            self.now = max(self.now, at)
+            handlers[kind](payload)
+        end = max(self.now, self.workload.duration_s)
+        cost = self._finish(end)
+        return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns)
+
+    def _finish(self, end_s: float) -> float:
+        if self.policy.serverful:
+            return (self.cluster.num_devices * self.cluster.device_memory_bytes / 1e9 * end_s
+                    * self.cluster.price.gpu_active_per_gb_s + len(self.results) * self.cluster.price.per_request)
+        return self.mem.total_cost(end_s) + len(self.results) * self.cluster.price.per_request
+
+    # -- arrivals and batching ----------------------------------------------------------------------------------
+
+    def _on_arrival(self, index: int) -> None:
+        name = FunctionName(self.results[index].function)
+        fs = self.fns[name]
+        if fs.last_end_s is not None and not fs.queue and not any(inst.running for inst in fs.instances):
+            self.scheduler.observe_idle(name, max(0.0, self.now - fs.last_end_s))
+            fs.last_end_s = None
+        self.scheduler.observe_arrival(name, self.now)
+        fs.queue.append(index)
+        self._pump(name)
+        if self.policy.preloading and self.scheduler.should_replan(self.now):
+            self._on_plan(None)
+
+    def _on_recheck(self, payload: object) -> None:
+        name = FunctionName(str(payload))
+        fs = self.fns[name]
+        if fs.recheck_at_s <= self.now + 1e-9:
+            fs.recheck_at_s = math.inf
+            self._pump(name)
+
+    def _batch_size(self, name: FunctionName, fs: FunctionState) -> int:
+        """How many to dispatch now (0: wait; a recheck is scheduled)."""
+        n = len(fs.queue)
+        oldest_wait = self.now - self.results[fs.queue[0]].arrival_s
+        policy = self.policy
+        if policy.batching == "immediate":
+            return min(n, self.cluster.max_batch_size)
+        if policy.batching == "fixed":
+            if n >= policy.fixed_batch_size or oldest_wait >= policy.fixed_batch_timeout_s - 1e-9:
+                return min(n, policy.fixed_batch_size)
+            recheck = self.now + policy.fixed_batch_timeout_s - oldest_wait
+        else:
+            decision = self.scheduler.decide_batch(name, fs.spec.slo_ttft_s, n, oldest_wait, self.now)
+            if decision.dispatch or decision.recheck_at_s <= self.now + 1e-9:  # expired up to rounding
+                return max(1, min(n, decision.size))
+            recheck = decision.recheck_at_s
+        if recheck < fs.recheck_at_s - 1e-9:
+            fs.recheck_at_s = recheck
+            self.push(recheck, "recheck", name)
+        return 0
+
+    def _pump(self, name: FunctionName) -> None:
+        fs = self.fns[name]
+        fs.blocked = False
+        self.blocked.discard(name)
+        while fs.queue:
+            size = self._batch_size(name, fs)
+            if size == 0:
+                return
+            instance = self._free_instance(fs)
+            if instance is None:
+                instance = self._start_instance(name, fs, size)
+                if instance is None:  # no device can take it now: wait for memory to free
+                    fs.blocked = True
+                    self.blocked.add(name)
+                    return
+            batch = [fs.queue.popleft() for _ in range(size)]
+            self._run_batch(instance, batch)
+
+    def _free_instance(self, fs: FunctionState) -> SimInstance | None:
+        best = None
+        for inst in fs.instances:
+            if inst.running < self.concurrency and (best is None or (inst.running, inst.ready_at_s) <
+                                                    (best.running, best.ready_at_s)):
+                best = inst
+        return best
+
+    # -- batches ------------------------------------------------------------------------------------------------
+
+    def _run_batch(self, inst: SimInstance, batch: list[int]) -> None:
+        fs = self.fns[inst.function]
+        backbone = self.costs.backbone(fs.spec)
+        start = max(self.now, inst.ready_at_s)
+        device = inst.device
+        reqs = [self.workload.requests[i] for i in batch]
+        kv = self.costs.kv_bytes(backbone, sum(r.prompt_tokens + r.output_tokens for r in reqs))
+        self.mem.bill(device, self.now)
+        inst.running += 1
+        inst.expire_token += 1
+        device.num_running += 1
+        device.used_bytes += kv
+        running = self.mem.running_functions[device.device_id]
+        if running.get(inst.function, 0) == 0:
+            device.active_overhead += inst.overhead_bytes
+        running[inst.function] = running.get(inst.function, 0) + 1
+        device.active_overhead += kv
+        self.mem.bill(device, self.now)
+        slow = self.costs.contention(device.num_running)
+        prefill = self.costs.prefill_s(backbone, sum(r.prompt_tokens for r in reqs)) * slow
+        step = self.costs.decode_step_s(backbone, len(reqs)) * slow
+        first_token = start + prefill
+        cold = inst.first_batch and inst.cold_start_s > 0
+        for i, r in zip(batch, reqs, strict=True):
+            res = self.results[i]
+            res.sent_s = self.now
+            res.ttft_s = first_token - r.arrival_s
+            res.e2e_s = first_token + step * (r.output_tokens - 1) - r.arrival_s
+            res.completion_tokens = r.output_tokens
+            res.usage_prompt_tokens = r.prompt_tokens
+            res.cold = cold
+            res.cold_start_s = inst.cold_start_s if cold else None
+        inst.first_batch = False
+        self.scheduler.observe_prefill(inst.function, fs.spec.slo_ttft_s, len(reqs), prefill)
+        end = first_token + step * (max(r.output_tokens for r in reqs) - 1)
+        self.push(end, "done", (inst, kv))
+
+    def _on_done(self, payload: object) -> None:
+        inst, kv = payload  # type: ignore[misc]
+        device = inst.device
+        self.mem.bill(device, self.now)
+        inst.running -= 1
+        inst.last_used_s = self.now
+        device.num_running -= 1
+        device.used_bytes -= kv
+        device.active_overhead -= kv
+        running = self.mem.running_functions[device.device_id]
+        running[inst.function] -= 1
+        if running[inst.function] == 0:
+            del running[inst.function]
+            device.active_overhead -= inst.overhead_bytes
+        self.mem.bill(device, self.now)
+        fs = self.fns[inst.function]
+        if fs.queue:
+            self._pump(inst.function)
+        if inst.running == 0 and not inst.permanent:
+            if not any(i.running for i in fs.instances):
+                fs.last_end_s = self.now
+            decision = self.scheduler.keep_alive(inst.function)
+            window = decision.prewarm_s + decision.keep_alive_s if self.policy.keep_alive == "hybrid" \
+                else self.cluster.keep_alive_s
+            self.push(self.now + window, "expire", (inst, inst.expire_token))
+        self._retry_blocked()
+
+    def _retry_blocked(self) -> None:
+        for name in sorted(self.blocked):
+            if name in self.blocked:
+                self._pump(name)
+
+    def _on_expire(self, payload: object) -> None:
+        inst, token = payload  # type: ignore[misc]
+        if inst.running or inst.expire_token != token or inst not in self.fns[inst.function].instances:
+            return
+        self._stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
+        self._retry_blocked()
+
+    def _on_plan(self, payload: object) -> None:
+        """`payload` "tick": the periodic plan (schedules the next); None: a re-plan because a rate moved."""
+        self.num_plans += 1
+        plan = self.scheduler.plan(self.views.view(), self.now)
+        self.views.apply_plan(plan)
+        if payload == "tick":
+            self.push(self.now + self.cluster.plan_interval_s, "plan", "tick")
+
+    # -- instances ----------------------------------------------------------------------------------------------
+
+    def _start_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
+        if len(fs.instances) >= MAX_INSTANCES_PER_FUNCTION:
+            return None
+        for device in self.views.candidate_devices(name):
+            need = self.views.bytes_to_start(name, device, batch_size)
+            if need <= self.mem.free_bytes(device) or self.views.make_room(name, device, need):
+                return self._cold_start(name, fs, device)
+        return None
+
+    def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
+        breakdown = self.views.load_artifacts(name, device)
+        cold_s = sum(breakdown.values())
+        breakdown["total"] = cold_s
+        self.num_cold_starts += 1
+        self.cold_breakdowns.setdefault(name, []).append(breakdown)
+        overhead = self.cluster.loading.instance_overhead_bytes
+        self.mem.bill(device, self.now)
+        device.used_bytes += overhead
+        self.mem.bill(device, self.now)
+        inst = SimInstance(f"{name}-{next(self.instance_ids)}", name, device, self.now + cold_s, cold_s, overhead,
+                           last_used_s=self.now)
+        fs.instances.append(inst)
+        return inst
+
+    def _stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
+        fs = self.fns[inst.function]
+        fs.instances.remove(inst)
+        device = inst.device
+        self.mem.bill(device, self.now)
+        device.used_bytes -= inst.overhead_bytes
+        if not keep_artifacts:
+            self.views.drop_instance_artifacts(inst.function, device, last=not fs.instances)
+        self.mem.bill(device, self.now)
+
+    def _start_servers(self) -> None:
+        """Serverful: devices split over backbones by their share of functions; each device one always-on server
+        holding its backbone and every adapter of it; a function's servers are those of its backbone."""
+        self.views.start_servers()
