@@ -100,8 +100,14 @@ class LocalLauncher:
 
     def _ensure_daemon(self, config: DaemonConfig) -> Path:
         backbone = config.backbone
-        if backbone in self._daemons or backbone in self._borrowed:
+        if backbone in self._daemons and self._daemons[backbone][0].poll() is None:
             return config.paths.socket
+        if backbone in self._borrowed:  # someone else's daemon: it may have stopped since
+            try:
+                wait_until_ready(config.paths.socket, timeout_s=0.2)
+                return config.paths.socket
+            except DaemonUnavailable:
+                self._borrowed.discard(backbone)
         try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
             wait_until_ready(config.paths.socket, timeout_s=0.2)
             self._borrowed.add(backbone)
@@ -116,18 +122,19 @@ class LocalLauncher:
         return [b for b, (process, _) in self._daemons.items() if process.poll() is None] + sorted(self._borrowed)
 
     def stop_daemon(self, backbone: str) -> bool:
-        """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise."""
+        """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise.
+        Holds the lock until it is gone, so that nobody attaches to a daemon that is stopping."""
         with self._lock:
             entry = self._daemons.pop(backbone, None)
-        if entry is None:
-            return False
-        process, socket_path = entry
-        try:
-            stop_daemon(process, socket_path, force=True)
-        except Exception:  # stopping must not fail the caller: kill it
-            log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
-            process.kill()
-            process.wait()
+            if entry is None:
+                return False
+            process, socket_path = entry
+            try:
+                stop_daemon(process, socket_path, force=True)
+            except Exception:  # stopping must not fail the caller: kill it
+                log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
+                process.kill()
+                process.wait()
         return True
 
     def start_zygote(self) -> None:
