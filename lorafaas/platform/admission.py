@@ -1,10 +1,11 @@
 """Adaptive batching at the node agent: per-function queues released in batches by the scheduler's batch policy.
 
-A request waits in its function's queue until the policy dispatches a batch (fill-or-expire: the queue holds B
-requests, B the largest batch whose predicted prefill T(B) = T0 + a(B-1) meets the TTFT SLO, or the oldest request
-has waited d = SLO - T(N)). A dispatched batch goes to one instance with room for it, at most B requests in flight
-per instance; the worker batches them in its forward passes. With adaptive batching off and a maximum batch of 1,
-every request is dispatched alone (the `fixed-batch` ablation).
+B is the largest batch whose predicted prefill T(B) = T0 + a(B-1) meets the TTFT SLO; an instance holds at most B
+requests in flight, and the worker batches them in its forward passes. Because the worker batches continuously
+(requests join between decode steps), a request is dispatched as soon as an instance has room: waiting for a batch
+to fill would only add delay. With `fill_or_expire` the paper's rule applies instead: the queue is released when it
+holds B requests or when the oldest has waited d = SLO - T(N) (for workers that run a batch as a unit). With adaptive
+batching off and a maximum batch of 1, every request is dispatched alone (the `fixed-batch` ablation).
 
 One dispatcher task per function with queued requests owns its queue (no locks: the event loop serialises it).
 """
@@ -43,12 +44,14 @@ class Admission:
         scheduler: Scheduler,
         clock: Callable[[], float],
         acquire: Callable[[FunctionSpec, int], Awaitable[object | None]],
+        fill_or_expire: bool = False,
     ) -> None:
         """`acquire(spec, cap)` returns an instance with fewer than `cap` requests in flight (starting one if the
         function may grow), or None when every instance is full."""
         self.scheduler = scheduler
         self.clock = clock
         self.acquire = acquire
+        self.fill_or_expire = fill_or_expire
         self._queues: dict[str, collections.deque[_Waiter]] = {}
         self._specs: dict[str, FunctionSpec] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
@@ -85,18 +88,21 @@ class Admission:
                     return
                 spec = self._specs[name]
                 now = self.clock()
-                decision = self.scheduler.decide_batch(spec.name, spec.slo_ttft_ms / 1e3, len(queue),
-                                                       now - queue[0].enqueued_s, now)
-                wakeup.clear()
-                if not decision.dispatch:
-                    await _wait(wakeup, decision.wait_s)
-                    continue
                 cap = self.max_batch_size(spec)
+                size = cap
+                wakeup.clear()
+                if self.fill_or_expire:
+                    decision = self.scheduler.decide_batch(spec.name, spec.slo_ttft_ms / 1e3, len(queue),
+                                                           now - queue[0].enqueued_s, now)
+                    if not decision.dispatch:
+                        await _wait(wakeup, decision.wait_s)
+                        continue
+                    size = decision.size
                 instance = await self.acquire(spec, cap)
                 if instance is None:  # every instance holds `cap` requests: wait for one to finish
                     await _wait(wakeup, 0.05)
                     continue
-                self._release(queue, instance, min(decision.size, cap - instance.in_flight))
+                self._release(queue, instance, min(size, cap - instance.in_flight))
         except asyncio.CancelledError:
             self._fail(queue, InstanceUnavailable("the node agent is stopping"))
             raise

@@ -45,6 +45,7 @@ class AgentConfig:
     num_threads: int = 1
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
+    fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
     stop_timeout_s: float = 10.0
 
 
@@ -95,7 +96,7 @@ class NodeAgent:
         self._reconciler: asyncio.Task | None = None
         self._random = random.Random(0)
         self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
-        self.admission = Admission(self.scheduler, self.clock, self._acquire)
+        self.admission = Admission(self.scheduler, self.clock, self._acquire, self.config.fill_or_expire)
         self.policy = AgentScheduler(self)
         self.in_flight_tokens: dict[str, int] = {}  # estimated tokens of the requests running, per function
         self.library_import_s: float | None = None

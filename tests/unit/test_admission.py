@@ -21,11 +21,11 @@ def spec(slo_ttft_ms: int = 1000) -> FunctionSpec:
                         created_at=0.0, updated_at=0.0)
 
 
-def admission(config: SchedulerConfig, slot: Slot) -> Admission:
+def admission(config: SchedulerConfig, slot: Slot, fill_or_expire: bool = False) -> Admission:
     async def acquire(_spec: FunctionSpec, cap: int):
         return slot if slot.in_flight < cap else None
 
-    return Admission(Scheduler(config), time.monotonic, acquire)
+    return Admission(Scheduler(config), time.monotonic, acquire, fill_or_expire)
 
 
 def test_a_full_batch_is_released_at_once_to_one_instance() -> None:
@@ -40,11 +40,12 @@ def test_a_full_batch_is_released_at_once_to_one_instance() -> None:
     assert slot.in_flight == 8
 
 
-def test_a_partial_batch_waits_for_its_deadline_then_goes() -> None:
+def test_with_fill_or_expire_a_partial_batch_waits_for_its_deadline_then_goes() -> None:
     slot = Slot()
 
     async def scenario():
-        gate = admission(SchedulerConfig(max_batch_size=8, prior_t0_s=0.05, prior_per_request_s=0.01), slot)
+        config = SchedulerConfig(max_batch_size=8, prior_t0_s=0.05, prior_per_request_s=0.01)
+        gate = admission(config, slot, fill_or_expire=True)
         started = time.monotonic()
         admitted = await asyncio.gather(gate.admit(spec(slo_ttft_ms=300)), gate.admit(spec(slo_ttft_ms=300)))
         return admitted, time.monotonic() - started
@@ -52,6 +53,24 @@ def test_a_partial_batch_waits_for_its_deadline_then_goes() -> None:
     admitted, waited = asyncio.run(scenario())
     assert [a.batch_size for a in admitted] == [2, 2]
     assert waited >= 0.2, "d = SLO - T(2) = 0.3 - 0.06 s: the batch waits for more requests first"
+
+
+def test_by_default_a_lone_request_goes_at_once_and_the_batch_cap_bounds_an_instance() -> None:
+    slot = Slot()
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=3), slot)
+        started = time.monotonic()
+        first = await gate.admit(spec())
+        waited = time.monotonic() - started
+        more = [asyncio.create_task(gate.admit(spec())) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        return first, waited, [t.done() for t in more], more
+
+    first, waited, done, _ = asyncio.run(scenario())
+    assert first.batch_size == 1 and waited < 0.5, "continuous batching: no waiting for a batch to fill"
+    assert done == [True, True, False], "at most 3 (B) requests in flight on the instance"
+    assert slot.in_flight == 3
 
 
 def test_fixed_batch_of_one_keeps_one_request_in_flight_in_arrival_order() -> None:
