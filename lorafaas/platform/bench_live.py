@@ -6,8 +6,8 @@ three functions, `gap_s` apart. Per policy: requests per second over the bursts'
 whose time to first token met the function's TTFT SLO, mean and p99 TTFT.
 
 `lorafaas bench preload`: cold invocations with pre-loading on and off. The demo adapters are deployed with a short
-keep-alive; each round invokes every function once after its instance has scaled to zero, so every invocation is a
-cold start. Per policy: the mean and each cold invocation's time to first token.
+keep-alive; each round invokes every function once after every instance has scaled to zero, so every invocation is a
+cold start with nothing else running. Per policy: the mean and each cold invocation's time to first token.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.testing.platform_process import PlatformProcess
 
 DEMO_FUNCTIONS = ("pirate", "haiku", "french")
+SETTLE_S = 8.0  # long enough for a backbone daemon to start or stop
 PROMPTS = ("Tell me about the ocean.", "What do you like to do on weekends?", "Describe a forest at night.",
            "How do airplanes fly?", "Why is the sky blue?", "Tell me about the moon.")
 
@@ -100,12 +101,14 @@ def run_preload_bench(store: ModelStore, rounds: int = 2, keep_alive_s: float = 
             for adapter in demo_adapter_dirs():
                 client.deploy({"name": adapter.name, "backbone": "smollm2-135m", "keep_alive_s": keep_alive_s},
                               adapter)
-            progress.stage(f"{policy}: {rounds} rounds of cold invocations", rounds * len(demo_adapter_dirs()))
+            time.sleep(SETTLE_S)  # let each policy do what it does ahead of requests (or not)
+            names = [adapter.name for adapter in demo_adapter_dirs()]
+            progress.stage(f"{policy}: {rounds} rounds of cold invocations", rounds * len(names))
             samples[policy] = []
             for _ in range(rounds):
-                for adapter in demo_adapter_dirs():
-                    _wait_until_scaled_to_zero(client, adapter.name)
-                    samples[policy].append(asyncio.run(_cold_ttft(platform, adapter.name)))
+                for name in names:
+                    _wait_until_scaled_to_zero(client, names)
+                    samples[policy].append(asyncio.run(_cold_ttft(platform, name)))
                     progress.advance()
     means = {policy: round(statistics.mean(values), 3) for policy, values in samples.items()}
     return PreloadResult(rounds=rounds, keep_alive_s=keep_alive_s, mean_cold_ttft_s=means,
@@ -113,13 +116,14 @@ def run_preload_bench(store: ModelStore, rounds: int = 2, keep_alive_s: float = 
                          ratio_off_over_on=round(means["no-preload"] / means["lorafaas"], 2))
 
 
-def _wait_until_scaled_to_zero(client, name: str, timeout_s: float = 120.0) -> None:
+def _wait_until_scaled_to_zero(client, names: list[str], timeout_s: float = 120.0) -> None:
+    """Until no function has an instance: the next invocation is cold, and nothing holds the backbone for it."""
     deadline = time.monotonic() + timeout_s
-    while client.describe(name)["instances"]:
+    while any(client.describe(name)["instances"] for name in names):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} did not scale to zero within {timeout_s} s")
+            raise TimeoutError(f"{names} did not scale to zero within {timeout_s} s")
         time.sleep(0.2)
-    time.sleep(1.0)  # a reconcile tick: with pre-loading off, unused backbones are unloaded now
+    time.sleep(SETTLE_S)  # reconcile ticks: with pre-loading off, the unused backbone is unloaded now
 
 
 async def _cold_ttft(platform: PlatformProcess, name: str) -> float:
