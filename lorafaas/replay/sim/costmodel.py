@@ -3,7 +3,8 @@
 
     prefill_s(b, tokens)       T0 + per-token x prompt tokens in the batch (compute-bound)
     decode_step_s(b)           step at batch 1 + per extra sequence (memory-bound: the weights are read once a step)
-    contention(n)              a phase that starts while n batches run on its device takes 1 + c (n - 1) times longer
+    contention(n)              a phase that starts while n instances run batches on its device takes 1 + c (n - 1)
+                               times longer (batches of one instance share its forward passes)
     backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
                                bound to a copy already on the device (sharing) in `bind_s`
     backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at

@@ -216,9 +216,10 @@ class Simulator:
         reqs = [self.workload.requests[i] for i in batch]
         kv = self.costs.kv_bytes(backbone, sum(r.prompt_tokens + r.output_tokens for r in reqs))
         self.mem.bill(device, self.now)
+        if inst.running == 0:  # contention is between processes: an instance's batches share its forward passes
+            device.num_running += 1
         inst.running += 1
         inst.expire_token += 1
-        device.num_running += 1
         device.used_bytes += kv
         running = self.mem.running_functions[device.device_id]
         if running.get(inst.function, 0) == 0:
@@ -251,7 +252,8 @@ class Simulator:
         self.mem.bill(device, self.now)
         inst.running -= 1
         inst.last_used_s = self.now
-        device.num_running -= 1
+        if inst.running == 0:
+            device.num_running -= 1
         device.used_bytes -= kv
         device.active_overhead -= kv
         running = self.mem.running_functions[device.device_id]

@@ -23,7 +23,7 @@ class DeviceState:
     node: int
     capacity_bytes: int
     used_bytes: int = 0  # instance overheads and KV caches (not resident artifacts)
-    num_running: int = 0  # batches running now
+    num_running: int = 0  # instances running a batch now (contention is between processes)
     resident: set[Residency] = field(default_factory=set)
     billed_at_s: float = 0.0
     active_bytes: int = 0

@@ -1,0 +1,108 @@
+"""The simulator: golden metrics for a fixed seed, cold-start arithmetic from the cost model, batching ablations,
+cluster validation, and the speed of an 8-function 4-hour paper run."""
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorafaas.errors import ClusterInvalid, InvalidInput
+from lorafaas.replay.build import WorkloadOptions, build_workload
+from lorafaas.replay.sim.cluster import load_cluster, parse_cluster
+from lorafaas.replay.sim.policies import POLICIES, resolve_policies
+from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.synthetic import generate, write_2019_invocations
+from lorafaas.replay.workload import Mapping, Request, Workload
+
+LOCAL = load_cluster("local")
+GOLDEN_TTFT_S = [1.492, 1.4525, 1.192, 1.592, 0.8364, 0.7085, 0.9177, 0.91]  # seed 3, local, lorafaas
+PAPER = load_cluster("paper")
+
+
+def _work(*items: tuple[float, str, int, int]) -> Workload:
+    reqs = tuple(Request(t, "t", fn, p, o) for t, fn, p, o in items)
+    return Workload(reqs, max(r.arrival_s for r in reqs) + 1)
+
+
+SMALL = _work((0.0, "pirate", 100, 10), (0.2, "haiku", 50, 5), (0.3, "pirate", 20, 8), (5.0, "french", 80, 4),
+              (5.1, "pirate", 64, 16), (40.0, "haiku", 10, 2), (41.0, "haiku", 30, 3), (300.0, "french", 120, 6))
+
+
+def test_golden_same_seed_same_metrics() -> None:
+    runs = [simulate(SMALL, LOCAL, POLICIES["lorafaas"], seed=3)[0] for _ in range(2)]
+    rows = [[(r.ttft_s, r.e2e_s, r.cold) for r in run.results] for run in runs]
+    assert rows[0] == rows[1]
+    assert runs[0].cost == runs[1].cost
+    assert [round(r.ttft_s, 4) for r in runs[0].results] == GOLDEN_TTFT_S
+    # the first arrival makes the planner pre-load pirate while its batch waits to fill: no visible cold start
+    assert runs[0].results[0].cold is False
+
+
+def test_cold_start_is_the_sum_of_missing_artifacts() -> None:
+    out, _ = simulate(SMALL, LOCAL, POLICIES["no-preload"])
+    # pirate first, on an empty device: libraries (0.12 s) + the backbone from disk (0.54 GB at 2 GB/s = 0.27 s)
+    # + the adapter (3.7 MB at 2 GB/s) + no warm-up on this cluster
+    first = out.results[0]
+    assert first.cold and first.cold_start_s == pytest.approx(0.12 + 0.27 + 0.00185)
+    assert first.ttft_s >= first.cold_start_s
+    # haiku's first start binds to the shared copy instead of loading it
+    assert out.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(LOCAL.loading.bind_s)
+    alone, _ = simulate(SMALL, LOCAL, POLICIES["serverlessllm"])
+    assert alone.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(0.54 / LOCAL.loading.fast_dram_bytes_per_s
+                                                                          * 1e9)  # its own copy, from host cache
+
+
+def test_no_sharing_costs_more() -> None:
+    _, row_shared = simulate(SMALL, LOCAL, POLICIES["lorafaas"])
+    _, row_alone = simulate(SMALL, LOCAL, POLICIES["no-sharing"])
+    assert row_alone.cost > row_shared.cost
+
+
+def test_fixed_batch_waits_for_its_timeout_or_a_full_batch() -> None:
+    work = _work(*[(0.01 * i, "pirate", 10, 2) for i in range(12)])
+    out, _ = simulate(work, LOCAL, POLICIES["fixed-batch-10"])
+    sent = sorted({r.sent_s for r in out.results})
+    assert sent[0] == pytest.approx(0.09)  # the tenth arrival fills the first batch
+    assert sent[1] == pytest.approx(0.10 + 0.5)  # the other two wait for the 500 ms timeout of the 11th
+    one, _ = simulate(work, LOCAL, POLICIES["fixed-batch-1"])
+    assert all(r.sent_s == pytest.approx(r.arrival_s) for r in one.results)
+
+
+def test_serverful_never_cold_starts_and_bills_every_device() -> None:
+    out, row = simulate(SMALL, LOCAL, POLICIES["serverful"])
+    assert out.num_cold_starts == 0 and not any(r.cold for r in out.results)
+    expected = LOCAL.device_memory_bytes / 1e9 * SMALL.duration_s * LOCAL.price.gpu_active_per_gb_s
+    assert row.cost == pytest.approx(expected)
+
+
+def test_every_policy_serves_every_request() -> None:
+    for policy in resolve_policies(["all"]):
+        out, row = simulate(SMALL, LOCAL, policy)
+        assert all(r.ok and 0 < r.ttft_s <= r.e2e_s for r in out.results), policy.name
+        assert row.cost > 0
+    with pytest.raises(InvalidInput, match="policy 'fast' is not one of"):
+        resolve_policies(["fast"])
+
+
+def test_cluster_validation_names_field_and_bound(tmp_path: Path) -> None:
+    data = yaml.safe_load((Path(__file__).resolve().parents[3] / "lorafaas/replay/clusters/paper.yaml").read_text())
+    data["device"]["memory_gb"] = 16
+    with pytest.raises(ClusterInvalid, match=r"largest backbone \(26.0 GB\).*exceed a device's 16.0 GB"):
+        parse_cluster(data, "x.yaml")
+    data["device"]["memory_gb"] = 48
+    data["loading"]["disk_gbps"] = -1
+    with pytest.raises(ClusterInvalid, match=r"x.yaml.loading.disk_gbps is -1; it must be in"):
+        parse_cluster(data, "x.yaml")
+    with pytest.raises(ClusterInvalid, match="neither `paper`, `local` nor a YAML file"):
+        load_cluster(tmp_path / "missing.yaml")
+
+
+def test_paper_cluster_8_functions_4_hours_within_30_s(tmp_path: Path) -> None:
+    trace = write_2019_invocations(tmp_path / "inv.csv", generate({"normal": 8}, 240, seed=1), 240)
+    fns = [f"llama2-{s}-{x}" for s in ("7b", "13b") for x in "abcd"]
+    work = build_workload(trace, WorkloadOptions(Mapping.parse([f"*={f}" for f in fns]), select=(("normal", 8),)))
+    assert work.functions == tuple(sorted(fns)) and work.duration_s == 4 * 3600
+    started = time.perf_counter()
+    simulate(work, PAPER, POLICIES["lorafaas"])
+    assert time.perf_counter() - started <= 30
