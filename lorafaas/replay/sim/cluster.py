@@ -84,6 +84,8 @@ class ClusterSpec:
     plan_interval_s: float
     slots_per_node: int
     slot_bytes: int
+    min_replan_s: float = 5.0  # a moved arrival rate re-plans at most this often (the node agent: every 5 s)
+    prefill_batched: bool = True  # False: a worker prefills each request of a batch alone (the CPU runtime)
 
     @property
     def num_devices(self) -> int:
@@ -173,7 +175,15 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.number("contention", 1.0, 0.0, 10.0), top.integer("max_batch_size", 16, 1, 4096),
         top.integer("max_concurrent_batches", 1, 1, 1024), top.integer("serverful_max_concurrent_batches", 8, 1, 1024),
         top.number("keep_alive_s", 600, 0.0), top.number("plan_interval_s", 60, 0.1),
-        top.integer("slots_per_node", 8, 0, 100_000), int(top.number("slot_gb", 32, 1e-3) * GB))
+        top.integer("slots_per_node", 8, 0, 100_000), int(top.number("slot_gb", 32, 1e-3) * GB),
+        top.number("min_replan_s", 5.0, 0.0), _flag(top, "prefill_batched", True))
+
+
+def _flag(fields: _Fields, key: str, default: bool) -> bool:
+    value = fields.data.get(key, default)
+    if not isinstance(value, bool):
+        raise ClusterInvalid(f"{fields.where}.{key} is {value!r}; expected true or false")
+    return value
 
 
 def load_cluster(name_or_path: str | Path) -> ClusterSpec:

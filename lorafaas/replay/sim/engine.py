@@ -48,6 +48,8 @@ class SimInstance:
     expire_token: int = 0
     first_batch: bool = True
     permanent: bool = False  # serverful servers
+    prefill_free_at_s: float = 0.0  # when the instance's worker has finished the prefills it was given
+    num_seqs: int = 0  # sequences decoding in it
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Simulator:
         self.results = [RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
                         for i, r in enumerate(workload.requests)]
         self.num_cold_starts = self.num_plans = 0
+        self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
         self.blocked: set[FunctionName] = set()
@@ -149,7 +152,8 @@ class Simulator:
         self.scheduler.observe_arrival(name, self.now)
         fs.queue.append(index)
         self._pump(name)
-        if self.policy.preloading and self.scheduler.should_replan(self.now):
+        if (self.policy.preloading and self.now - self.last_plan_s >= self.cluster.min_replan_s
+                and self.scheduler.should_replan(self.now)):
             self._on_plan(None)
 
     def _on_recheck(self, payload: object) -> None:
@@ -211,9 +215,11 @@ class Simulator:
     def _run_batch(self, inst: SimInstance, batch: list[int]) -> None:
         fs = self.fns[inst.function]
         backbone = self.costs.backbone(fs.spec)
-        start = max(self.now, inst.ready_at_s)
+        # one worker loop per instance: a batch's prefill waits for the instance's earlier prefills
+        start = max(self.now, inst.ready_at_s, inst.prefill_free_at_s)
         device = inst.device
         reqs = [self.workload.requests[i] for i in batch]
+        inst.num_seqs += len(reqs)
         kv = self.costs.kv_bytes(backbone, sum(r.prompt_tokens + r.output_tokens for r in reqs))
         self.mem.bill(device, self.now)
         if inst.running == 0:  # contention is between processes: an instance's batches share its forward passes
@@ -228,14 +234,20 @@ class Simulator:
         device.active_overhead += kv
         self.mem.bill(device, self.now)
         slow = self.costs.contention(device.num_running)
-        prefill = self.costs.prefill_s(backbone, sum(r.prompt_tokens for r in reqs)) * slow
-        step = self.costs.decode_step_s(backbone, len(reqs)) * slow
+        if self.cluster.prefill_batched:  # one forward pass over the batch
+            firsts = [self.costs.prefill_s(backbone, sum(r.prompt_tokens for r in reqs)) * slow] * len(reqs)
+        else:  # each request prefilled alone, one after the other (the CPU runtime)
+            firsts = list(itertools.accumulate(self.costs.prefill_s(backbone, r.prompt_tokens) * slow for r in reqs))
+        prefill = firsts[-1]
+        inst.prefill_free_at_s = start + prefill
+        # decode steps run over every sequence the instance holds (continuous batching)
+        step = self.costs.decode_step_s(backbone, inst.num_seqs) * slow
         first_token = start + prefill
         cold = inst.first_batch and inst.cold_start_s > 0
-        for i, r in zip(batch, reqs, strict=True):
+        for i, r, first in zip(batch, reqs, firsts, strict=True):
             res = self.results[i]
             res.sent_s = self.now
-            res.ttft_s = first_token - r.arrival_s
+            res.ttft_s = start + first - r.arrival_s
             res.e2e_s = first_token + step * (r.output_tokens - 1) - r.arrival_s
             res.completion_tokens = r.output_tokens
             res.usage_prompt_tokens = r.prompt_tokens
@@ -244,12 +256,13 @@ class Simulator:
         inst.first_batch = False
         self.scheduler.observe_prefill(inst.function, fs.spec.slo_ttft_s, len(reqs), prefill)
         end = first_token + step * (max(r.output_tokens for r in reqs) - 1)
-        self.push(end, "done", (inst, kv))
+        self.push(end, "done", (inst, kv, len(reqs)))
 
     def _on_done(self, payload: object) -> None:
-        inst, kv = payload  # type: ignore[misc]
+        inst, kv, num_seqs = payload  # type: ignore[misc]
         device = inst.device
         self.mem.bill(device, self.now)
+        inst.num_seqs -= num_seqs
         inst.running -= 1
         inst.last_used_s = self.now
         if inst.running == 0:
@@ -289,6 +302,7 @@ class Simulator:
     def _on_plan(self, payload: object) -> None:
         """`payload` "tick": the periodic plan (schedules the next); None: a re-plan because a rate moved."""
         self.num_plans += 1
+        self.last_plan_s = self.now
         plan = self.scheduler.plan(self.views.view(), self.now)
         self.views.apply_plan(plan)
         if payload == "tick":
