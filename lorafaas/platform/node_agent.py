@@ -118,7 +118,7 @@ class NodeAgent:
             task.cancel()
         for instances in self.instances.values():
             for instance in list(instances):
-                await self._stop_instance(instance)
+                await self.stop_instance(instance)
         await asyncio.to_thread(self.launcher.close)
 
     def apply(self, spec: FunctionSpec) -> None:
@@ -145,7 +145,7 @@ class NodeAgent:
         self.specs.pop(name, None)
         self.scheduler.forget(name)
         for instance in self.instances.pop(name, []):
-            await self._stop_instance(instance)
+            await self.stop_instance(instance)
 
     # -- invocation ------------------------------------------------------------------------------------------------
 
@@ -284,9 +284,6 @@ class NodeAgent:
                 self._spawn(self._reconcile(instance.function))
 
     async def stop_instance(self, instance: Instance) -> None:
-        await self._stop_instance(instance)
-
-    async def _stop_instance(self, instance: Instance) -> None:
         if instance.state in ("stopped", "crashed"):
             return
         instance.state = "stopped"
@@ -347,7 +344,7 @@ class NodeAgent:
         for instance in idle[: max(0, len(current) - spec.min_instances)]:
             log.info("%s: instance %s idle for %.1f s (keep-alive %.1f s): retiring", name, instance.instance_id,
                      now - instance.last_used_s, keep_alive_s)
-            await self._stop_instance(instance)
+            await self.stop_instance(instance)
 
     def keep_alive_s(self, spec: FunctionSpec) -> float:
         """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""
@@ -368,7 +365,7 @@ class NodeAgent:
         while any(i.in_flight for i in old):
             await asyncio.sleep(0.05)
         for instance in old:
-            await self._stop_instance(instance)
+            await self.stop_instance(instance)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
