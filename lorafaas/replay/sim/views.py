@@ -46,6 +46,7 @@ class ViewBuilder:
                                costs.backbone(s.spec).kv_bytes_per_token)
             for f, s in sim.fns.items()}
         self.pool_slots = [SlotId(f"p{n}-{k}") for n in range(cluster.num_nodes) for k in range(cluster.slots_per_node)]
+        self.pool_set = set(self.pool_slots)
 
     # -- views --------------------------------------------------------------------------------------------------
 
@@ -54,6 +55,35 @@ class ViewBuilder:
             if r.slot is not None:
                 return r.slot
         return slot_of(f)
+
+    def light_view(self, f: FunctionName, device: DeviceState | None = None) -> ClusterView:
+        """What placement (of `f`) and offloading (on `device`) read, built in O(device residencies + running
+        instances) instead of O(everything): every device-tier residency, the host residencies of the functions
+        resident on `device` (where offloaded adapters may go), `f`'s instances and every running one."""
+        mem, sim = self.mem, self.sim
+        resident = [r for d in mem.devices for r in d.resident]
+        if device is not None:
+            on_device = {r.function for r in device.resident}
+            resident += [r for g in on_device for r in mem.of_function.get(g, ()) if r.tier == "host"]
+        instances, invoked = [], set()
+        for d in mem.devices:
+            invoked.update(mem.running_functions[d.device_id])
+        for g in {f, *invoked}:
+            fs = sim.fns[g]
+            for inst in fs.instances:
+                loaded = READY if inst.ready_at_s <= sim.now else frozenset({"libraries"})
+                instances.append(InstanceView(InstanceId(inst.instance_id), g, inst.device.device_id, loaded,
+                                              inst.running, sim.concurrency))
+        pre = [r for r in mem.of_function.get(f, ()) if r.tier == "device"]
+        if not sim.fns[f].instances and pre:
+            instances.append(InstanceView(InstanceId(f"pre-{f}"), f, pre[0].device,  # type: ignore[arg-type]
+                                          frozenset(r.kind for r in pre) | {"libraries"}, 0, 1))
+        owners = {r.slot: r.function for r in resident if r.slot is not None}
+        slots = [WorkerSlot(s, self.cluster.slot_bytes, 0, owners.get(s)) for s in self.pool_slots]
+        slots += [WorkerSlot(s, self.cluster.slot_bytes, 0, g) for s, g in owners.items() if s not in self.pool_set]
+        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
+        return ClusterView(self.profiles, devices, tuple(slots), tuple(resident), frozenset(invoked),
+                           tuple(instances))
 
     def view(self) -> ClusterView:
         mem, sim = self.mem, self.sim
@@ -136,7 +166,7 @@ class ViewBuilder:
             backbone = self.sim.fns[f].spec.backbone
             return sorted(freest, key=lambda d: backbone not in self.sim.host_cache[d.node])
         if policy.uses_scheduler_placement:
-            decision = self.sim.scheduler.place(f, self.view())
+            decision = self.sim.scheduler.place(f, self.light_view(f))
             if decision is not None:
                 first = mem.by_id[decision.device]
                 return [first, *(d for d in freest if d is not first)]
@@ -160,7 +190,7 @@ class ViewBuilder:
         if policy.eviction == "none":
             return False
         if policy.eviction == "scheduler":
-            decision = self.sim.scheduler.make_room(self.view(), device.device_id, need)
+            decision = self.sim.scheduler.make_room(self.light_view(f, device), device.device_id, need)
             if not decision.satisfied:
                 return False
             self._apply_offloads(decision.actions)
