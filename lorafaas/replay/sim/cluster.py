@@ -84,6 +84,7 @@ class ClusterSpec:
     plan_interval_s: float
     slots_per_node: int
     slot_bytes: int
+    max_instances_per_function: int = 64
     min_replan_s: float = 5.0  # a moved arrival rate re-plans at most this often (the node agent: every 5 s)
     prefill_batched: bool = True  # False: a worker prefills each request of a batch alone (the CPU runtime)
 
@@ -176,7 +177,8 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.integer("max_concurrent_batches", 1, 1, 1024), top.integer("serverful_max_concurrent_batches", 8, 1, 1024),
         top.number("keep_alive_s", 600, 0.0), top.number("plan_interval_s", 60, 0.1),
         top.integer("slots_per_node", 8, 0, 100_000), int(top.number("slot_gb", 32, 1e-3) * GB),
-        top.number("min_replan_s", 5.0, 0.0), _flag(top, "prefill_batched", True))
+        top.integer("max_instances_per_function", 64, 1, 100_000), top.number("min_replan_s", 5.0, 0.0),
+        _flag(top, "prefill_batched", True))
 
 
 def _flag(fields: _Fields, key: str, default: bool) -> bool:

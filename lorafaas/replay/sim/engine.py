@@ -32,7 +32,13 @@ from lorafaas.replay.sim.views import ViewBuilder
 from lorafaas.replay.workload import Workload
 from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfig
 
-MAX_INSTANCES_PER_FUNCTION = 64
+
+@dataclass
+class ActiveBatch:
+    indices: list[int]
+    kv_bytes: int
+    end_s: float
+    token: int = 0  # bumped when a stall moves its completion (older events are ignored)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class SimInstance:
     permanent: bool = False  # serverful servers
     prefill_free_at_s: float = 0.0  # when the instance's worker has finished the prefills it was given
     num_seqs: int = 0  # sequences decoding in it
+    active: list[ActiveBatch] = field(default_factory=list)
 
 
 @dataclass
@@ -192,22 +199,31 @@ class Simulator:
             size = self._batch_size(name, fs)
             if size == 0:
                 return
-            instance = self._free_instance(fs)
+            instance = self._free_instance(name, fs)
             if instance is None:
                 instance = self._start_instance(name, fs, size)
-                if instance is None:  # no device can take it now: wait for memory to free
+                if instance is None:  # no device can take it now (or the function is at its maximum): wait
                     fs.blocked = True
                     self.blocked.add(name)
                     return
+            size = min(size, self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
             self._run_batch(instance, batch)
 
-    def _free_instance(self, fs: FunctionState) -> SimInstance | None:
-        best = None
+    def _room(self, name: FunctionName, fs: FunctionState, inst: SimInstance) -> int:
+        """Requests `inst` may take now. Adaptive batching (as the node agent's admission): at most B in flight per
+        instance, B the policy's largest batch within the SLO; otherwise `concurrency` batches of any size."""
+        if self.policy.batching == "adaptive":
+            return self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size - inst.num_seqs
+        return len(fs.queue) if inst.running < self.concurrency else 0  # the batching already sized the batch
+
+    def _free_instance(self, name: FunctionName, fs: FunctionState) -> SimInstance | None:
+        best, best_key = None, None
         for inst in fs.instances:
-            if inst.running < self.concurrency and (best is None or (inst.running, inst.ready_at_s) <
-                                                    (best.running, best.ready_at_s)):
-                best = inst
+            if self._room(name, fs, inst) > 0:
+                key = (inst.num_seqs, inst.ready_at_s)
+                if best_key is None or key < best_key:
+                    best, best_key = inst, key
         return best
 
     # -- batches ------------------------------------------------------------------------------------------------
@@ -255,11 +271,31 @@ class Simulator:
             res.cold_start_s = inst.cold_start_s if cold else None
         inst.first_batch = False
         self.scheduler.observe_prefill(inst.function, fs.spec.slo_ttft_s, len(reqs), prefill)
-        end = first_token + step * (max(r.output_tokens for r in reqs) - 1)
-        self.push(end, "done", (inst, kv, len(reqs)))
+        self._stall(inst, start, prefill)
+        record = ActiveBatch(batch, kv, first_token + step * (max(r.output_tokens for r in reqs) - 1))
+        inst.active.append(record)
+        self.push(record.end_s, "done", (inst, record, record.token))
+
+    def _stall(self, inst: SimInstance, start_s: float, prefill_s: float) -> None:
+        """The worker decodes nothing while it prefills: sequences of the instance still decoding at `start_s`
+        finish `prefill_s` later (their completion events move)."""
+        for record in inst.active:
+            if record.end_s <= start_s:
+                continue
+            for i in record.indices:
+                res = self.results[i]
+                if res.e2e_s is not None and res.arrival_s + res.e2e_s > start_s:
+                    res.e2e_s += prefill_s
+            record.end_s += prefill_s
+            record.token += 1
+            self.push(record.end_s, "done", (inst, record, record.token))
 
     def _on_done(self, payload: object) -> None:
-        inst, kv, num_seqs = payload  # type: ignore[misc]
+        inst, record, token = payload  # type: ignore[misc]
+        if token != record.token:
+            return  # moved by a stall
+        inst.active.remove(record)
+        kv, num_seqs = record.kv_bytes, len(record.indices)
         device = inst.device
         self.mem.bill(device, self.now)
         inst.num_seqs -= num_seqs
@@ -311,7 +347,7 @@ class Simulator:
     # -- instances ----------------------------------------------------------------------------------------------
 
     def _start_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
-        if len(fs.instances) >= MAX_INSTANCES_PER_FUNCTION:
+        if len(fs.instances) >= self.cluster.max_instances_per_function:
             return None
         for device in self.views.candidate_devices(name):
             need = self.views.bytes_to_start(name, device, batch_size)
