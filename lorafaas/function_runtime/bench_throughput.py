@@ -1,8 +1,10 @@
 """`lorafaas bench throughput`: one function's generation throughput at 1 and at N concurrent requests, same run.
 
-The same N greedy requests (distinct prompts, `max_tokens` each) are sent to one pre-loaded instance twice: one at a
-time, then all at once (continuous batching). Throughput is completion tokens per second of wall time; the outputs of
-the concurrent run must equal the one-at-a-time outputs token for token.
+The same N greedy requests (distinct prompts, exactly `max_tokens` each: end-of-sequence is ignored, as in vLLM's
+throughput benchmark, so that the figure measures batching rather than how unevenly the prompts happen to end) are
+sent to one pre-loaded instance twice: one at a time, then all at once (continuous batching). Throughput is completion
+tokens per second of wall time; the outputs of the concurrent run must equal the one-at-a-time outputs token for
+token.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ async def _measure(instance, prompts: tuple[str, ...], max_tokens: int):
 
         async def one(request_id: str, prompt: str) -> list[int]:
             request = m.Generate(request_id=request_id, messages=(m.ChatMessage("user", prompt),),
-                                 params=m.SamplingParams(max_tokens=max_tokens))
+                                 params=m.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             return [e.token_id async for e in worker.generate(request) if isinstance(e, m.Token)]
 
         started = time.perf_counter()

@@ -177,7 +177,7 @@ class GenerationEngine:
         return [output]
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
-        if token_id in self.eos_ids:
+        if token_id in self.eos_ids and not seq.params.ignore_eos:
             return self._finished(seq, token_id, seq.stream.finish(seq.output_ids), "stop")
         seq.output_ids.append(token_id)
         text = seq.stream.push(seq.output_ids)

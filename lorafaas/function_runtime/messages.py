@@ -27,6 +27,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens (fixed-length benchmarks, as vLLM's)
 
     def check(self, max_tokens_limit: int) -> None:
         from lorafaas.errors import InvalidInput

@@ -110,3 +110,12 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     params = SamplingParams(temperature=1.0, top_p=0.5)
     generator = torch.Generator().manual_seed(0)
     assert {next_token(logits, params, generator) for _ in range(50)} == {0}
+
+
+def test_ignore_eos_generates_exactly_max_tokens_with_the_same_prefix(engine: GenerationEngine) -> None:
+    prompt = "Tell me about the ocean."
+    normal = run(engine, {"a": (prompt, SamplingParams(max_tokens=30))})[2]["a"]
+    fixed = run(engine, {"a": (prompt, SamplingParams(max_tokens=30, ignore_eos=True))})[2]["a"]
+    assert len(fixed) == 30
+    stop = next((i for i, t in enumerate(normal) if t in engine.eos_ids), len(normal))
+    assert fixed[:stop] == normal[:stop]
