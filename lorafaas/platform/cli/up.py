@@ -8,7 +8,7 @@ import os
 import typer
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.platform.cli.output import err_console
+from lorafaas.platform.cli.output import RichProgress, err_console
 
 
 def up(
@@ -33,6 +33,12 @@ def up(
         admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy,
     )
     url = f"http://{host}:{port}"
+    if demo:  # the one long step of a first start, with its progress bar, before the server starts
+        from lorafaas.platform.builtin_backbones import DEFAULT_BACKBONE, import_builtin
+        from lorafaas.platform.model_store import ModelStore
+
+        with RichProgress() as progress:
+            import_builtin(ModelStore(config.models_dir), DEFAULT_BACKBONE, progress)
 
     def announce(platform, demo_names: list[str]) -> None:
         if platform.new_admin_key:
