@@ -108,7 +108,7 @@ class Simulator:
         self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
-        self.blocked: set[FunctionName] = set()
+        self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
         self.instance_ids = itertools.count()
         self.concurrency = (cluster.serverful_max_concurrent_batches if policy.batching == "immediate"
                             else cluster.max_concurrent_batches)
@@ -194,7 +194,7 @@ class Simulator:
     def _pump(self, name: FunctionName) -> None:
         fs = self.fns[name]
         fs.blocked = False
-        self.blocked.discard(name)
+        self.blocked.pop(name, None)
         while fs.queue:
             size = self._batch_size(name, fs)
             if size == 0:
@@ -204,7 +204,7 @@ class Simulator:
                 instance = self._start_instance(name, fs, size)
                 if instance is None:  # no device can take it now (or the function is at its maximum): wait
                     fs.blocked = True
-                    self.blocked.add(name)
+                    self.blocked[name] = None
                     return
             size = min(size, self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
@@ -324,9 +324,13 @@ class Simulator:
         self._retry_blocked()
 
     def _retry_blocked(self) -> None:
-        for name in sorted(self.blocked):
+        """Waiting functions in the order they blocked; stop at the first that still cannot start (memory freed by
+        one event rarely serves more than the head of the line, and retrying everyone is O(blocked) views)."""
+        for name in list(self.blocked):
             if name in self.blocked:
                 self._pump(name)
+                if name in self.blocked:
+                    return
 
     def _on_expire(self, payload: object) -> None:
         inst, token = payload  # type: ignore[misc]
@@ -349,10 +353,13 @@ class Simulator:
     def _start_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
         if len(fs.instances) >= self.cluster.max_instances_per_function:
             return None
-        for device in self.views.candidate_devices(name):
-            need = self.views.bytes_to_start(name, device, batch_size)
-            if need <= self.mem.free_bytes(device) or self.views.make_room(name, device, need):
+        candidates = self.views.candidate_devices(name)
+        for device in candidates:  # where it fits as things are, best first
+            if self.views.bytes_to_start(name, device, batch_size) <= self.mem.free_bytes(device):
                 return self._cold_start(name, fs, device)
+        first = candidates[0]  # else make room where the placement wanted it
+        if self.views.make_room(name, first, self.views.bytes_to_start(name, first, batch_size)):
+            return self._cold_start(name, fs, first)
         return None
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
