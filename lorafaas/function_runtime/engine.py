@@ -20,6 +20,7 @@ import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams
+from lorafaas.function_runtime.reference import chat_template_ids
 from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token
 
 
@@ -78,8 +79,7 @@ class GenerationEngine:
     # -- requests ------------------------------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+        return chat_template_ids(self.tokenizer, messages)
 
     def encode_text(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -28,11 +28,14 @@ def load_backbone(model_dir: Path):
     return model.eval(), tokenizer
 
 
+def chat_template_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered with the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)  # transformers 5 returns a BatchEncoding
+
+
 def chat_input_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    if hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return chat_template_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int = 48, chat: bool = True) -> ReferenceOutput:

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lorafaas.function_runtime.reference import chat_input_ids
+
     if threads:
         torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()
@@ -50,10 +52,8 @@ def main(argv: list[str]) -> int:
     timings["adapter"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    ids = ids["input_ids"] if hasattr(ids, "input_ids") else ids
     with torch.inference_mode():
-        first = int(model(torch.tensor([list(ids)])).logits[0, -1].argmax())
+        first = int(model(torch.tensor([chat_input_ids(tokenizer, prompt)])).logits[0, -1].argmax())
     timings["first_token"] = time.perf_counter() - mark
 
     print(json.dumps({"first_token_id": first, "timings": timings, "total_s": time.perf_counter() - started}),

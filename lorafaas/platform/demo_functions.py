@@ -18,10 +18,11 @@ DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapters
 DEMO_KEEP_ALIVE_S = 300.0
 
 
-def demo_adapter_dirs() -> list[Path]:
-    if not DEMO_ADAPTERS_DIR.is_dir():
+def demo_adapter_dirs(root: Path = DEMO_ADAPTERS_DIR) -> list[Path]:
+    """The adapter directories under `root`, by name."""
+    if not root.is_dir():
         return []
-    return sorted(p for p in DEMO_ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file())
+    return sorted(p for p in root.iterdir() if (p / "adapter_config.json").is_file())
 
 
 async def deploy_demo_functions(platform) -> list[str]:

@@ -85,9 +85,9 @@ def _as_messages(row: object, where: str) -> list[dict[str, str]]:
 
 def encode_example(tokenizer, messages: list[dict[str, str]], max_seq_len: int) -> tuple[list[int], list[int]]:
     """Token ids and labels; labels mask the prompt so only the answer is learned."""
-    prompt_ids = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-    if hasattr(prompt_ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        prompt_ids = prompt_ids["input_ids"]
+    from lorafaas.function_runtime.reference import chat_template_ids
+
+    prompt_ids = chat_template_ids(tokenizer, messages[:-1])
     answer_ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
     answer_ids = [*answer_ids, tokenizer.eos_token_id]
     ids = (list(prompt_ids) + answer_ids)[:max_seq_len]

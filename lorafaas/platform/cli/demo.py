@@ -14,7 +14,7 @@ from rich.table import Table
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import SourceUnavailable
 from lorafaas.platform.cli.output import RichProgress, console, err_console, print_json
-from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR
+from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dirs
 from lorafaas.platform.model_store import ModelStore
 
 DEMO_PROMPT = "Tell me about the ocean."
@@ -33,8 +33,7 @@ def demo(
 
     config: LorafaasConfig = ctx.obj
     store = ModelStore(config.models_dir)
-    adapters = sorted(p for p in adapters_dir.iterdir() if (p / "adapter_config.json").is_file()) \
-        if adapters_dir.is_dir() else []
+    adapters = demo_adapter_dirs(adapters_dir)
     if not adapters:
         raise SourceUnavailable(f"no demo adapters under {adapters_dir}; run from a clone of the repository")
     answers: dict[str, str] = {}
