@@ -23,6 +23,8 @@
     │   │   └── AdapterInvalid        the adapter's own files are broken
     │   │       └── AdapterIncompatible   well-formed, but not for this backbone
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
+    │   ├── PayloadTooLarge           413: a request body over the gateway's limit
+    │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
     │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without cupy or CUDA)
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
@@ -31,6 +33,8 @@
         ├── InstanceUnavailable       503: a function worker does not answer, or went away mid-request
         ├── PlatformUnavailable       503: the CLI cannot reach the gateway
         ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
+        ├── StorageFull               507: a write failed for lack of space (disk full, quota, file size limit)
+        ├── InvocationTimedOut        504: a request ran past its function's wall-time limit
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
         └── BindingFailed             a bound model has a parameter outside the shared segment or on meta
@@ -194,3 +198,23 @@ class TraceMalformed(InvalidInput):
 
 class ClusterInvalid(InvalidInput):
     code = "cluster_invalid"
+
+
+class PayloadTooLarge(ClientError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class HeadersTooLarge(ClientError):
+    code = "headers_too_large"
+    http_status = 431
+
+
+class StorageFull(ServerError):
+    code = "storage_full"
+    http_status = 507
+
+
+class InvocationTimedOut(ServerError):
+    code = "invocation_timeout"
+    http_status = 504
