@@ -92,16 +92,22 @@ def build_workload(trace: Path, options: WorkloadOptions) -> Workload:
     rng = random.Random(options.seed)
     if kind == "azure_llm":
         sampler = TokenSampler([(1, 1)], rng, options.max_prompt_tokens, options.max_output_tokens)
-        work = workload_from_llm(list(iter_llm_requests(trace)), options.mapping, options.seed,
-                                 trace_function=_llm_name(options.mapping), sampler=sampler)
+        work = workload_from_llm(
+            list(iter_llm_requests(trace)),
+            options.mapping,
+            options.seed,
+            trace_function=_llm_name(options.mapping),
+            sampler=sampler,
+        )
     elif kind == "azure2019_invocations":
         mapping, keys = options.mapping, None
         if options.select:
             chosen = select_per_class(stats_2019(iter_2019_invocations(trace)), dict(options.select), options.seed)
             keys = {k for ks in chosen.values() for k in ks}
             mapping = _selected_mapping(options, sorted(keys))
-        work = workload_from_minute_counts(iter_2019_invocations(trace), mapping, _sampler(options, rng),
-                                           options.seed, options.expansion, keys)
+        work = workload_from_minute_counts(
+            iter_2019_invocations(trace), mapping, _sampler(options, rng), options.seed, options.expansion, keys
+        )
     elif kind == "azure2021":
         mapping = options.mapping
         rows = list(iter_2021_invocations(trace))
@@ -115,8 +121,10 @@ def build_workload(trace: Path, options: WorkloadOptions) -> Workload:
             mapping = _selected_mapping(options, sorted(keys))
         work = workload_from_2021(rows, mapping, _sampler(options, rng), options.seed)
     else:
-        raise InvalidInput(f"{trace} is a 2019 {kind.split('_')[1]} file; replay needs invocations (2019 "
-                           "invocations, 2021 invocations or the LLM inference trace)")
+        raise InvalidInput(
+            f"{trace} is a 2019 {kind.split('_')[1]} file; replay needs invocations (2019 "
+            "invocations, 2021 invocations or the LLM inference trace)"
+        )
     if options.window_s is not None or options.start_s:
         work = work.window(options.start_s, options.window_s or max(0.0, work.duration_s - options.start_s))
     if options.sample_fraction < 1:
@@ -128,8 +136,10 @@ def build_workload(trace: Path, options: WorkloadOptions) -> Workload:
         kept = tuple(r for r in work.requests if r.arrival_s < options.duration_s)
         work = Workload(kept, min(work.duration_s, options.duration_s))
     if not work.requests:
-        raise InvalidInput(f"the workload from {trace} is empty: check --map (trace functions: "
-                           f"{sorted(options.mapping.pairs)}), --start/--window and --duration")
+        raise InvalidInput(
+            f"the workload from {trace} is empty: check --map (trace functions: "
+            f"{sorted(options.mapping.pairs)}), --start/--window and --duration"
+        )
     return Workload(tuple(replace(r) for r in work.requests), work.duration_s)
 
 

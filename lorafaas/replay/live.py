@@ -65,8 +65,13 @@ def prompt_text(num_tokens: int) -> str:
     return "Continue this list: " + " ".join(words)
 
 
-async def _poll_instances(client: httpx.AsyncClient, functions: Sequence[str], seen: dict[str, InstanceSeen],
-                          stop: asyncio.Event, poll_s: float) -> None:
+async def _poll_instances(
+    client: httpx.AsyncClient,
+    functions: Sequence[str],
+    seen: dict[str, InstanceSeen],
+    stop: asyncio.Event,
+    poll_s: float,
+) -> None:
     while True:
         await _poll_once(client, functions, seen)
         try:
@@ -95,8 +100,9 @@ async def _poll_once(client: httpx.AsyncClient, functions: Sequence[str], seen: 
                 entry.cold_start = {k: float(v) for k, v in inst["cold_start"].items()}
 
 
-def attribute_cold_starts(results: Sequence[RequestResult], instances: dict[str, InstanceSeen],
-                          started_wall: float, slack_s: float = 0.05) -> None:
+def attribute_cold_starts(
+    results: Sequence[RequestResult], instances: dict[str, InstanceSeen], started_wall: float, slack_s: float = 0.05
+) -> None:
     """Mark the request each instance start served: the earliest of its function sent by the start and still
     without a first token then. Requests of functions the poller saw are marked warm otherwise."""
     by_function: dict[str, list[RequestResult]] = {}
@@ -119,11 +125,15 @@ def attribute_cold_starts(results: Sequence[RequestResult], instances: dict[str,
                     break
 
 
-async def _invoke(client: httpx.AsyncClient, req: Request, result: RequestResult, t0: float,
-                  gate: asyncio.Semaphore) -> None:
+async def _invoke(
+    client: httpx.AsyncClient, req: Request, result: RequestResult, t0: float, gate: asyncio.Semaphore
+) -> None:
     async with gate:
-        body = {"messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
-                "max_tokens": req.output_tokens, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
+            "max_tokens": req.output_tokens,
+            "stream": True,
+        }
         result.sent_s = time.perf_counter() - t0
         try:
             async with client.stream("POST", f"/v1/functions/{req.function}/invoke", json=body) as response:
@@ -158,12 +168,15 @@ async def _invoke(client: httpx.AsyncClient, req: Request, result: RequestResult
             result.error = f"{type(exc).__name__}: {exc}"[:200]
 
 
-async def run_live(workload: Workload, config: LiveConfig,
-                   on_progress: Callable[[int, int], None] | None = None) -> LiveRun:
+async def run_live(
+    workload: Workload, config: LiveConfig, on_progress: Callable[[int, int], None] | None = None
+) -> LiveRun:
     """Replay `workload` in real time against the platform at `config.url`."""
     requests = workload.requests
-    results = [RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
-               for i, r in enumerate(requests)]
+    results = [
+        RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
+        for i, r in enumerate(requests)
+    ]
     headers = {"Authorization": f"Bearer {config.api_key}"}
     timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=config.max_in_flight + 4, max_keepalive_connections=config.max_in_flight)
@@ -177,8 +190,10 @@ async def run_live(workload: Workload, config: LiveConfig,
         for name in workload.functions:
             described = await client.get(f"/v1/functions/{name}")
             if described.status_code != 200:
-                raise InvalidInput(f"function {name!r} (a mapping target) is not deployed at {config.url}: "
-                                   f"HTTP {described.status_code}")
+                raise InvalidInput(
+                    f"function {name!r} (a mapping target) is not deployed at {config.url}: "
+                    f"HTTP {described.status_code}"
+                )
         instances: dict[str, InstanceSeen] = {}
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_instances(client, workload.functions, instances, stop, config.poll_s))

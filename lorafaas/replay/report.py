@@ -1,8 +1,8 @@
 """Replay reports: `results.json`, `requests.csv`, PNG plots and `summary.md` in one output directory.
 
-    ttft_cdf.png            TTFT CDF per function
-    latency_over_time.png   TTFT and E2E of each request against its arrival time, with arrivals per bucket
-    cold_starts.png         mean cold-start breakdown per function by stage (from the instances seen), if any
+ttft_cdf.png            TTFT CDF per function
+latency_over_time.png   TTFT and E2E of each request against its arrival time, with arrivals per bucket
+cold_starts.png         mean cold-start breakdown per function by stage (from the instances seen), if any
 """
 
 from __future__ import annotations
@@ -22,25 +22,36 @@ def _fmt(value: float | None, scale: float = 1e3) -> str:
 
 
 def summary_table(summaries: Sequence[Summary]) -> str:
-    lines = ["| function | requests | errors | cold | TTFT mean ms | TTFT p50 | TTFT p99 | TPOT mean ms | "
-             "E2E mean ms | E2E p50 | E2E p99 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| function | requests | errors | cold | TTFT mean ms | TTFT p50 | TTFT p99 | TPOT mean ms | "
+        "E2E mean ms | E2E p50 | E2E p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in summaries:
-        lines.append(f"| {s.function} | {s.num_requests} | {s.num_errors} | {s.num_cold} | {_fmt(s.ttft_s.mean)} | "
-                     f"{_fmt(s.ttft_s.p50)} | {_fmt(s.ttft_s.p99)} | {_fmt(s.tpot_s.mean)} | {_fmt(s.e2e_s.mean)} | "
-                     f"{_fmt(s.e2e_s.p50)} | {_fmt(s.e2e_s.p99)} |")
+        lines.append(
+            f"| {s.function} | {s.num_requests} | {s.num_errors} | {s.num_cold} | {_fmt(s.ttft_s.mean)} | "
+            f"{_fmt(s.ttft_s.p50)} | {_fmt(s.ttft_s.p99)} | {_fmt(s.tpot_s.mean)} | {_fmt(s.e2e_s.mean)} | "
+            f"{_fmt(s.e2e_s.p50)} | {_fmt(s.e2e_s.p99)} |"
+        )
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, results: Sequence[RequestResult], meta: Mapping[str, object],
-                 cold_breakdowns: Mapping[str, Sequence[Mapping[str, float]]] | None = None,
-                 plots: bool = True) -> list[Summary]:
+def write_report(
+    out_dir: Path,
+    results: Sequence[RequestResult],
+    meta: Mapping[str, object],
+    cold_breakdowns: Mapping[str, Sequence[Mapping[str, float]]] | None = None,
+    plots: bool = True,
+) -> list[Summary]:
     """Write every report file; returns the summaries (per function, then "all")."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = summarize(results)
-    document = {"meta": dict(meta), "summary": [asdict(s) for s in summaries],
-                "requests": [r.row() for r in results],
-                "cold_start_breakdowns": {k: list(v) for k, v in (cold_breakdowns or {}).items()}}
+    document = {
+        "meta": dict(meta),
+        "summary": [asdict(s) for s in summaries],
+        "requests": [r.row() for r in results],
+        "cold_start_breakdowns": {k: list(v) for k, v in (cold_breakdowns or {}).items()},
+    }
     (out_dir / "results.json").write_text(json.dumps(document, indent=1, default=str))
     with (out_dir / "requests.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=RequestResult.columns())
@@ -62,8 +73,9 @@ def write_report(out_dir: Path, results: Sequence[RequestResult], meta: Mapping[
     return summaries
 
 
-def _plots(out_dir: Path, results: Sequence[RequestResult],
-           cold_breakdowns: Mapping[str, Sequence[Mapping[str, float]]]) -> list[str]:
+def _plots(
+    out_dir: Path, results: Sequence[RequestResult], cold_breakdowns: Mapping[str, Sequence[Mapping[str, float]]]
+) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,13 +103,18 @@ def _plots(out_dir: Path, results: Sequence[RequestResult],
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=(3, 1))
     for fn in functions:
         mine = [r for r in ok if r.function == fn]
-        top.scatter([r.arrival_s for r in mine], [r.e2e_s for r in mine], s=8, marker="o", alpha=0.5,
-                    label=f"{fn} E2E")
+        top.scatter([r.arrival_s for r in mine], [r.e2e_s for r in mine], s=8, marker="o", alpha=0.5, label=f"{fn} E2E")
         top.scatter([r.arrival_s for r in mine], [r.ttft_s for r in mine], s=10, marker="x", label=f"{fn} TTFT")
     cold = [r for r in ok if r.cold]
     if cold:
-        top.scatter([r.arrival_s for r in cold], [r.ttft_s for r in cold], s=60, facecolors="none",
-                    edgecolors="red", label="cold start")
+        top.scatter(
+            [r.arrival_s for r in cold],
+            [r.ttft_s for r in cold],
+            s=60,
+            facecolors="none",
+            edgecolors="red",
+            label="cold start",
+        )
     top.set_ylabel("latency (s)")
     top.set_title("Latency over time")
     top.grid(alpha=0.3)

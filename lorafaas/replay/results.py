@@ -88,10 +88,16 @@ class Summary:
     @classmethod
     def of(cls, function: str, results: Sequence[RequestResult]) -> Summary:
         ok = [r for r in results if r.ok]
-        return cls(function, len(results), len(ok), len(results) - len(ok), sum(1 for r in results if r.cold),
-                   Distribution.of([r.ttft_s for r in ok if r.ttft_s is not None]),
-                   Distribution.of([t for r in ok if (t := r.tpot_s) is not None]),
-                   Distribution.of([r.e2e_s for r in ok if r.e2e_s is not None]))
+        return cls(
+            function,
+            len(results),
+            len(ok),
+            len(results) - len(ok),
+            sum(1 for r in results if r.cold),
+            Distribution.of([r.ttft_s for r in ok if r.ttft_s is not None]),
+            Distribution.of([t for r in ok if (t := r.tpot_s) is not None]),
+            Distribution.of([r.e2e_s for r in ok if r.e2e_s is not None]),
+        )
 
 
 def summarize(results: Sequence[RequestResult]) -> list[Summary]:

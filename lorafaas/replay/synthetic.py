@@ -55,8 +55,9 @@ def _candidate(cls: TraceClass, minutes: int, rng: random.Random, rate_scale: fl
     return counts
 
 
-def generate(per_class: dict[TraceClass, int], minutes: int, seed: int, rate_scale: float = 1.0,
-             prefix: str = "syn") -> Iterator[FunctionMinuteCounts]:
+def generate(
+    per_class: dict[TraceClass, int], minutes: int, seed: int, rate_scale: float = 1.0, prefix: str = "syn"
+) -> Iterator[FunctionMinuteCounts]:
     """`per_class[c]` functions of class c with `minutes` minutes of counts, checked against the classifier."""
     if not 1 <= minutes <= 1440:
         raise InvalidInput(f"minutes is {minutes}; a 2019 day file has 1 to 1440 minute columns")

@@ -28,12 +28,31 @@ TraceKind = Literal["azure2019_invocations", "azure2019_durations", "azure2019_m
 MINUTES_PER_DAY = 1440
 TRIGGERS = frozenset({"http", "timer", "event", "queue", "storage", "orchestration", "others"})
 _ID_COLUMNS = ("HashOwner", "HashApp", "HashFunction")
-_DURATION_COLUMNS = ("Average", "Count", "Minimum", "Maximum", "percentile_Average_0", "percentile_Average_1",
-                     "percentile_Average_25", "percentile_Average_50", "percentile_Average_75",
-                     "percentile_Average_99", "percentile_Average_100")
-_MEMORY_COLUMNS = ("SampleCount", "AverageAllocatedMb", "AverageAllocatedMb_pct1", "AverageAllocatedMb_pct5",
-                   "AverageAllocatedMb_pct25", "AverageAllocatedMb_pct50", "AverageAllocatedMb_pct75",
-                   "AverageAllocatedMb_pct95", "AverageAllocatedMb_pct99", "AverageAllocatedMb_pct100")
+_DURATION_COLUMNS = (
+    "Average",
+    "Count",
+    "Minimum",
+    "Maximum",
+    "percentile_Average_0",
+    "percentile_Average_1",
+    "percentile_Average_25",
+    "percentile_Average_50",
+    "percentile_Average_75",
+    "percentile_Average_99",
+    "percentile_Average_100",
+)
+_MEMORY_COLUMNS = (
+    "SampleCount",
+    "AverageAllocatedMb",
+    "AverageAllocatedMb_pct1",
+    "AverageAllocatedMb_pct5",
+    "AverageAllocatedMb_pct25",
+    "AverageAllocatedMb_pct50",
+    "AverageAllocatedMb_pct75",
+    "AverageAllocatedMb_pct95",
+    "AverageAllocatedMb_pct99",
+    "AverageAllocatedMb_pct100",
+)
 _2021_COLUMNS = ("app", "func", "end_timestamp", "duration")
 _LLM_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -144,8 +163,9 @@ def _header(rows: _Rows, it: Iterator[list[str]], expected_prefix: tuple[str, ..
         raise TraceMalformed(f"{rows.path}: empty file; expected a {what} header")
     header = [h.strip().lstrip("\ufeff") for h in header]
     if tuple(header[: len(expected_prefix)]) != expected_prefix:
-        raise rows.fail(f"header starts {header[: len(expected_prefix)]}; a {what} header starts "
-                        f"{list(expected_prefix)}")
+        raise rows.fail(
+            f"header starts {header[: len(expected_prefix)]}; a {what} header starts {list(expected_prefix)}"
+        )
     return header
 
 
@@ -155,8 +175,10 @@ def iter_2019_invocations(path: Path | str) -> Iterator[FunctionMinuteCounts]:
     header = _header(rows, it, (*_ID_COLUMNS, "Trigger"), "2019 invocations")
     minutes = header[4:]
     if not minutes or minutes != [str(i) for i in range(1, len(minutes) + 1)] or len(minutes) > MINUTES_PER_DAY:
-        raise rows.fail(f"minute columns are {minutes[:3]}...{minutes[-2:]} ({len(minutes)}); expected 1..N with "
-                        f"N <= {MINUTES_PER_DAY}")
+        raise rows.fail(
+            f"minute columns are {minutes[:3]}...{minutes[-2:]} ({len(minutes)}); expected 1..N with "
+            f"N <= {MINUTES_PER_DAY}"
+        )
     for row in it:
         rows.check_width(row, len(header))
         trigger = row[3].strip()
@@ -173,8 +195,9 @@ def iter_2019_durations(path: Path | str) -> Iterator[FunctionDurations]:
     for row in it:
         rows.check_width(row, len(header))
         v = [rows.number(row, header, i) for i in range(3, 3 + len(_DURATION_COLUMNS))]
-        percentiles = {int(name.rsplit("_", 1)[1]): value
-                       for name, value in zip(_DURATION_COLUMNS[4:], v[4:], strict=True)}
+        percentiles = {
+            int(name.rsplit("_", 1)[1]): value for name, value in zip(_DURATION_COLUMNS[4:], v[4:], strict=True)
+        }
         yield FunctionDurations(row[0], row[1], row[2], v[0], int(v[1]), v[2], v[3], percentiles)
 
 
@@ -189,8 +212,9 @@ def iter_2019_memory(path: Path | str) -> Iterator[AppMemory]:
     for row in it:
         rows.check_width(row, len(header))
         v = [rows.number(row, header, i) for i in range(first, len(header))]
-        percentiles = {int(name.rsplit("pct", 1)[1]): value
-                       for name, value in zip(_MEMORY_COLUMNS[2:], v[2:], strict=True)}
+        percentiles = {
+            int(name.rsplit("pct", 1)[1]): value for name, value in zip(_MEMORY_COLUMNS[2:], v[2:], strict=True)
+        }
         yield AppMemory(row[0], row[1], row[2] if has_function else None, int(v[0]), v[1], percentiles)
 
 
@@ -221,8 +245,9 @@ def iter_llm_requests(path: Path | str) -> Iterator[LLMRequest]:
             stamp = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}" if frac else head)
         except ValueError:
             raise rows.fail(f"TIMESTAMP is {text!r}; expected 'YYYY-MM-DD HH:MM:SS[.fraction]'") from None
-        yield LLMRequest(stamp, int(rows.number(row, header, 1, integer=True)),
-                         int(rows.number(row, header, 2, integer=True)))
+        yield LLMRequest(
+            stamp, int(rows.number(row, header, 1, integer=True)), int(rows.number(row, header, 2, integer=True))
+        )
 
 
 def detect_kind(path: Path | str) -> TraceKind:
@@ -243,5 +268,7 @@ def detect_kind(path: Path | str) -> TraceKind:
             return "azure2019_durations"
         if "AverageAllocatedMb" in header:
             return "azure2019_memory"
-    raise TraceMalformed(f"{path}:1: header {header[:5]} is not a known Azure trace format (2019 invocations, "
-                         "durations, memory; 2021 invocations; LLM inference)")
+    raise TraceMalformed(
+        f"{path}:1: header {header[:5]} is not a known Azure trace format (2019 invocations, "
+        "durations, memory; 2021 invocations; LLM inference)"
+    )

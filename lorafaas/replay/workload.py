@@ -55,8 +55,9 @@ class Workload:
     def compressed(self, speedup: float) -> Workload:
         if not (math.isfinite(speedup) and speedup > 0):
             raise InvalidInput(f"speedup is {speedup}; it must be a finite number > 0")
-        return Workload(tuple(replace(r, arrival_s=r.arrival_s / speedup) for r in self.requests),
-                        self.duration_s / speedup)
+        return Workload(
+            tuple(replace(r, arrival_s=r.arrival_s / speedup) for r in self.requests), self.duration_s / speedup
+        )
 
     def window(self, start_s: float, duration_s: float) -> Workload:
         """The requests arriving in [start_s, start_s + duration_s), shifted to start at 0."""
@@ -94,8 +95,9 @@ def classify(cov: float) -> TraceClass | None:
     return "normal" if cov <= NORMAL_MAX_COV else "bursty"
 
 
-def expand_minute_counts(counts: Sequence[int], mode: ExpansionMode = "uniform",
-                         rng: random.Random | None = None) -> list[float]:
+def expand_minute_counts(
+    counts: Sequence[int], mode: ExpansionMode = "uniform", rng: random.Random | None = None
+) -> list[float]:
     """Arrival times in seconds from minute 0 for per-minute invocation counts."""
     if mode not in ("uniform", "poisson"):
         raise InvalidInput(f"expansion mode is {mode!r}; choose 'uniform' or 'poisson'")
@@ -131,16 +133,18 @@ def stats_from_arrivals(arrivals: dict[str, list[float]]) -> list[FunctionStats]
     return out
 
 
-def select_per_class(stats: Sequence[FunctionStats], wanted: dict[TraceClass, int], seed: int,
-                     min_invocations: int = 1) -> dict[TraceClass, list[str]]:
+def select_per_class(
+    stats: Sequence[FunctionStats], wanted: dict[TraceClass, int], seed: int, min_invocations: int = 1
+) -> dict[TraceClass, list[str]]:
     """`wanted[c]` trace functions of class c drawn at random (seeded) among those with >= `min_invocations`."""
     rng = random.Random(seed)
     out: dict[TraceClass, list[str]] = {}
     for cls, n in wanted.items():
         pool = sorted(s.key for s in stats if s.trace_class == cls and s.num_invocations >= min_invocations)
         if len(pool) < n:
-            raise InvalidInput(f"{n} {cls} functions wanted; the trace has {len(pool)} with >= {min_invocations} "
-                               "invocations")
+            raise InvalidInput(
+                f"{n} {cls} functions wanted; the trace has {len(pool)} with >= {min_invocations} invocations"
+            )
         out[cls] = sorted(rng.sample(pool, n))
     return out
 
@@ -176,8 +180,13 @@ class Mapping:
 class TokenSampler:
     """(prompt tokens, output tokens) pairs drawn with replacement from the LLM trace, clipped to the given maxima."""
 
-    def __init__(self, pairs: Sequence[tuple[int, int]], rng: random.Random, max_prompt_tokens: int | None = None,
-                 max_output_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        rng: random.Random,
+        max_prompt_tokens: int | None = None,
+        max_output_tokens: int | None = None,
+    ) -> None:
         if not pairs:
             raise InvalidInput("the token sampler needs at least one (prompt, output) pair")
         self.pairs, self.rng = list(pairs), rng
@@ -198,8 +207,13 @@ class TokenSampler:
         return self.clip(*self.pairs[self.rng.randrange(len(self.pairs))])
 
 
-def workload_from_llm(requests: Sequence[LLMRequest], mapping: Mapping, seed: int, trace_function: str = "llm",
-                      sampler: TokenSampler | None = None) -> Workload:
+def workload_from_llm(
+    requests: Sequence[LLMRequest],
+    mapping: Mapping,
+    seed: int,
+    trace_function: str = "llm",
+    sampler: TokenSampler | None = None,
+) -> Workload:
     """The LLM trace as one trace function (`trace_function`); each request keeps its own token counts (clipped by
     `sampler`'s maxima when given)."""
     if not requests:
@@ -211,17 +225,25 @@ def workload_from_llm(requests: Sequence[LLMRequest], mapping: Mapping, seed: in
         function = mapping.pick(trace_function, rng)
         if function is None:
             continue
-        prompt, output = sampler.clip(r.context_tokens, r.generated_tokens) if sampler else (
-            max(1, r.context_tokens), max(1, r.generated_tokens))
+        prompt, output = (
+            sampler.clip(r.context_tokens, r.generated_tokens)
+            if sampler
+            else (max(1, r.context_tokens), max(1, r.generated_tokens))
+        )
         out.append(Request((r.timestamp - t0).total_seconds(), trace_function, function, prompt, output))
     out.sort(key=lambda q: (q.arrival_s, q.function))
     duration = out[-1].arrival_s if out else 0.0
     return Workload(tuple(out), duration)
 
 
-def workload_from_minute_counts(rows: Iterable[FunctionMinuteCounts], mapping: Mapping, sampler: TokenSampler,
-                                seed: int, mode: ExpansionMode = "poisson",
-                                keys: set[str] | None = None) -> Workload:
+def workload_from_minute_counts(
+    rows: Iterable[FunctionMinuteCounts],
+    mapping: Mapping,
+    sampler: TokenSampler,
+    seed: int,
+    mode: ExpansionMode = "poisson",
+    keys: set[str] | None = None,
+) -> Workload:
     """2019 counts of the functions in `keys` (all mapped ones when None) expanded to requests."""
     rng = random.Random(seed)
     out: list[Request] = []

@@ -31,23 +31,46 @@ def platform(tmp_path_factory, tiny_dense_dir):
     adapters = tmp_path_factory.mktemp("replay-adapters")
     with PlatformProcess(home) as running, running.client() as client:
         for seed, name in enumerate(["alpha", "beta"], start=1):
-            client.deploy({"name": name, "backbone": "tiny-dense"},
-                          save_tiny_adapter(adapters / name, tiny_dense_dir, seed=seed, base_model_name="tiny-dense"))
+            client.deploy(
+                {"name": name, "backbone": "tiny-dense"},
+                save_tiny_adapter(adapters / name, tiny_dense_dir, seed=seed, base_model_name="tiny-dense"),
+            )
         yield running
 
 
 def _replay(platform: PlatformProcess, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "LORAFAAS_API_KEY": platform.admin_key}
-    return subprocess.run([sys.executable, "-m", "lorafaas", "--home", str(platform.home), "replay", *args,
-                           "--url", platform.url], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lorafaas", "--home", str(platform.home), "replay", *args, "--url", platform.url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_replay_writes_the_report(platform: PlatformProcess, tmp_path: Path) -> None:
     trace = tmp_path / "llm.csv"
     trace.write_text(TRACE)
     out = tmp_path / "out"
-    done = _replay(platform, str(trace), "--map", "llm=alpha", "--map", "llm=beta", "--window", "10",
-                   "--speedup", "2", "--max-prompt-tokens", "64", "--max-output-tokens", "4", "--out", str(out))
+    done = _replay(
+        platform,
+        str(trace),
+        "--map",
+        "llm=alpha",
+        "--map",
+        "llm=beta",
+        "--window",
+        "10",
+        "--speedup",
+        "2",
+        "--max-prompt-tokens",
+        "64",
+        "--max-output-tokens",
+        "4",
+        "--out",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     for name in ("results.json", "requests.csv", "summary.md", "ttft_cdf.png", "latency_over_time.png"):
         assert (out / name).is_file(), name

@@ -98,8 +98,9 @@ class ClusterSpec:
         if spec is not None:
             return spec
         backbones = sorted(self.backbones)
-        return FunctionSpec(name, backbones[index % len(backbones)], self.default_adapter_bytes,
-                            self.default_slo_ttft_s)
+        return FunctionSpec(
+            name, backbones[index % len(backbones)], self.default_adapter_bytes, self.default_slo_ttft_s
+        )
 
 
 class _Fields:
@@ -140,10 +141,15 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
     backbones = {}
     for name, raw in (top.data.get("backbones") or {}).items():
         b = _Fields(f"{where}.backbones.{name}", raw)
-        backbones[name] = BackboneSpec(name, int(b.number("size_gb", low=1e-6) * GB), b.number("prefill_base_ms") / 1e3,
-                                       b.number("prefill_ms_per_token") / 1e3, b.number("decode_ms_per_step", low=1e-6)
-                                       / 1e3, b.number("decode_ms_per_extra_seq") / 1e3,
-                                       int(b.number("kv_kb_per_token") * 1e3))
+        backbones[name] = BackboneSpec(
+            name,
+            int(b.number("size_gb", low=1e-6) * GB),
+            b.number("prefill_base_ms") / 1e3,
+            b.number("prefill_ms_per_token") / 1e3,
+            b.number("decode_ms_per_step", low=1e-6) / 1e3,
+            b.number("decode_ms_per_extra_seq") / 1e3,
+            int(b.number("kv_kb_per_token") * 1e3),
+        )
     if not backbones:
         raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
     default_slo = top.number("default_slo_ttft_ms", 1000, 1e-3) / 1e3
@@ -154,31 +160,64 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         if backbone not in backbones:
             raise ClusterInvalid(f"{f.where}.backbone is {backbone!r}; the cluster's backbones are {sorted(backbones)}")
         name = f.text("name")
-        functions[name] = FunctionSpec(name, backbone, int(f.number("adapter_mb", low=1e-6) * 1e6),
-                                       f.number("slo_ttft_ms", default_slo * 1e3, 1e-3) / 1e3)
+        functions[name] = FunctionSpec(
+            name,
+            backbone,
+            int(f.number("adapter_mb", low=1e-6) * 1e6),
+            f.number("slo_ttft_ms", default_slo * 1e3, 1e-3) / 1e3,
+        )
     loading = LoadingSpec(
-        load.number("libraries_s"), int(load.number("libraries_gb") * GB), load.number("warmup_s"),
-        int(load.number("warmup_gb") * GB), load.number("bind_s"), int(load.number("instance_overhead_gb") * GB),
-        load.number("disk_gbps", low=1e-6) * GB, load.number("host_to_device_gbps", low=1e-6) * GB,
-        load.number("fast_dram_gbps", low=1e-6) * GB, load.number("fast_ssd_gbps", low=1e-6) * GB,
-        int(load.number("host_cache_gb") * GB))
-    sheet = PriceSheet(price.text("name"), price.text("source"), price.number("gpu_active_per_gb_s"),
-                       price.number("gpu_idle_per_gb_s"), price.number("per_request", 0.0),
-                       price.text("currency", "USD"))
+        load.number("libraries_s"),
+        int(load.number("libraries_gb") * GB),
+        load.number("warmup_s"),
+        int(load.number("warmup_gb") * GB),
+        load.number("bind_s"),
+        int(load.number("instance_overhead_gb") * GB),
+        load.number("disk_gbps", low=1e-6) * GB,
+        load.number("host_to_device_gbps", low=1e-6) * GB,
+        load.number("fast_dram_gbps", low=1e-6) * GB,
+        load.number("fast_ssd_gbps", low=1e-6) * GB,
+        int(load.number("host_cache_gb") * GB),
+    )
+    sheet = PriceSheet(
+        price.text("name"),
+        price.text("source"),
+        price.number("gpu_active_per_gb_s"),
+        price.number("gpu_idle_per_gb_s"),
+        price.number("per_request", 0.0),
+        price.text("currency", "USD"),
+    )
     memory = int(dev.number("memory_gb", low=1e-3) * GB)
     largest = max(b.size_bytes for b in backbones.values())
     if largest + loading.instance_overhead_bytes > memory:
-        raise ClusterInvalid(f"{where}: the largest backbone ({largest / GB:.1f} GB) and one instance's overhead "
-                             f"({loading.instance_overhead_bytes / GB:.1f} GB) exceed a device's {memory / GB:.1f} GB")
+        raise ClusterInvalid(
+            f"{where}: the largest backbone ({largest / GB:.1f} GB) and one instance's overhead "
+            f"({loading.instance_overhead_bytes / GB:.1f} GB) exceed a device's {memory / GB:.1f} GB"
+        )
     return ClusterSpec(
-        top.text("name"), dev.text("kind", "gpu"), top.integer("nodes"), top.integer("devices_per_node"), memory,
-        backbones, functions, int(top.number("default_adapter_mb", 100, 1e-6) * 1e6), default_slo, loading, sheet,
-        top.number("contention", 1.0, 0.0, 10.0), top.integer("max_batch_size", 16, 1, 4096),
-        top.integer("max_concurrent_batches", 1, 1, 1024), top.integer("serverful_max_concurrent_batches", 8, 1, 1024),
-        top.number("keep_alive_s", 600, 0.0), top.number("plan_interval_s", 60, 0.1),
-        top.integer("slots_per_node", 8, 0, 100_000), int(top.number("slot_gb", 32, 1e-3) * GB),
-        top.integer("max_instances_per_function", 64, 1, 100_000), top.number("min_replan_s", 5.0, 0.0),
-        _flag(top, "prefill_batched", True))
+        top.text("name"),
+        dev.text("kind", "gpu"),
+        top.integer("nodes"),
+        top.integer("devices_per_node"),
+        memory,
+        backbones,
+        functions,
+        int(top.number("default_adapter_mb", 100, 1e-6) * 1e6),
+        default_slo,
+        loading,
+        sheet,
+        top.number("contention", 1.0, 0.0, 10.0),
+        top.integer("max_batch_size", 16, 1, 4096),
+        top.integer("max_concurrent_batches", 1, 1, 1024),
+        top.integer("serverful_max_concurrent_batches", 8, 1, 1024),
+        top.number("keep_alive_s", 600, 0.0),
+        top.number("plan_interval_s", 60, 0.1),
+        top.integer("slots_per_node", 8, 0, 100_000),
+        int(top.number("slot_gb", 32, 1e-3) * GB),
+        top.integer("max_instances_per_function", 64, 1, 100_000),
+        top.number("min_replan_s", 5.0, 0.0),
+        _flag(top, "prefill_batched", True),
+    )
 
 
 def _flag(fields: _Fields, key: str, default: bool) -> bool:

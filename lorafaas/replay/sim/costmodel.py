@@ -62,8 +62,9 @@ class CostModel:
             libraries=ArtifactCost(self.load.libraries_s, self.load.libraries_bytes),
             backbone_host=ArtifactCost(max(0.0, size / disk - size / h2d), size),
             backbone_device=ArtifactCost(size / disk, size),
-            adapter_host=ArtifactCost(max(0.0, function.adapter_bytes / disk - function.adapter_bytes / h2d),
-                                      function.adapter_bytes),
+            adapter_host=ArtifactCost(
+                max(0.0, function.adapter_bytes / disk - function.adapter_bytes / h2d), function.adapter_bytes
+            ),
             adapter_device=ArtifactCost(function.adapter_bytes / disk, function.adapter_bytes),
             warmup=ArtifactCost(self.load.warmup_s, self.load.warmup_bytes),
         )

@@ -84,34 +84,50 @@ class Simulator:
         self.cluster, self.policy, self.workload = cluster, policy, workload
         self.costs = CostModel(cluster)
         self.rng = random.Random(seed)
-        config = SchedulerConfig(preloading=policy.preloading, offloading=policy.offloading,
-                                 keep_alive_policy=policy.keep_alive, fixed_keep_alive_s=cluster.keep_alive_s,
-                                 max_batch_size=cluster.max_batch_size)
+        config = SchedulerConfig(
+            preloading=policy.preloading,
+            offloading=policy.offloading,
+            keep_alive_policy=policy.keep_alive,
+            fixed_keep_alive_s=cluster.keep_alive_s,
+            max_batch_size=cluster.max_batch_size,
+        )
         self.scheduler = Scheduler(config, random.Random(seed))
         self.fns: dict[FunctionName, FunctionState] = {}
         for i, name in enumerate(workload.functions):
             self.fns[FunctionName(name)] = FunctionState(cluster.function(name, i))
-        devices = [DeviceState(DeviceId(f"n{n}-d{k}"), n, cluster.device_memory_bytes)
-                   for n in range(cluster.num_nodes) for k in range(cluster.devices_per_node)]
-        backbone_of = {f: (s.spec.backbone if policy.sharing else f"{s.spec.backbone}@{f}")
-                       for f, s in self.fns.items()}
-        sizes = {(f, kind): self.costs.device_bytes(kind, s.spec) for f, s in self.fns.items()
-                 for kind in ("backbone", "adapter", "warmup", "libraries")}
+        devices = [
+            DeviceState(DeviceId(f"n{n}-d{k}"), n, cluster.device_memory_bytes)
+            for n in range(cluster.num_nodes)
+            for k in range(cluster.devices_per_node)
+        ]
+        backbone_of = {
+            f: (s.spec.backbone if policy.sharing else f"{s.spec.backbone}@{f}") for f, s in self.fns.items()
+        }
+        sizes = {
+            (f, kind): self.costs.device_bytes(kind, s.spec)
+            for f, s in self.fns.items()
+            for kind in ("backbone", "adapter", "warmup", "libraries")
+        }
         self.mem = MemoryState(devices, cluster.price, backbone_of, sizes)
         self.views = ViewBuilder(self, cluster, self.costs)
         self.now = 0.0
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
-        self.results = [RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
-                        for i, r in enumerate(workload.requests)]
+        self.results = [
+            RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            for i, r in enumerate(workload.requests)
+        ]
         self.num_cold_starts = self.num_plans = 0
         self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
         self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
         self.instance_ids = itertools.count()
-        self.concurrency = (cluster.serverful_max_concurrent_batches if policy.batching == "immediate"
-                            else cluster.max_concurrent_batches)
+        self.concurrency = (
+            cluster.serverful_max_concurrent_batches
+            if policy.batching == "immediate"
+            else cluster.max_concurrent_batches
+        )
 
     # -- event loop ---------------------------------------------------------------------------------------------
 
@@ -119,8 +135,12 @@ class Simulator:
         heapq.heappush(self.events, (at_s, next(self.seq), kind, payload))
 
     def run(self) -> SimOutcome:
-        handlers: dict[str, Callable[[object], None]] = {"recheck": self._on_recheck, "done": self._on_done,
-                                                         "expire": self._on_expire, "plan": self._on_plan}
+        handlers: dict[str, Callable[[object], None]] = {
+            "recheck": self._on_recheck,
+            "done": self._on_done,
+            "expire": self._on_expire,
+            "plan": self._on_plan,
+        }
         if self.policy.serverful:
             self._start_servers()
         elif self.policy.preloading:
@@ -144,8 +164,14 @@ class Simulator:
 
     def _finish(self, end_s: float) -> float:
         if self.policy.serverful:
-            return (self.cluster.num_devices * self.cluster.device_memory_bytes / 1e9 * end_s
-                    * self.cluster.price.gpu_active_per_gb_s + len(self.results) * self.cluster.price.per_request)
+            return (
+                self.cluster.num_devices
+                * self.cluster.device_memory_bytes
+                / 1e9
+                * end_s
+                * self.cluster.price.gpu_active_per_gb_s
+                + len(self.results) * self.cluster.price.per_request
+            )
         return self.mem.total_cost(end_s) + len(self.results) * self.cluster.price.per_request
 
     # -- arrivals and batching ----------------------------------------------------------------------------------
@@ -159,8 +185,11 @@ class Simulator:
         self.scheduler.observe_arrival(name, self.now)
         fs.queue.append(index)
         self._pump(name)
-        if (self.policy.preloading and self.now - self.last_plan_s >= self.cluster.min_replan_s
-                and self.scheduler.should_replan(self.now)):
+        if (
+            self.policy.preloading
+            and self.now - self.last_plan_s >= self.cluster.min_replan_s
+            and self.scheduler.should_replan(self.now)
+        ):
             self._on_plan(None)
 
     def _on_recheck(self, payload: object) -> None:
@@ -318,8 +347,11 @@ class Simulator:
             if not any(i.running for i in fs.instances):
                 fs.last_end_s = self.now
             decision = self.scheduler.keep_alive(inst.function)
-            window = decision.prewarm_s + decision.keep_alive_s if self.policy.keep_alive == "hybrid" \
+            window = (
+                decision.prewarm_s + decision.keep_alive_s
+                if self.policy.keep_alive == "hybrid"
                 else self.cluster.keep_alive_s
+            )
             self.push(self.now + window, "expire", (inst, inst.expire_token))
         self._retry_blocked()
 
@@ -372,8 +404,9 @@ class Simulator:
         self.mem.bill(device, self.now)
         device.used_bytes += overhead
         self.mem.bill(device, self.now)
-        inst = SimInstance(f"{name}-{next(self.instance_ids)}", name, device, self.now + cold_s, cold_s, overhead,
-                           last_used_s=self.now)
+        inst = SimInstance(
+            f"{name}-{next(self.instance_ids)}", name, device, self.now + cold_s, cold_s, overhead, last_used_s=self.now
+        )
         fs.instances.append(inst)
         return inst
 

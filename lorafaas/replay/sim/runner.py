@@ -32,23 +32,34 @@ class PolicyResult:
 
     def row(self) -> dict:
         s = self.summary
-        return {"policy": self.policy, "requests": s.num_requests, "cold_starts": self.num_cold_starts,
-                "ttft_mean_s": s.ttft_s.mean, "ttft_p99_s": s.ttft_s.p99, "tpot_mean_s": s.tpot_s.mean,
-                "e2e_mean_s": s.e2e_s.mean, "e2e_p99_s": s.e2e_s.p99, "cost": self.cost,
-                "cost_effectiveness": self.cost_effectiveness, "plans": self.num_plans,
-                "sim_wall_s": self.sim_wall_s}
+        return {
+            "policy": self.policy,
+            "requests": s.num_requests,
+            "cold_starts": self.num_cold_starts,
+            "ttft_mean_s": s.ttft_s.mean,
+            "ttft_p99_s": s.ttft_s.p99,
+            "tpot_mean_s": s.tpot_s.mean,
+            "e2e_mean_s": s.e2e_s.mean,
+            "e2e_p99_s": s.e2e_s.p99,
+            "cost": self.cost,
+            "cost_effectiveness": self.cost_effectiveness,
+            "plans": self.num_plans,
+            "sim_wall_s": self.sim_wall_s,
+        }
 
 
-def simulate(workload: Workload, cluster: ClusterSpec, policy: PolicySpec, seed: int = 0) -> tuple[SimOutcome,
-                                                                                                   PolicyResult]:
+def simulate(
+    workload: Workload, cluster: ClusterSpec, policy: PolicySpec, seed: int = 0
+) -> tuple[SimOutcome, PolicyResult]:
     started = time.perf_counter()
     outcome = Simulator(cluster, policy, workload, seed).run()
     wall = time.perf_counter() - started
     overall = summarize(outcome.results)[-1]
     e2e = overall.e2e_s.mean
     ce = 1.0 / (e2e * outcome.cost) if e2e and outcome.cost > 0 else None
-    return outcome, PolicyResult(policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans,
-                                 wall)
+    return outcome, PolicyResult(
+        policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans, wall
+    )
 
 
 def comparison_table(rows: Sequence[PolicyResult], currency: str) -> str:
@@ -59,16 +70,19 @@ def comparison_table(rows: Sequence[PolicyResult], currency: str) -> str:
             return "-"
         return f"{(value - reference) / reference * 100:+.0f}%"
 
-    lines = [f"| policy | requests | cold starts | TTFT mean s | TTFT p99 s | E2E mean s | E2E p99 s | "
-             f"cost {currency} | cost-eff. 1/(s·$) | TTFT vs SLLM | cost vs SLLM |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| policy | requests | cold starts | TTFT mean s | TTFT p99 s | E2E mean s | E2E p99 s | "
+        f"cost {currency} | cost-eff. 1/(s·$) | TTFT vs SLLM | cost vs SLLM |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         s = r.summary
         lines.append(
             f"| {r.policy} | {s.num_requests} | {r.num_cold_starts} | {_f(s.ttft_s.mean)} | {_f(s.ttft_s.p99)} | "
             f"{_f(s.e2e_s.mean)} | {_f(s.e2e_s.p99)} | {r.cost:.4f} | {_f(r.cost_effectiveness, 2)} | "
             f"{ratio(s.ttft_s.mean, base.summary.ttft_s.mean if base else None)} | "
-            f"{ratio(r.cost, base.cost if base else None)} |")
+            f"{ratio(r.cost, base.cost if base else None)} |"
+        )
     return "\n".join(lines)
 
 
@@ -76,27 +90,49 @@ def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def run_policies(workload: Workload, cluster_name: str, policy_names: Sequence[str], out: Path, seed: int,
-                 meta: Mapping[str, object], plots: bool = True) -> dict:
+def run_policies(
+    workload: Workload,
+    cluster_name: str,
+    policy_names: Sequence[str],
+    out: Path,
+    seed: int,
+    meta: Mapping[str, object],
+    plots: bool = True,
+) -> dict:
     cluster = load_cluster(cluster_name)
     rows: list[PolicyResult] = []
     for policy in resolve_policies(list(policy_names)):
         outcome, row = simulate(workload, cluster, policy, seed)
         rows.append(row)
-        write_report(out / policy.name, outcome.results,
-                     {**meta, "mode": "simulated", "cluster": cluster.name, "policy": policy.name,
-                      "cost": round(outcome.cost, 6), "cold_starts": outcome.num_cold_starts,
-                      "sim_wall_s": round(row.sim_wall_s, 2)},
-                     outcome.cold_breakdowns, plots)
+        write_report(
+            out / policy.name,
+            outcome.results,
+            {
+                **meta,
+                "mode": "simulated",
+                "cluster": cluster.name,
+                "policy": policy.name,
+                "cost": round(outcome.cost, 6),
+                "cold_starts": outcome.num_cold_starts,
+                "sim_wall_s": round(row.sim_wall_s, 2),
+            },
+            outcome.cold_breakdowns,
+            plots,
+        )
     out.mkdir(parents=True, exist_ok=True)
     price = cluster.price
-    text = [f"# Simulated replay on `{cluster.name}` ({cluster.num_devices} x {cluster.device_kind}, "
-            f"{cluster.device_memory_bytes / 1e9:.0f} GB)", "",
-            f"- workload: {meta.get('requests')} requests of {meta.get('functions')} over "
-            f"{meta.get('replay_duration_s')} s",
-            f"- price sheet: {price.name}: GPU memory {price.gpu_active_per_gb_s} {price.currency}/GB-s active, "
-            f"{price.gpu_idle_per_gb_s} idle ({price.source})", "",
-            comparison_table(rows, price.currency), ""]
+    text = [
+        f"# Simulated replay on `{cluster.name}` ({cluster.num_devices} x {cluster.device_kind}, "
+        f"{cluster.device_memory_bytes / 1e9:.0f} GB)",
+        "",
+        f"- workload: {meta.get('requests')} requests of {meta.get('functions')} over "
+        f"{meta.get('replay_duration_s')} s",
+        f"- price sheet: {price.name}: GPU memory {price.gpu_active_per_gb_s} {price.currency}/GB-s active, "
+        f"{price.gpu_idle_per_gb_s} idle ({price.source})",
+        "",
+        comparison_table(rows, price.currency),
+        "",
+    ]
     (out / "comparison.md").write_text("\n".join(text))
     document = {"cluster": cluster.name, "meta": dict(meta), "policies": [r.row() for r in rows]}
     (out / "comparison.json").write_text(json.dumps(document, indent=1, default=str))

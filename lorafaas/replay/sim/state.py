@@ -35,8 +35,13 @@ class DeviceState:
 class MemoryState:
     """Resident artifacts, device memory and billing; `backbone_of[f]` is the backbone name used in views."""
 
-    def __init__(self, devices: list[DeviceState], price: PriceSheet, backbone_of: dict[FunctionName, str],
-                 artifact_bytes: dict[tuple[FunctionName, str], int]) -> None:
+    def __init__(
+        self,
+        devices: list[DeviceState],
+        price: PriceSheet,
+        backbone_of: dict[FunctionName, str],
+        artifact_bytes: dict[tuple[FunctionName, str], int],
+    ) -> None:
         self.devices = devices
         self.by_id = {d.device_id: d for d in devices}
         self.price = price
@@ -101,8 +106,14 @@ class MemoryState:
         """Integrate the device's cost up to now at its current rates, then recompute them."""
         dt = now_s - device.billed_at_s
         if dt > 0:
-            device.cost += dt * (device.active_bytes * self.price.gpu_active_per_gb_s
-                                 + device.idle_bytes * self.price.gpu_idle_per_gb_s) / 1e9
+            device.cost += (
+                dt
+                * (
+                    device.active_bytes * self.price.gpu_active_per_gb_s
+                    + device.idle_bytes * self.price.gpu_idle_per_gb_s
+                )
+                / 1e9
+            )
         device.billed_at_s = now_s
         running = self.running_functions[device.device_id]
         active_backbones = {self.backbone_of[f] for f in running}

@@ -1,13 +1,13 @@
 """Between the simulator's state and the scheduler: views out, decisions applied, artifacts loaded and evicted.
 
-    view()                      a `ClusterView` of now (profiles, devices, worker slots, residencies, invoked
-                                functions, instances; a function with device artifacts but no instance shows as a
-                                pre-loaded worker)
-    apply_plan(plan)            offloads, then pre-loads (each resident after its loading delay)
-    candidate_devices(f)        where a new instance may go, best first (the scheduler's placement, ServerlessLLM's
-                                locality, or the freest device)
-    make_room(f, device, need)  the scheduler's offloading, LRU eviction (baselines) or nothing (no-offload)
-    load_artifacts(f, device)   a cold start: the delay of every artifact not resident, by stage
+view()                      a `ClusterView` of now (profiles, devices, worker slots, residencies, invoked
+                            functions, instances; a function with device artifacts but no instance shows as a
+                            pre-loaded worker)
+apply_plan(plan)            offloads, then pre-loads (each resident after its loading delay)
+candidate_devices(f)        where a new instance may go, best first (the scheduler's placement, ServerlessLLM's
+                            locality, or the freest device)
+make_room(f, device, need)  the scheduler's offloading, LRU eviction (baselines) or nothing (no-offload)
+load_artifacts(f, device)   a cold start: the delay of every artifact not resident, by stage
 """
 
 from __future__ import annotations
@@ -42,9 +42,16 @@ class ViewBuilder:
         self.sim, self.cluster, self.costs = sim, cluster, costs
         self.mem = sim.mem
         self.profiles = {
-            f: FunctionProfile(f, self.mem.backbone_of[f], 0.0, costs.artifact_costs(s.spec), s.spec.slo_ttft_s,
-                               costs.backbone(s.spec).kv_bytes_per_token)
-            for f, s in sim.fns.items()}
+            f: FunctionProfile(
+                f,
+                self.mem.backbone_of[f],
+                0.0,
+                costs.artifact_costs(s.spec),
+                s.spec.slo_ttft_s,
+                costs.backbone(s.spec).kv_bytes_per_token,
+            )
+            for f, s in sim.fns.items()
+        }
         self.pool_slots = [SlotId(f"p{n}-{k}") for n in range(cluster.num_nodes) for k in range(cluster.slots_per_node)]
         self.pool_set = set(self.pool_slots)
 
@@ -72,18 +79,28 @@ class ViewBuilder:
             fs = sim.fns[g]
             for inst in fs.instances:
                 loaded = READY if inst.ready_at_s <= sim.now else frozenset({"libraries"})
-                instances.append(InstanceView(InstanceId(inst.instance_id), g, inst.device.device_id, loaded,
-                                              inst.running, sim.concurrency))
+                instances.append(
+                    InstanceView(
+                        InstanceId(inst.instance_id), g, inst.device.device_id, loaded, inst.running, sim.concurrency
+                    )
+                )
         pre = [r for r in mem.of_function.get(f, ()) if r.tier == "device"]
         if not sim.fns[f].instances and pre:
-            instances.append(InstanceView(InstanceId(f"pre-{f}"), f, pre[0].device,  # type: ignore[arg-type]
-                                          frozenset(r.kind for r in pre) | {"libraries"}, 0, 1))
+            instances.append(
+                InstanceView(
+                    InstanceId(f"pre-{f}"),
+                    f,
+                    pre[0].device,  # type: ignore[arg-type]
+                    frozenset(r.kind for r in pre) | {"libraries"},
+                    0,
+                    1,
+                )
+            )
         owners = {r.slot: r.function for r in resident if r.slot is not None}
         slots = [WorkerSlot(s, self.cluster.slot_bytes, 0, owners.get(s)) for s in self.pool_slots]
         slots += [WorkerSlot(s, self.cluster.slot_bytes, 0, g) for s, g in owners.items() if s not in self.pool_set]
         devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
-        return ClusterView(self.profiles, devices, tuple(slots), tuple(resident), frozenset(invoked),
-                           tuple(instances))
+        return ClusterView(self.profiles, devices, tuple(slots), tuple(resident), frozenset(invoked), tuple(instances))
 
     def view(self) -> ClusterView:
         mem, sim = self.mem, self.sim
@@ -103,16 +120,28 @@ class ViewBuilder:
                 if inst.running:
                     invoked.add(f)
                 loaded = READY if inst.ready_at_s <= sim.now else frozenset({"libraries"})
-                instances.append(InstanceView(InstanceId(inst.instance_id), f, inst.device.device_id, loaded,
-                                              inst.running, sim.concurrency))
+                instances.append(
+                    InstanceView(
+                        InstanceId(inst.instance_id), f, inst.device.device_id, loaded, inst.running, sim.concurrency
+                    )
+                )
             if not fs.instances:
                 on_device = [r for r in mem.of_function.get(f, ()) if r.tier == "device"]
                 if on_device:
-                    instances.append(InstanceView(InstanceId(f"pre-{f}"), f, on_device[0].device,  # type: ignore[arg-type]
-                                                  frozenset(r.kind for r in on_device) | {"libraries"}, 0, 1))
+                    instances.append(
+                        InstanceView(
+                            InstanceId(f"pre-{f}"),
+                            f,
+                            on_device[0].device,  # type: ignore[arg-type]
+                            frozenset(r.kind for r in on_device) | {"libraries"},
+                            0,
+                            1,
+                        )
+                    )
         devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
-        return ClusterView(self.profiles, devices, tuple(slots), mem.all_resident(), frozenset(invoked),
-                           tuple(instances))
+        return ClusterView(
+            self.profiles, devices, tuple(slots), mem.all_resident(), frozenset(invoked), tuple(instances)
+        )
 
     # -- plans --------------------------------------------------------------------------------------------------
 
@@ -125,8 +154,11 @@ class ViewBuilder:
                 continue
             spec = self.sim.fns[f].spec
             if p.tier == "host":
-                delay = (self.cluster.loading.libraries_s if p.kind == "libraries"
-                         else self.costs.device_bytes(p.kind, spec) / self.cluster.loading.disk_bytes_per_s)
+                delay = (
+                    self.cluster.loading.libraries_s
+                    if p.kind == "libraries"
+                    else self.costs.device_bytes(p.kind, spec) / self.cluster.loading.disk_bytes_per_s
+                )
                 self.mem.add(Residency(f, p.kind, "host", None, p.slot), now + delay)
                 continue
             device = self.mem.by_id[p.device]  # type: ignore[index]
@@ -181,8 +213,10 @@ class ViewBuilder:
         for kind in ("adapter", "warmup"):
             if self.mem.find(f, kind, "device", device.device_id) is None:
                 need += self.costs.device_bytes(kind, spec)
-        tokens = sum(self.sim.workload.requests[i].prompt_tokens + self.sim.workload.requests[i].output_tokens
-                     for i in list(fs.queue)[:batch_size])
+        tokens = sum(
+            self.sim.workload.requests[i].prompt_tokens + self.sim.workload.requests[i].output_tokens
+            for i in list(fs.queue)[:batch_size]
+        )
         return need + self.costs.kv_bytes(self.costs.backbone(spec), tokens)
 
     def make_room(self, f: FunctionName, device: DeviceState, need: int) -> bool:
@@ -201,15 +235,27 @@ class ViewBuilder:
         """Baselines: stop idle instances and drop pre-loaded artifacts of functions not running, oldest first."""
         mem, sim = self.mem, self.sim
         running = mem.running_functions[device.device_id]
-        idle = sorted((inst for fs in sim.fns.values() for inst in fs.instances
-                       if inst.device is device and not inst.running and not inst.permanent),
-                      key=lambda i: (i.last_used_s, i.instance_id))
+        idle = sorted(
+            (
+                inst
+                for fs in sim.fns.values()
+                for inst in fs.instances
+                if inst.device is device and not inst.running and not inst.permanent
+            ),
+            key=lambda i: (i.last_used_s, i.instance_id),
+        )
         for inst in idle:
             if mem.free_bytes(device) >= need:
                 return True
             sim._stop_instance(inst, keep_artifacts=False)
-        stale = sorted((r for r in device.resident if r.function not in running and r.function != f
-                        and not sim.fns[r.function].instances), key=lambda r: (r.function, r.kind))
+        stale = sorted(
+            (
+                r
+                for r in device.resident
+                if r.function not in running and r.function != f and not sim.fns[r.function].instances
+            ),
+            key=lambda r: (r.function, r.kind),
+        )
         for r in stale:
             if mem.free_bytes(device) >= need:
                 return True
@@ -307,6 +353,7 @@ class ViewBuilder:
                     mem.add(Residency(f, kind, "device", device.device_id, slot_of(f)), 0.0)
                 overhead = self.cluster.loading.instance_overhead_bytes if j == 0 else 0
                 device.used_bytes += overhead
-                inst: SimInstance = SimInstance(f"srv-{device.device_id}-{f}", f, device, 0.0, 0.0, overhead,
-                                                permanent=True)
+                inst: SimInstance = SimInstance(
+                    f"srv-{device.device_id}-{f}", f, device, 0.0, 0.0, overhead, permanent=True
+                )
                 sim.fns[f].instances.append(inst)

@@ -28,8 +28,12 @@ def test_tpot_percentile_summary() -> None:
 
 def test_cold_start_attribution() -> None:
     # a0 waits when instance i1 starts at 0.1 s; a1 (sent at 2.0) is served warm; a2 waits when i2 starts at 5.05
-    rs = [_done(0, "a", 0.0, 1.0, 2.0, 3), _done(1, "a", 2.0, 0.1, 0.5, 3), _done(2, "a", 5.0, 0.8, 1.0, 3),
-          _done(3, "b", 0.0, 0.1, 0.2, 3)]
+    rs = [
+        _done(0, "a", 0.0, 1.0, 2.0, 3),
+        _done(1, "a", 2.0, 0.1, 0.5, 3),
+        _done(2, "a", 5.0, 0.8, 1.0, 3),
+        _done(3, "b", 0.0, 0.1, 0.2, 3),
+    ]
     instances = {"i1": InstanceSeen("i1", "a", 100.1, {"total": 0.9}), "i2": InstanceSeen("i2", "a", 105.05, {})}
     attribute_cold_starts(rs, instances, started_wall=100.0)
     assert [r.cold for r in rs] == [True, False, True, False]
@@ -40,8 +44,14 @@ def test_prompt_length_and_report(tmp_path) -> None:
     assert len(prompt_text(100).split()) == 3 + 92
     rs = [_done(0, "a", 0.0, 0.5, 1.5, 5), RequestResult(1, "a", "t", 1.0, 10, 8, error="boom")]
     write_report(tmp_path, rs, {"trace": "x.csv"}, {"a": [{"spawn": 0.1, "load": 0.2, "total": 0.3}]})
-    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "requests.csv", "summary.md", "ttft_cdf.png",
-                                                    "latency_over_time.png", "cold_starts.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "results.json",
+        "requests.csv",
+        "summary.md",
+        "ttft_cdf.png",
+        "latency_over_time.png",
+        "cold_starts.png",
+    }
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["summary"][-1]["num_errors"] == 1
     assert "`boom`" in (tmp_path / "summary.md").read_text()

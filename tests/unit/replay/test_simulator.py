@@ -25,8 +25,16 @@ def _work(*items: tuple[float, str, int, int]) -> Workload:
     return Workload(reqs, max(r.arrival_s for r in reqs) + 1)
 
 
-SMALL = _work((0.0, "pirate", 100, 10), (0.2, "haiku", 50, 5), (0.3, "pirate", 20, 8), (5.0, "french", 80, 4),
-              (5.1, "pirate", 64, 16), (40.0, "haiku", 10, 2), (41.0, "haiku", 30, 3), (300.0, "french", 120, 6))
+SMALL = _work(
+    (0.0, "pirate", 100, 10),
+    (0.2, "haiku", 50, 5),
+    (0.3, "pirate", 20, 8),
+    (5.0, "french", 80, 4),
+    (5.1, "pirate", 64, 16),
+    (40.0, "haiku", 10, 2),
+    (41.0, "haiku", 30, 3),
+    (300.0, "french", 120, 6),
+)
 
 
 def test_golden_same_seed_same_metrics() -> None:
@@ -49,8 +57,9 @@ def test_cold_start_is_the_sum_of_missing_artifacts() -> None:
     # haiku's first start binds to the shared copy instead of loading it
     assert out.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(LOCAL.loading.bind_s)
     alone, _ = simulate(SMALL, LOCAL, POLICIES["serverlessllm"])
-    assert alone.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(0.54 / LOCAL.loading.fast_dram_bytes_per_s
-                                                                          * 1e9)  # its own copy, from host cache
+    assert alone.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(
+        0.54 / LOCAL.loading.fast_dram_bytes_per_s * 1e9
+    )  # its own copy, from host cache
 
 
 def test_no_sharing_costs_more() -> None:

@@ -39,8 +39,9 @@ def test_2019_durations_and_memory() -> None:
 
 def test_2019_memory_without_function_column(tmp_path: Path) -> None:
     path = tmp_path / "app_memory.csv"
-    cols = "SampleCount,AverageAllocatedMb," + ",".join(f"AverageAllocatedMb_pct{p}"
-                                                        for p in (1, 5, 25, 50, 75, 95, 99, 100))
+    cols = "SampleCount,AverageAllocatedMb," + ",".join(
+        f"AverageAllocatedMb_pct{p}" for p in (1, 5, 25, 50, 75, 95, 99, 100)
+    )
     path.write_text(f"HashOwner,HashApp,{cols}\no,a,10,120,1,2,3,4,5,6,7,8\n")
     (row,) = iter_2019_memory(path)
     assert row.function is None and row.sample_count == 10 and row.percentiles_mb[5] == 2
@@ -72,13 +73,16 @@ def _invocations(tmp_path: Path, rows: list[str], minutes: int = 3) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("rows", "line", "needle"), [
-    (["o,a,f,http,1,2,3", "o,a,g,http,1,2"], 3, "6 fields; the header has 7"),
-    (["o,a,f,http,1,x,3"], 2, "column '2' is 'x'; expected a number"),
-    (["o,a,f,http,1,-2,3"], 2, "expected a finite number >= 0"),
-    (["o,a,f,http,1,2.5,3"], 2, "expected a whole number"),
-    (["o,a,f,cron,1,2,3"], 2, "Trigger is 'cron'"),
-])
+@pytest.mark.parametrize(
+    ("rows", "line", "needle"),
+    [
+        (["o,a,f,http,1,2,3", "o,a,g,http,1,2"], 3, "6 fields; the header has 7"),
+        (["o,a,f,http,1,x,3"], 2, "column '2' is 'x'; expected a number"),
+        (["o,a,f,http,1,-2,3"], 2, "expected a finite number >= 0"),
+        (["o,a,f,http,1,2.5,3"], 2, "expected a whole number"),
+        (["o,a,f,cron,1,2,3"], 2, "Trigger is 'cron'"),
+    ],
+)
 def test_2019_invocations_malformed_rows(tmp_path: Path, rows: list[str], line: int, needle: str) -> None:
     path = _invocations(tmp_path, rows)
     with pytest.raises(TraceMalformed) as info:

@@ -46,9 +46,18 @@ def test_cov_by_hand() -> None:
 
 
 def test_classes_on_hand_made_trace() -> None:
-    stats = {s.key.split("/")[1]: s for s in stats_2019([_row("steady", STEADY), _row("every_other", EVERY_OTHER),
-                                                          _row("normalish", NORMALISH), _row("burst", BURST),
-                                                          _row("once", [1] + [0] * 59)])}
+    stats = {
+        s.key.split("/")[1]: s
+        for s in stats_2019(
+            [
+                _row("steady", STEADY),
+                _row("every_other", EVERY_OTHER),
+                _row("normalish", NORMALISH),
+                _row("burst", BURST),
+                _row("once", [1] + [0] * 59),
+            ]
+        )
+    }
     assert stats["steady"].cov == pytest.approx(0.0) and stats["steady"].trace_class == "predictable"
     assert stats["every_other"].cov == pytest.approx(0.0) and stats["every_other"].trace_class == "predictable"
     # 19 gaps of 60 s and one of 2400 s: mean 177, std 509.99 -> CoV 2.881
@@ -95,16 +104,21 @@ def test_mapping_and_minute_count_workload() -> None:
     with pytest.raises(InvalidInput, match="is not TRACE_FN=FUNCTION"):
         Mapping.parse(["pirate"])
     sampler = TokenSampler([(100, 10), (2000, 300)], random.Random(3), max_prompt_tokens=512, max_output_tokens=64)
-    work = workload_from_minute_counts([_row("steady", STEADY[:3]), _row("burst", [1, 0, 2])], mapping, sampler,
-                                       seed=5, mode="uniform")
+    work = workload_from_minute_counts(
+        [_row("steady", STEADY[:3]), _row("burst", [1, 0, 2])], mapping, sampler, seed=5, mode="uniform"
+    )
     assert len(work.requests) == 9 and work.duration_s == 180.0
     assert [r.arrival_s for r in work.requests][:3] == [15.0, 30.0, 45.0]
     assert {r.function for r in work.requests if r.trace_function == "app/steady"} == {"pirate"}
     assert {r.function for r in work.requests if r.trace_function == "app/burst"} <= {"haiku", "french"}
     assert all(r.prompt_tokens in (100, 512) and r.output_tokens in (10, 64) for r in work.requests)
-    again = workload_from_minute_counts([_row("steady", STEADY[:3]), _row("burst", [1, 0, 2])], mapping,
-                                        TokenSampler([(100, 10), (2000, 300)], random.Random(3), max_prompt_tokens=512,
-                                                     max_output_tokens=64), seed=5, mode="uniform")
+    again = workload_from_minute_counts(
+        [_row("steady", STEADY[:3]), _row("burst", [1, 0, 2])],
+        mapping,
+        TokenSampler([(100, 10), (2000, 300)], random.Random(3), max_prompt_tokens=512, max_output_tokens=64),
+        seed=5,
+        mode="uniform",
+    )
     assert again == work
 
 
