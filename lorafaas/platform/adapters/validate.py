@@ -15,6 +15,9 @@ from lorafaas.platform.adapters.files import WEIGHTS_FILE, AdapterInfo, read_ada
 from lorafaas.platform.model_store import BackboneManifest, ModelStore
 from lorafaas.weights import read_safetensors_header
 
+# transformers 5 stores an MoE layer's experts as fused 3-D parameters (Mixtral, Qwen-MoE): [experts, out, in].
+FUSED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
 
 def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dict[str, tuple[int, int]]:
     """Module path -> (out_features, in_features) for every 2-D weight of the backbone."""
@@ -24,6 +27,12 @@ def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dic
         for name, info in header.tensors.items():
             if name.endswith(".weight") and len(info.shape) == 2:
                 layers[name.removesuffix(".weight")] = (info.shape[0], info.shape[1])
+            elif len(info.shape) == 3 and name.rsplit(".", 1)[-1] in FUSED_EXPERT_PARAMETERS:
+                # Fused MoE experts [num_experts, out, in]: an expert adapter targets each expert as its own layer,
+                # "<experts>.<e>.<parameter>" (see expert_adapters.py).
+                experts_path, _, parameter = name.rpartition(".")
+                for expert in range(info.shape[0]):
+                    layers[f"{experts_path}.{expert}.{parameter}"] = (info.shape[1], info.shape[2])
     if "lm_head" not in layers and "model.embed_tokens" in layers:  # tied output embedding
         layers["lm_head"] = layers["model.embed_tokens"]
     return layers
