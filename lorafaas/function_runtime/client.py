@@ -18,12 +18,23 @@ from pathlib import Path
 
 import msgspec
 
-from lorafaas.errors import InstanceUnavailable, ProtocolError
+from lorafaas.errors import InstanceUnavailable, InvalidInput, ProtocolError
 from lorafaas.function_runtime import messages as m
 from lorafaas.wire import encode_frame, error_class, read_message
 
 reply_decoder = msgspec.msgpack.Decoder(m.Reply)
 _END = object()  # end of a generation's event queue when the connection drops
+TCP_SCHEME = "tcp://"
+
+
+def tcp_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of a `tcp://HOST:PORT` worker address; None for a Unix socket path."""
+    if not address.startswith(TCP_SCHEME):
+        return None
+    host, _, port = address[len(TCP_SCHEME) :].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInput(f"worker address {address!r} is not tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 class WorkerClient:
@@ -39,7 +50,9 @@ class WorkerClient:
     @classmethod
     async def connect(cls, socket_path: str | Path, *, client: str = "", timeout_s: float = 10.0) -> WorkerClient:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(socket_path)), timeout_s)
+            tcp = tcp_address(str(socket_path))
+            opening = asyncio.open_connection(*tcp) if tcp else asyncio.open_unix_connection(str(socket_path))
+            reader, writer = await asyncio.wait_for(opening, timeout_s)
         except (OSError, TimeoutError) as exc:
             raise InstanceUnavailable(f"no function worker is listening at {socket_path} ({exc})") from exc
         writer.write(encode_frame(m.Hello(version=m.PROTOCOL_VERSION, client=client)))

@@ -1,4 +1,5 @@
-"""The function worker process: one function instance serving its typed protocol on a Unix socket.
+"""The function worker process: one function instance serving its typed protocol on a Unix socket (or, in a pod,
+on `tcp://HOST:PORT`).
 
 An asyncio loop owns the socket and the routing of events; a single compute thread owns the instance (staging and
 every engine step run there, one at a time), so generation never blocks the loop and requests arriving mid-step join
@@ -25,6 +26,7 @@ import msgspec
 
 from lorafaas.errors import InvalidInput, LorafaasError, ServerError
 from lorafaas.function_runtime import messages as m
+from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.memory import read_memory
 from lorafaas.wire import encode_frame, read_message
@@ -63,10 +65,14 @@ class WorkerServer:
         self._num_served = 0
 
     async def serve(self) -> None:
+        tcp = tcp_address(self.spec.socket_path)
         path = Path(self.spec.socket_path)
-        path.unlink(missing_ok=True)
-        server = await asyncio.start_unix_server(self._handle, path=str(path))
-        path.chmod(0o600)  # only the platform's user may talk to a function instance
+        if tcp is not None:  # a pod: the gateway reaches it over the network (a NetworkPolicy admits only the gateway)
+            server = await asyncio.start_server(self._handle, host=tcp[0], port=tcp[1])
+        else:
+            path.unlink(missing_ok=True)
+            server = await asyncio.start_unix_server(self._handle, path=str(path))
+            path.chmod(0o600)  # only the platform's user may talk to a function instance
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopped.set)
@@ -77,7 +83,8 @@ class WorkerServer:
         finally:
             compute.cancel()
             server.close()
-            path.unlink(missing_ok=True)
+            if tcp is None:
+                path.unlink(missing_ok=True)
             if "backbone" in self.instance.loaded:
                 with contextlib.suppress(LorafaasError, OSError):
                     await self._run(self.instance.unload, "backbone")
