@@ -5,7 +5,8 @@ function: routes requests to the least-loaded ready instance, starts a new one (
 when all are busy and the function may grow, keeps `min_instances` ready, retires instances idle past their
 keep-alive, restarts crashed ones, and on redeploy starts the new version before draining the old (atomic switch).
 
-Instances are processes started by a `LocalLauncher`; every call to a worker goes through its `WorkerClient`.
+Instances are started by a `Backend` (local processes or Kubernetes pods); every call to a worker goes through its
+`WorkerClient`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Literal
 from lorafaas.errors import InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient
-from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
+from lorafaas.platform.backends.base import Backend, InstanceRef
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import Scheduler, SchedulerConfig
 
@@ -56,7 +57,7 @@ class Instance:
     version: int
     device: str
     state: InstanceState = "starting"
-    handle: InstanceHandle | None = None
+    handle: InstanceRef | None = None
     client: WorkerClient | None = None
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)
@@ -78,7 +79,7 @@ class Instance:
 class NodeAgent:
     def __init__(
         self,
-        launcher: LocalLauncher,
+        launcher: Backend,
         adapter_path: Callable[[str], Path],
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -107,8 +108,9 @@ class NodeAgent:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.launcher.start_zygote)
-        status = await asyncio.to_thread(zygote_status, self.launcher.zygote_socket)
-        self.library_import_s = status.import_s
+        if self.launcher.zygote_pid is not None:  # a backend without a library pool (pods) has nothing to ask
+            status = await asyncio.to_thread(zygote_status, self.launcher.zygote_socket)
+            self.library_import_s = status.import_s
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
     async def stop(self) -> None:
@@ -139,7 +141,8 @@ class NodeAgent:
             started = time.perf_counter()
             await asyncio.to_thread(self.launcher.daemon_socket, backbone)
             self.policy.record_daemon_start(backbone, time.perf_counter() - started)
-        await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
+        if self.launcher.zygote_pid is not None:
+            await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
 
     async def remove(self, name: str) -> None:
         self.specs.pop(name, None)

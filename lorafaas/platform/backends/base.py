@@ -1,0 +1,71 @@
+"""The operations the node agent needs from wherever its function instances run.
+
+`LocalLauncher` (processes on this machine) satisfies it as it is; `KubernetesBackend` (one pod per instance) does
+too. The node agent types against `Backend`, never against one implementation.
+
+    spec = backend.spec("pirate", "smollm2-135m", adapter_dir)    # a WorkerSpec: where it listens, what it binds
+    instance = backend.launch(spec)                               # returns once the worker accepts connections
+    async with await instance.connect() as worker: ...
+    instance.kill()                                               # stop it (SIGTERM, then SIGKILL / pod deletion)
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.model_store import ModelStore
+
+
+@runtime_checkable
+class InstanceRef(Protocol):
+    """One running function instance, as `Backend.launch` returns it."""
+
+    spec: WorkerSpec
+
+    @property
+    def pid(self) -> int | None: ...  # a local process id; None where it is not ours to see (a pod)
+
+    async def connect(self) -> WorkerClient: ...
+
+    def alive(self) -> bool: ...
+
+    def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    store: ModelStore  # backbones: their config and sizes, read by the node agent's scheduler
+    instances: list  # the InstanceRefs launched and not yet stopped
+
+    # -- function instances ----------------------------------------------------------------------------------------
+
+    def spec(
+        self, function: str, backbone: str, adapter_dir: Path | None, *, shared: bool = True,
+        max_batch_size: int = 8, num_threads: int | None = 1,
+    ) -> WorkerSpec: ...
+
+    def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceRef: ...
+
+    def close(self) -> None: ...  # stop every instance (and daemon) this backend started
+
+    # -- backbone daemons ------------------------------------------------------------------------------------------
+
+    def running_backbones(self) -> list[str]: ...
+
+    def daemon_socket(self, backbone: str) -> Path: ...  # where workers attach; may start the daemon
+
+    def stop_daemon(self, backbone: str) -> bool: ...  # False: not ours to stop
+
+    # -- the library pool: a warm process workers fork from; a backend without one reports zygote_pid None --------
+
+    @property
+    def zygote_socket(self) -> Path: ...
+
+    @property
+    def zygote_pid(self) -> int | None: ...
+
+    def start_zygote(self) -> None: ...
