@@ -54,20 +54,31 @@ class BatchingResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_batching_bench(
-    store: ModelStore, bursts: int = 3, burst_size: int = 24, gap_s: float = 5.0, max_tokens: int = 16,
-    slo_ttft_ms: int = 1000, progress: ProgressSink | None = None,
+    store: ModelStore, bursts: int = 3, burst_size: int = 12, gap_s: float = 10.0, max_tokens: int = 64,
+    slo_ttft_ms: int = 2000, progress: ProgressSink | None = None,
 ) -> BatchingResult:
     progress = progress or SilentProgress()
     results = {}
     for policy in ("lorafaas", "fixed-batch"):
-        progress.stage(f"{policy}: starting a platform with the demo functions")
-        with scratch_platform(store, policy, demo=True) as platform:
+        progress.stage(f"{policy}: starting a platform with the demo functions (TTFT SLO {slo_ttft_ms} ms)")
+        with scratch_platform(store, policy, demo=False) as platform:
+            _deploy_demo(platform, {"slo_ttft_ms": slo_ttft_ms})
             progress.stage(f"{policy}: {bursts} bursts of {burst_size} requests")
             results[policy] = asyncio.run(_drive(platform, bursts, burst_size, gap_s, max_tokens, slo_ttft_ms))
     return BatchingResult(
         slo_ttft_ms=slo_ttft_ms, bursts=bursts, burst_size=burst_size, max_tokens=max_tokens, policies=results,
         ratio_requests_per_s=round(results["lorafaas"].requests_per_s / results["fixed-batch"].requests_per_s, 2),
     )
+
+
+def _deploy_demo(platform: PlatformProcess, spec: dict) -> list[str]:
+    """Deploy each demo adapter as a function of its name with `spec`; the names."""
+    from lorafaas.platform.demo_functions import demo_adapter_dirs
+
+    with platform.client() as client:
+        for adapter in demo_adapter_dirs():
+            client.deploy({"name": adapter.name, "backbone": "smollm2-135m", **spec}, adapter)
+    return [adapter.name for adapter in demo_adapter_dirs()]
 
 
 @contextlib.contextmanager
@@ -91,18 +102,13 @@ class PreloadResult(msgspec.Struct, frozen=True, kw_only=True):
 
 def run_preload_bench(store: ModelStore, rounds: int = 2, keep_alive_s: float = 2.0,
                       progress: ProgressSink | None = None) -> PreloadResult:
-    from lorafaas.platform.demo_functions import demo_adapter_dirs
-
     progress = progress or SilentProgress()
     samples: dict[str, list[float]] = {}
     for policy in ("lorafaas", "no-preload"):
         progress.stage(f"{policy}: deploying the demo adapters with a {keep_alive_s:g} s keep-alive")
         with scratch_platform(store, policy, demo=False) as platform, platform.client() as client:
-            for adapter in demo_adapter_dirs():
-                client.deploy({"name": adapter.name, "backbone": "smollm2-135m", "keep_alive_s": keep_alive_s},
-                              adapter)
+            names = _deploy_demo(platform, {"keep_alive_s": keep_alive_s})
             time.sleep(SETTLE_S)  # let each policy do what it does ahead of requests (or not)
-            names = [adapter.name for adapter in demo_adapter_dirs()]
             progress.stage(f"{policy}: {rounds} rounds of cold invocations", rounds * len(names))
             samples[policy] = []
             for _ in range(rounds):

@@ -93,6 +93,7 @@ class NodeAgent:
         self.last_cold_start: dict[str, dict[str, float]] = {}
         self.num_cold_starts: dict[tuple[str, str], int] = {}  # (function, kind) -> count
         self.num_restarts: dict[str, int] = {}
+        self.most_in_flight: dict[str, int] = {}  # function -> most requests one instance has held at once
         self._tasks: set[asyncio.Task] = set()
         self._reconciler: asyncio.Task | None = None
         self._random = random.Random(0)
@@ -159,6 +160,7 @@ class NodeAgent:
         for attempt in (1, 2):
             admitted = await self.admission.admit(spec)
             instance, dispatched = admitted.instance, self.clock()
+            self.most_in_flight[spec.name] = max(self.most_in_flight.get(spec.name, 0), instance.in_flight)
             produced = False
             tokens = self.policy.request_tokens(request)
             if self.config.scheduler.offloading:
@@ -383,6 +385,15 @@ class NodeAgent:
 
     def offloaded(self, name: str) -> list[dict]:
         return self.policy.describe(name)
+
+    def batching(self, spec: FunctionSpec) -> dict:
+        """The batching decision for the function now: B and the fitted prefill model T(b) = T0 + a(b-1) it comes from,
+        and the most requests one instance has held at once."""
+        policy = self.scheduler.batch_policy(spec.name, spec.slo_ttft_ms / 1e3)
+        return {"max_batch_size": min(policy.max_batch_size, self.config.max_batch_size),
+                "prefill_t0_s": round(policy.model.t0_s, 4), "prefill_per_request_s": round(policy.model.a_s, 4),
+                "prefills_observed": policy.model.num_observed,
+                "most_in_flight": self.most_in_flight.get(spec.name, 0)}
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         counts: dict[tuple[str, str], int] = {}

@@ -129,9 +129,10 @@ def scheduler(
 def batching(
     ctx: typer.Context,
     bursts: int = typer.Option(3, "--bursts", min=1, max=50),
-    burst_size: int = typer.Option(24, "--burst-size", min=1, max=500),
-    gap_s: float = typer.Option(5.0, "--gap", min=0.0, help="Seconds between bursts."),
-    max_tokens: int = typer.Option(16, "--max-tokens", min=1, max=512),
+    burst_size: int = typer.Option(12, "--burst-size", min=1, max=500, help="Requests per burst, over 3 functions."),
+    gap_s: float = typer.Option(10.0, "--gap", min=0.0, help="Seconds between bursts."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=512),
+    slo_ttft_ms: int = typer.Option(2000, "--slo-ttft-ms", min=1, help="The demo functions' TTFT SLO."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Bursty load on the demo functions: adaptive batching vs batch size 1, each on a fresh platform."""
@@ -141,7 +142,7 @@ def batching(
     config: LorafaasConfig = ctx.obj
     with RichProgress() as progress:
         result = run_batching_bench(ModelStore(config.models_dir), bursts, burst_size, gap_s, max_tokens,
-                                    progress=progress)
+                                    slo_ttft_ms, progress=progress)
     if as_json:
         print_json(msgspec.to_builtins(result))
         return

@@ -115,6 +115,17 @@ def describe(ctx: typer.Context, name: str, url: str = URL, as_json: bool = JSON
     console.print(table)
     if info.get("last_cold_start"):
         console.print(f"last cold start: {_breakdown(info['last_cold_start'])}")
+    if batching := info.get("batching"):
+        console.print(f"batching: up to {batching['max_batch_size']} requests per instance, prefill T(b) = "
+                      f"{batching['prefill_t0_s'] * 1e3:.0f} ms + {batching['prefill_per_request_s'] * 1e3:.0f} ms x "
+                      f"(b - 1) from {batching['prefills_observed']} prefills; most in flight "
+                      f"{batching['most_in_flight']}")
+    for item in info.get("offloaded") or []:
+        console.print(f"offloaded: {_offloaded(item)}")
+
+
+def _offloaded(item: dict) -> str:
+    return f"{item['kind']} {item['from']} -> {item['to']} ({item['reason']})"
 
 
 def _breakdown(steps: dict) -> str:
