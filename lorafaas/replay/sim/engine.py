@@ -34,10 +34,14 @@ from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfi
 
 
 @dataclass
-class ActiveBatch:
-    indices: list[int]
+class ActiveRequest:
+    """One request decoding in an instance: it leaves the instance (and frees its slot) when its own output ends,
+    as the node agent releases each request; `batch` counts the unfinished requests of the batch it came in."""
+
+    index: int
     kv_bytes: int
     end_s: float
+    batch: list[int]
     token: int = 0  # bumped when a stall moves its completion (older events are ignored)
 
 
@@ -49,14 +53,14 @@ class SimInstance:
     ready_at_s: float
     cold_start_s: float
     overhead_bytes: int
-    running: int = 0
+    running: int = 0  # batches with a request still decoding
     last_used_s: float = 0.0
     expire_token: int = 0
     first_batch: bool = True
     permanent: bool = False  # serverful servers
     prefill_free_at_s: float = 0.0  # when the instance's worker has finished the prefills it was given
-    num_seqs: int = 0  # sequences decoding in it
-    active: list[ActiveBatch] = field(default_factory=list)
+    num_seqs: int = 0  # requests in it (prefilling or decoding): the agent's `in_flight`
+    active: list[ActiveRequest] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class FunctionState:
     recheck_at_s: float = math.inf
     last_end_s: float | None = None
     blocked: bool = False
+    dispatch_free_at_s: float = 0.0  # the agent's dispatcher awaits an instance's cold start until then
 
 
 @dataclass
@@ -199,6 +204,11 @@ class Simulator:
             fs.recheck_at_s = math.inf
             self._pump(name)
 
+    def _recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None:
+        if at_s < fs.recheck_at_s - 1e-9:
+            fs.recheck_at_s = at_s
+            self.push(at_s, "recheck", name)
+
     def _batch_size(self, name: FunctionName, fs: FunctionState) -> int:
         """How many to dispatch now (0: wait; a recheck is scheduled)."""
         n = len(fs.queue)
@@ -210,14 +220,16 @@ class Simulator:
             if n >= policy.fixed_batch_size or oldest_wait >= policy.fixed_batch_timeout_s - 1e-9:
                 return min(n, policy.fixed_batch_size)
             recheck = self.now + policy.fixed_batch_timeout_s - oldest_wait
+        elif (
+            not policy.fill_or_expire
+        ):  # the agent's default: at once, up to B (each instance takes what it has room for)
+            return min(n, self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size)
         else:
             decision = self.scheduler.decide_batch(name, fs.spec.slo_ttft_s, n, oldest_wait, self.now)
             if decision.dispatch or decision.recheck_at_s <= self.now + 1e-9:  # expired up to rounding
                 return max(1, min(n, decision.size))
             recheck = decision.recheck_at_s
-        if recheck < fs.recheck_at_s - 1e-9:
-            fs.recheck_at_s = recheck
-            self.push(recheck, "recheck", name)
+        self._recheck(name, fs, recheck)
         return 0
 
     def _pump(self, name: FunctionName) -> None:
@@ -225,6 +237,9 @@ class Simulator:
         fs.blocked = False
         self.blocked.pop(name, None)
         while fs.queue:
+            if self.now < fs.dispatch_free_at_s - 1e-9:  # the dispatcher is still awaiting a cold start
+                self._recheck(name, fs, fs.dispatch_free_at_s)
+                return
             size = self._batch_size(name, fs)
             if size == 0:
                 return
@@ -235,15 +250,21 @@ class Simulator:
                     fs.blocked = True
                     self.blocked[name] = None
                     return
+                if self.policy.serial_cold_starts:
+                    fs.dispatch_free_at_s = instance.ready_at_s
             size = min(size, self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
             self._run_batch(instance, batch)
 
     def _room(self, name: FunctionName, fs: FunctionState, inst: SimInstance) -> int:
-        """Requests `inst` may take now. Adaptive batching (as the node agent's admission): at most B in flight per
-        instance, B the policy's largest batch within the SLO; otherwise `concurrency` batches of any size."""
+        """Requests `inst` may take now. Adaptive batching (as the node agent's admission): fewer than
+        min(B, max_batch_size) in flight, B the policy's largest batch within the SLO; otherwise `concurrency`
+        batches of any size (the baselines' continuous batching)."""
         if self.policy.batching == "adaptive":
-            return self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size - inst.num_seqs
+            cap = min(self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size, self.cluster.max_batch_size)
+            return cap - inst.num_seqs
+        if self.policy.batching == "fixed":  # the agent's fixed batch: B = the fixed size, not adapted
+            return self.policy.fixed_batch_size - inst.num_seqs
         return len(fs.queue) if inst.running < self.concurrency else 0  # the batching already sized the batch
 
     def _free_instance(self, name: FunctionName, fs: FunctionState) -> SimInstance | None:
@@ -299,11 +320,19 @@ class Simulator:
             res.cold = cold
             res.cold_start_s = inst.cold_start_s if cold else None
         inst.first_batch = False
-        self.scheduler.observe_prefill(inst.function, fs.spec.slo_ttft_s, len(reqs), prefill)
+        slo = fs.spec.slo_ttft_s
+        if self.cluster.prefill_batched:
+            self.scheduler.observe_prefill(inst.function, slo, len(reqs), prefill)
+        else:  # as the agent: each request's own (worker-measured) prefill x the size of the batch it came in
+            for first, before in zip(firsts, [0.0, *firsts[:-1]], strict=True):
+                self.scheduler.observe_prefill(inst.function, slo, len(reqs), (first - before) * len(reqs))
         self._stall(inst, start, prefill)
-        record = ActiveBatch(batch, kv, first_token + step * (max(r.output_tokens for r in reqs) - 1))
-        inst.active.append(record)
-        self.push(record.end_s, "done", (inst, record, record.token))
+        group = [len(batch)]
+        for i, r in zip(batch, reqs, strict=True):
+            record = ActiveRequest(i, self.costs.kv_bytes(backbone, r.prompt_tokens + r.output_tokens),
+                                   r.arrival_s + self.results[i].e2e_s, group)  # fmt: skip
+            inst.active.append(record)
+            self.push(record.end_s, "done", (inst, record, record.token))
 
     def _stall(self, inst: SimInstance, start_s: float, prefill_s: float) -> None:
         """The worker decodes nothing while it prefills: sequences of the instance still decoding at `start_s`
@@ -311,10 +340,7 @@ class Simulator:
         for record in inst.active:
             if record.end_s <= start_s:
                 continue
-            for i in record.indices:
-                res = self.results[i]
-                if res.e2e_s is not None and res.arrival_s + res.e2e_s > start_s:
-                    res.e2e_s += prefill_s
+            self.results[record.index].e2e_s += prefill_s  # type: ignore[operator]
             record.end_s += prefill_s
             record.token += 1
             self.push(record.end_s, "done", (inst, record, record.token))
@@ -324,21 +350,23 @@ class Simulator:
         if token != record.token:
             return  # moved by a stall
         inst.active.remove(record)
-        kv, num_seqs = record.kv_bytes, len(record.indices)
+        kv = record.kv_bytes
         device = inst.device
         self.mem.bill(device, self.now)
-        inst.num_seqs -= num_seqs
-        inst.running -= 1
+        inst.num_seqs -= 1
         inst.last_used_s = self.now
-        if inst.running == 0:
-            device.num_running -= 1
         device.used_bytes -= kv
         device.active_overhead -= kv
-        running = self.mem.running_functions[device.device_id]
-        running[inst.function] -= 1
-        if running[inst.function] == 0:
-            del running[inst.function]
-            device.active_overhead -= inst.overhead_bytes
+        record.batch[0] -= 1
+        if record.batch[0] == 0:  # the last request of its batch
+            inst.running -= 1
+            if inst.running == 0:
+                device.num_running -= 1
+            running = self.mem.running_functions[device.device_id]
+            running[inst.function] -= 1
+            if running[inst.function] == 0:
+                del running[inst.function]
+                device.active_overhead -= inst.overhead_bytes
         self.mem.bill(device, self.now)
         fs = self.fns[inst.function]
         if fs.queue:

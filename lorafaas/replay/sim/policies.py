@@ -1,21 +1,26 @@
 """The policies the simulator compares, each a set of mechanism switches for the one engine.
 
-    lorafaas             backbone sharing, knapsack pre-loading, offloading, adaptive batching, hybrid keep-alive,
-                         the scheduler's placement: the real `lorafaas.scheduler.Scheduler`
-    no-sharing           every function binds its own backbone copy (a per-function backbone name in the views)
-    no-preload           SchedulerConfig(preloading=False)
-    no-offload           SchedulerConfig(offloading=False); nothing resident is evicted for a batch or an instance
-    fixed-batch-1        batches of one, dispatched at once
-    fixed-batch-10       up to 10, dispatched when full or when the oldest waited 500 ms
-    fixed-batch-20       up to 20, or 1000 ms
-    serverlessllm        (Fu et al., OSDI 2024) each instance loads its own full backbone with the fast multi-tier
-                         checkpoint loader (host-memory cache, then SSD), locality-aware placement (a node whose host
-                         memory caches the checkpoint first), fixed keep-alive, requests dispatched at once
-    instainfer           (Sun et al., 2024) opportunistic pre-loading of libraries and the model per function into idle
-                         memory (the knapsack without sharing: each function's backbone is its own), no sharing,
-                         no offloading of what a request needs, fixed keep-alive, requests dispatched at once
-    serverful            vLLM-style always-on multi-LoRA servers: every device holds one backbone with all its
-                         adapters from the start, continuous batching, no cold start, billed for every device always
+lorafaas             backbone sharing, knapsack pre-loading, offloading, adaptive batching, hybrid keep-alive,
+                     the scheduler's placement: the real `lorafaas.scheduler.Scheduler`, admitted as the node
+                     agent admits (`lorafaas/platform/admission.py`, `AgentConfig` defaults): a request goes to
+                     an instance as soon as one holds fewer than B in flight (its worker batches continuously),
+                     and a function's dispatcher waits while it cold-starts an instance
+lorafaas-foe         the same with the paper's fill-or-expire admission (`AgentConfig.fill_or_expire=True`):
+                     hold the queue until it holds B requests or the oldest has waited d = SLO - T(N)
+no-sharing           every function binds its own backbone copy (a per-function backbone name in the views)
+no-preload           SchedulerConfig(preloading=False)
+no-offload           SchedulerConfig(offloading=False); nothing resident is evicted for a batch or an instance
+fixed-batch-1        batches of one, dispatched at once
+fixed-batch-10       up to 10, dispatched when full or when the oldest waited 500 ms
+fixed-batch-20       up to 20, or 1000 ms
+serverlessllm        (Fu et al., OSDI 2024) each instance loads its own full backbone with the fast multi-tier
+                     checkpoint loader (host-memory cache, then SSD), locality-aware placement (a node whose host
+                     memory caches the checkpoint first), fixed keep-alive, requests dispatched at once
+instainfer           (Sun et al., 2024) opportunistic pre-loading of libraries and the model per function into idle
+                     memory (the knapsack without sharing: each function's backbone is its own), no sharing,
+                     no offloading of what a request needs, fixed keep-alive, requests dispatched at once
+serverful            vLLM-style always-on multi-LoRA servers: every device holds one backbone with all its
+                     adapters from the start, continuous batching, no cold start, billed for every device always
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class PolicySpec:
     batching: BatchingKind = "adaptive"
     fixed_batch_size: int = 1
     fixed_batch_timeout_s: float = 0.0
+    fill_or_expire: bool = False  # adaptive batching only: the agent's `AgentConfig.fill_or_expire` (default False)
+    serial_cold_starts: bool = True  # the lorafaas agent's dispatcher awaits an instance's start (False: baselines)
     keep_alive: Literal["hybrid", "fixed"] = "hybrid"
     loader: LoaderKind = "standard"
     locality: bool = False  # ServerlessLLM: prefer nodes whose host memory caches the checkpoint
@@ -49,22 +56,49 @@ class PolicySpec:
 
 POLICIES: dict[str, PolicySpec] = {
     "lorafaas": PolicySpec("lorafaas"),
+    "lorafaas-foe": PolicySpec("lorafaas-foe", fill_or_expire=True),
     "no-sharing": PolicySpec("no-sharing", sharing=False),
     "no-preload": PolicySpec("no-preload", preloading=False),
     "no-offload": PolicySpec("no-offload", offloading=False, eviction="none"),
     "fixed-batch-1": PolicySpec("fixed-batch-1", batching="fixed", fixed_batch_size=1),
     "fixed-batch-10": PolicySpec("fixed-batch-10", batching="fixed", fixed_batch_size=10, fixed_batch_timeout_s=0.5),
     "fixed-batch-20": PolicySpec("fixed-batch-20", batching="fixed", fixed_batch_size=20, fixed_batch_timeout_s=1.0),
-    "serverlessllm": PolicySpec("serverlessllm", sharing=False, preloading=False, offloading=False, eviction="lru",
-                                batching="immediate", keep_alive="fixed", loader="fast", locality=True,
-                                uses_scheduler_placement=False),
-    "instainfer": PolicySpec("instainfer", sharing=False, preloading=True, offloading=False, eviction="lru",
-                             batching="immediate",
-                             keep_alive="fixed"),
-    "serverful": PolicySpec("serverful", batching="immediate", preloading=False, offloading=False, eviction="none",
-                            serverful=True,
-                            keep_alive="fixed", uses_scheduler_placement=False),
+    "serverlessllm": PolicySpec(
+        "serverlessllm",
+        sharing=False,
+        preloading=False,
+        offloading=False,
+        eviction="lru",
+        batching="immediate",
+        keep_alive="fixed",
+        loader="fast",
+        locality=True,
+        uses_scheduler_placement=False,
+        serial_cold_starts=False,
+    ),
+    "instainfer": PolicySpec(
+        "instainfer",
+        sharing=False,
+        preloading=True,
+        offloading=False,
+        eviction="lru",
+        batching="immediate",
+        keep_alive="fixed",
+        serial_cold_starts=False,
+    ),
+    "serverful": PolicySpec(
+        "serverful",
+        batching="immediate",
+        preloading=False,
+        offloading=False,
+        eviction="none",
+        serverful=True,
+        keep_alive="fixed",
+        uses_scheduler_placement=False,
+        serial_cold_starts=False,
+    ),
 }
+VARIANTS = ("lorafaas-foe",)  # lorafaas with the agent's other admission rule (not one of the paper's ablations)
 ABLATIONS = ("no-sharing", "no-preload", "no-offload", "fixed-batch-1", "fixed-batch-10", "fixed-batch-20")
 BASELINES = ("serverlessllm", "instainfer", "serverful")
 
