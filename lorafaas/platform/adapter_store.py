@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lorafaas.errors import AdapterNotFound, ServerError
+from lorafaas.platform.adapter_upload import storage_error
 from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from lorafaas.platform.adapters.validate import validate_adapter
 from lorafaas.platform.model_store import ModelStore
@@ -71,8 +72,8 @@ class AdapterStore:
                 for name in ADAPTER_FILES:
                     copy_hashing(adapter_dir / name, staging / name, hasher)
             except OSError as exc:  # disk full, source gone: nothing was stored
-                message = f"cannot copy adapter {adapter_dir} into the adapter store {self.root}: {exc}"
-                raise ServerError(message) from exc
+                raise storage_error(exc, f"cannot copy adapter {adapter_dir} into the adapter store {self.root}") \
+                    from exc
             digest = hasher.hexdigest()
             if self.exists(digest):
                 return digest

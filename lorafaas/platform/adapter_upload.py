@@ -8,11 +8,12 @@ nothing outside the scratch directory is ever written.
 
 from __future__ import annotations
 
+import errno
 import io
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from lorafaas.errors import AdapterInvalid, PickledWeightsRefused
+from lorafaas.errors import AdapterInvalid, PickledWeightsRefused, ServerError, StorageFull
 from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from lorafaas.weights import PICKLE_SUFFIXES
 
@@ -38,7 +39,12 @@ def unpack_adapter(archive: bytes, out_dir: Path) -> Path:
             if name in found:
                 raise AdapterInvalid(f"the archive holds {name} twice")
             source = tar.extractfile(member)
-            (Path(out_dir) / name).write_bytes(source.read(ALLOWED[name] + 1))
+            data = source.read(ALLOWED[name] + 1)
+            try:
+                (Path(out_dir) / name).write_bytes(data)
+            except OSError as exc:
+                action = f"cannot unpack the uploaded {name} ({len(data)} bytes) into {out_dir}"
+                raise storage_error(exc, action) from exc
             found.add(name)
     missing = set(ALLOWED) - found
     if missing:
@@ -67,6 +73,13 @@ def _checked_name(member: tarfile.TarInfo) -> str | None:
             f"{WEIGHTS_FILE}"
         )
     return parts[-1]
+
+
+def storage_error(exc: OSError, action: str) -> ServerError:
+    """A failed write as the platform reports it: StorageFull (507) when space ran out, ServerError otherwise."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return StorageFull(f"{action}: {exc.strerror}; free some space on the platform's disk and retry")
+    return ServerError(f"{action}: {exc}")
 
 
 def pack_adapter(adapter_dir: Path) -> bytes:

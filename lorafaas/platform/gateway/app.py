@@ -21,6 +21,7 @@ from lorafaas import __version__
 from lorafaas.errors import Forbidden, InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
@@ -38,6 +39,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     app.state.service = service
     app.state.metrics = metrics
     _install_error_handlers(app)
+    app.add_middleware(RequestLimitsMiddleware)
 
     def caller(request: Request) -> ApiKeyRecord:
         return authenticate(service.store, request.headers.get("authorization"))
@@ -195,10 +197,20 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(422, "invalid_input", _first_problem(errors))
 
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific
+            bad = exc.__cause__
+            return _error_response(400, "malformed_json", f"the request body is not valid UTF-8 (byte "
+                                   f"0x{bad.object[bad.start]:02x} at offset {bad.start})")
         return _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a user's mistake: logged with its traceback once, and still answered as JSON.
+        log.error("%s %s failed unexpectedly", request.method, request.url.path, exc_info=exc)
+        return _error_response(500, "internal", f"internal error ({type(exc).__name__}); see the platform's log")
 
     handlers: dict[type, Callable[..., Awaitable[JSONResponse]]] = {
         LorafaasError: lorafaas_error, RequestValidationError: validation_error, HTTPException: http_error,
+        Exception: unexpected_error,
     }
     for exc_class, handler in handlers.items():
         app.add_exception_handler(exc_class, handler)

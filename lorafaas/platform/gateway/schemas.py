@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafaas.errors import InvalidInput
 from lorafaas.platform.state.records import ChatMessage, InvocationRequest
 
 
@@ -52,9 +53,26 @@ class KeyBody(BaseModel):
 
 def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -> InvocationRequest:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    texts = {"prompt": prompt} | {f"stop[{i}]": text for i, text in enumerate(stops)}
+    texts |= {f"messages[{i}].content": msg.content for i, msg in enumerate(messages or ())}
+    for field_name, text in texts.items():
+        _check_encodable(field_name, text)
     return InvocationRequest(
         prompt=prompt,
         messages=[ChatMessage(role=msg.role, content=msg.content) for msg in messages] if messages is not None
         else None,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
     )
+
+
+def _check_encodable(field_name: str, text: str | None) -> None:
+    """JSON may escape a lone surrogate (\\ud800) that no UTF-8 tokenizer or wire message can carry: refuse it here."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(
+            f"{field_name} holds a lone UTF-16 surrogate ({text[exc.start]!r} at character {exc.start}); "
+            "send valid Unicode text"
+        ) from None
