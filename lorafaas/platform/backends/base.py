@@ -44,8 +44,14 @@ class Backend(Protocol):
     # -- function instances ----------------------------------------------------------------------------------------
 
     def spec(
-        self, function: str, backbone: str, adapter_dir: Path | None, *, shared: bool = True,
-        max_batch_size: int = 8, num_threads: int | None = 1,
+        self,
+        function: str,
+        backbone: str,
+        adapter_dir: Path | None,
+        *,
+        shared: bool = True,
+        max_batch_size: int = 8,
+        num_threads: int | None = 1,
     ) -> WorkerSpec: ...
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceRef: ...

@@ -1,0 +1,86 @@
+{{/* Names: <release>-lorafaas-<component>, cut to 63 characters. */}}
+{{- define "lorafaas.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lorafaas.name" -}}
+{{- printf "%s-%s" (include "lorafaas.fullname" .root) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels every object carries; selectorLabels are the immutable subset used by selectors. */}}
+{{- define "lorafaas.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "lorafaas.labels" -}}
+{{ include "lorafaas.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* An image reference: {{ include "lorafaas.image" (dict "root" . "image" .Values.image.gateway) }} */}}
+{{- define "lorafaas.image" -}}
+{{- $values := .root.Values.image -}}
+{{- $tag := default .root.Chart.AppVersion $values.tag -}}
+{{- if eq $values.variant "cuda" }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
+{{- if $values.registry -}}
+{{- printf "%s/%s:%s" $values.registry .image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lorafaas.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "lorafaas.name" (dict "root" . "component" "controller")) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lorafaas.adminKeySecret" -}}
+{{- default (include "lorafaas.name" (dict "root" . "component" "admin-key")) .Values.adminKey.existingSecret -}}
+{{- end -}}
+
+{{- define "lorafaas.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s:6379/0" (include "lorafaas.name" (dict "root" . "component" "redis")) -}}
+{{- else -}}
+{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lorafaas.isCuda" -}}
+{{- if hasPrefix "cuda" .Values.device }}true{{ end -}}
+{{- end -}}
+
+{{/* The volumes shared by node agents and function pods: the home and the CPU transport's /dev/shm. */}}
+{{- define "lorafaas.sharedVolumes" -}}
+- name: home
+{{- if .Values.home.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.home.existingClaim }}
+{{- else }}
+  hostPath:
+    path: {{ .Values.home.hostPath }}
+    type: DirectoryOrCreate
+{{- end }}
+- name: shm
+  hostPath:
+    path: {{ .Values.sharedMemory.hostPath }}
+    type: Directory
+{{- end -}}
+
+{{- define "lorafaas.sharedMounts" -}}
+- name: home
+  mountPath: {{ .Values.home.mountPath }}
+- name: shm
+  mountPath: /dev/shm
+{{- end -}}
