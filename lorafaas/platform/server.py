@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime.launcher import LocalLauncher
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
+from lorafaas.platform.backends import open_backend
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.model_store import ModelStore
@@ -49,6 +49,7 @@ class ServerConfig:
     admin_key: str | None = None  # LORAFAAS_ADMIN_KEY
     demo: bool = False
     policy: str = "lorafaas"  # or an ablation: see POLICIES
+    backend: str = "local"  # or "kubernetes": function instances as pods (in the chart's controller)
 
 
 # The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
@@ -105,7 +106,7 @@ class Platform:
         self.store = open_store(config.state_url or sqlite_url(home))
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")
-        self.launcher = LocalLauncher(home, device=device.name)
+        self.launcher = open_backend(config.backend, home, device.name)
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
                                    scheduler=scheduler_config(config.policy))
         self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config)

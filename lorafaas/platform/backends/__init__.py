@@ -1,6 +1,28 @@
 """Where function instances run: local processes (`LocalLauncher`) or Kubernetes pods (`KubernetesBackend`), both
 behind the `Backend` protocol the node agent drives. The Kubernetes backend needs the `k8s` extra."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorafaas.errors import InvalidInput
 from lorafaas.platform.backends.base import Backend, InstanceRef
 
-__all__ = ["Backend", "InstanceRef"]
+BACKENDS = ("local", "kubernetes")
+
+__all__ = ["BACKENDS", "Backend", "InstanceRef", "open_backend"]
+
+
+def open_backend(kind: str, home: Path, device: str) -> Backend:
+    """`local`: processes on this machine; `kubernetes`: pods, configured from the environment the chart sets."""
+    if kind == "local":
+        from lorafaas.function_runtime.launcher import LocalLauncher
+
+        return LocalLauncher(home, device=device)
+    if kind == "kubernetes":
+        try:
+            from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
+        except ImportError as exc:
+            raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
+        return KubernetesBackend(KubernetesConfig.from_env(home, device))
+    raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")

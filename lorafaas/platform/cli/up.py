@@ -22,6 +22,8 @@ def up(
     policy: str = typer.Option("lorafaas", "--policy",
                                help="Scheduler mechanisms: lorafaas (all), or an ablation: no-preload, no-offload, "
                                     "fixed-batch (batch size 1), fixed-keep-alive (no idle-time histogram)."),
+    backend: str = typer.Option("local", "--backend",
+                                help="local (processes here) or kubernetes (pods; the Helm chart's controller)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, run_server
@@ -30,7 +32,7 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
-        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy,
+        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy, backend=backend,
     )
     url = f"http://{host}:{port}"
     if demo:  # the one long step of a first start, with its progress bar, before the server starts
