@@ -11,12 +11,10 @@ import re
 from pathlib import Path
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid
+from lorafaas.platform.adapters.expert_adapters import EXPERTS_KEY, check_expert_adapter
 from lorafaas.platform.adapters.files import WEIGHTS_FILE, AdapterInfo, read_adapter
 from lorafaas.platform.model_store import BackboneManifest, ModelStore
 from lorafaas.weights import read_safetensors_header
-
-# transformers 5 stores an MoE layer's experts as fused 3-D parameters (Mixtral, Qwen-MoE): [experts, out, in].
-FUSED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dict[str, tuple[int, int]]:
@@ -27,12 +25,6 @@ def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dic
         for name, info in header.tensors.items():
             if name.endswith(".weight") and len(info.shape) == 2:
                 layers[name.removesuffix(".weight")] = (info.shape[0], info.shape[1])
-            elif len(info.shape) == 3 and name.rsplit(".", 1)[-1] in FUSED_EXPERT_PARAMETERS:
-                # Fused MoE experts [num_experts, out, in]: an expert adapter targets each expert as its own layer,
-                # "<experts>.<e>.<parameter>" (see expert_adapters.py).
-                experts_path, _, parameter = name.rpartition(".")
-                for expert in range(info.shape[0]):
-                    layers[f"{experts_path}.{expert}.{parameter}"] = (info.shape[1], info.shape[2])
     if "lm_head" not in layers and "model.embed_tokens" in layers:  # tied output embedding
         layers["lm_head"] = layers["model.embed_tokens"]
     return layers
@@ -53,6 +45,8 @@ def validate_adapter(path: Path, store: ModelStore, backbone: str) -> AdapterInf
             "is a different model"
         )
     layers = backbone_linear_layers(store, manifest)
+    if EXPERTS_KEY in info.config:  # an expert adapter: its per-expert layers come from the backbone's MoE layout
+        layers.update(check_expert_adapter(info.path, store.path(manifest.name), backbone))
     _check_targets(info, layers, backbone)
     for module in info.modules:
         if module.path not in layers:
