@@ -1,0 +1,188 @@
+"""The Helm chart rendered and linted by real Helm (helm-python-sdk embeds it as a library), every object validated
+against the Kubernetes 1.30 JSON schemas (strict: unknown fields are errors)."""
+
+import shutil
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+
+CHART = Path(__file__).resolve().parents[2] / "manifests" / "charts" / "lorafaas"
+KUBERNETES_VERSION = "1.30"
+VALUES_FILES = {"default": None, "cpu": "values-cpu.yaml", "gpu": "values-gpu.yaml"}
+
+
+def values_of(name: str) -> dict | None:
+    file = VALUES_FILES[name]
+    return helm.values_from_yaml((CHART / file).read_text()) if file else None
+
+
+def render(values: dict | None = None, chart: Path = CHART) -> list[dict]:
+    with helm.Chart.load(chart) as loaded:
+        rendered = loaded.render(values=values, name="lorafaas", namespace="lf", is_install=True)
+    return [
+        doc
+        for path, text in sorted(rendered.items())
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def function_pod(objects: list[dict]) -> dict:
+    return yaml.safe_load(by_kind(objects, "ConfigMap")["lorafaas-function-pod"]["data"]["pod.yaml"])
+
+
+@pytest.mark.parametrize("values_name", VALUES_FILES)
+def test_the_chart_renders_lints_and_every_object_is_valid(values_name: str) -> None:
+    values = values_of(values_name)
+    objects = render(values)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == [
+        "ConfigMap",
+        "DaemonSet",
+        "Deployment",
+        "NetworkPolicy",
+        "NetworkPolicy",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "Service",
+        "ServiceAccount",
+        "StatefulSet",
+    ]
+    for obj in objects:
+        assert kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+    pod = {**function_pod(objects), "metadata": {"name": "check"}}  # the backend names it
+    kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES_VERSION}.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []  # no warnings (info: "icon is recommended")
+
+
+def test_lint_fails_a_broken_chart(tmp_path: Path) -> None:
+    broken = tmp_path / "lorafaas"
+    shutil.copytree(CHART, broken)
+    node_agent = broken / "templates" / "node-agent.yaml"
+    node_agent.write_text(node_agent.read_text().replace("{{- end }}", "", 1))
+    report = helm.lint(broken, None, strict=True)
+    assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])
+
+
+def test_the_controller_has_probes_scrape_annotations_the_admin_key_secret_and_the_kubernetes_backend() -> None:
+    objects = render()
+    deployment = by_kind(objects, "Deployment")["lorafaas-controller"]
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["LORAFAAS_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "lorafaas-admin-key", "key": "admin-key"}
+    assert env["LORAFAAS_STATE_URL"]["value"] == "redis://lorafaas-redis:6379/0"
+    assert env["LORAFAAS_POD_TEMPLATE"]["value"] in by_kind(objects, "ConfigMap")
+    assert container["args"][container["args"].index("--backend") + 1] == "kubernetes"
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # never two controllers creating the same pods
+    secret = by_kind(objects, "Secret")["lorafaas-admin-key"]
+    assert len(secret["data"]["admin-key"]) >= 32
+
+
+def test_redis_persists_append_only_or_an_external_url_replaces_it() -> None:
+    redis = by_kind(render(), "StatefulSet")["lorafaas-redis"]
+    assert redis["spec"]["template"]["spec"]["containers"][0]["args"][1:3] == ["--appendonly", "yes"]
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    external = render({"redis": {"enabled": False, "externalUrl": "redis://state.example:6379/2"}})
+    assert "StatefulSet" not in {o["kind"] for o in external}
+    env = {
+        e["name"]: e
+        for e in by_kind(external, "Deployment")["lorafaas-controller"]["spec"]["template"]["spec"]["containers"][0][
+            "env"
+        ]
+    }
+    assert env["LORAFAAS_STATE_URL"]["value"] == "redis://state.example:6379/2"
+    with pytest.raises(helm.HelmError, match=r"redis\.externalUrl is required"):
+        render({"redis": {"enabled": False}})
+
+
+def test_gpu_values_request_gpus_and_select_gpu_nodes_cpu_values_request_none() -> None:
+    gpu = render(values_of("gpu"))
+    agent = by_kind(gpu, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
+    assert agent["hostIPC"] is True
+    assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == 1 for c in agent["containers"])
+    assert agent["containers"][0]["image"] == "lorafaas/node-agent:0.1.0-cuda"
+    assert "cuda:0" in agent["containers"][0]["args"]
+    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for values_name in ("default", "cpu"):
+        assert "nvidia.com/gpu" not in yaml.safe_dump(render(values_of(values_name)))
+
+
+def test_node_agents_serve_each_backbone_share_the_home_and_shm_and_announce_their_backbones() -> None:
+    objects = render({"nodeAgent": {"backbones": ["smollm2-135m", "tiny"]}})
+    agent = by_kind(objects, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]
+    assert agent["metadata"]["annotations"]["lorafaas.io/backbones"] == "smollm2-135m,tiny"
+    containers = agent["spec"]["containers"]
+    assert [c["args"][4] for c in containers] == ["smollm2-135m", "tiny"]
+    assert containers[1]["readinessProbe"]["exec"]["command"] == ["test", "-S", "/var/lib/lorafaas/run/tiny@cpu.sock"]
+    volumes = {v["name"]: v for v in agent["spec"]["volumes"]}
+    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
+    assert volumes == {v["name"]: v for v in function_pod(objects)["spec"]["volumes"]}  # the same node directories
+    claim = render({"home": {"existingClaim": "lorafaas-home"}})
+    assert {v["name"]: v for v in function_pod(claim)["spec"]["volumes"]}["home"] == {
+        "name": "home",
+        "persistentVolumeClaim": {"claimName": "lorafaas-home"},
+    }
+
+
+def test_rbac_allows_only_pods_and_the_template_and_function_pods_only_accept_the_controller() -> None:
+    objects = render()
+    rules = by_kind(objects, "Role")["lorafaas-controller"]["rules"]
+    assert {r for rule in rules for r in rule["resources"]} == {"pods", "pods/log", "configmaps"}
+    configmaps = next(rule for rule in rules if rule["resources"] == ["configmaps"])
+    assert configmaps["verbs"] == ["get"] and configmaps["resourceNames"] == ["lorafaas-function-pod"]
+    assert "update" not in {v for rule in rules for v in rule["verbs"]}
+    policy = by_kind(objects, "NetworkPolicy")["lorafaas-function"]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "function"
+    [rule] = policy["ingress"]
+    assert rule["from"] == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "lorafaas",
+                    "app.kubernetes.io/instance": "lorafaas",
+                    "app.kubernetes.io/component": "controller",
+                }
+            }
+        }
+    ]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 9000}]
+
+
+def test_optional_ingress_and_an_existing_admin_key_secret() -> None:
+    objects = render(
+        {
+            "controller": {"ingress": {"enabled": True, "className": "nginx", "host": "lf.example"}},
+            "adminKey": {"existingSecret": "my-key", "secretKey": "token"},
+        }
+    )
+    ingress = by_kind(objects, "Ingress")["lorafaas-controller"]
+    kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
+    assert ingress["spec"]["rules"][0]["host"] == "lf.example"
+    assert "Secret" not in {o["kind"] for o in objects}
+    env = {
+        e["name"]: e
+        for e in by_kind(objects, "Deployment")["lorafaas-controller"]["spec"]["template"]["spec"]["containers"][0][
+            "env"
+        ]
+    }
+    assert env["LORAFAAS_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "token"}
