@@ -24,5 +24,7 @@ def open_backend(kind: str, home: Path, device: str) -> Backend:
             from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
         except ImportError as exc:
             raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
-        return KubernetesBackend(KubernetesConfig.from_env(home, device))
+        backend = KubernetesBackend(KubernetesConfig.from_env(home, device))
+        backend.reconcile(())  # a new controller: the previous one's function pods are orphans (none is wanted yet)
+        return backend
     raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")
