@@ -424,6 +424,9 @@ class Simulator:
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
+        if self.cluster.device_kind == "cpu":  # starting a process is CPU work: it shares the cores with the running
+            slow = self.costs.contention(device.num_running + 1)
+            breakdown = {stage: seconds * slow for stage, seconds in breakdown.items()}
         cold_s = sum(breakdown.values())
         breakdown["total"] = cold_s
         self.num_cold_starts += 1

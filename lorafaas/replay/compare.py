@@ -1,0 +1,94 @@
+"""Simulator against a live replay on the same workload (issue 7 acceptance 3).
+
+    python -m lorafaas.replay.compare LIVE_OUT_DIR [--cluster local] [--policy lorafaas] [--seed 0] [--json]
+
+Reads the live run's `results.json` (written by `lorafaas replay ... --out LIVE_OUT_DIR`), rebuilds the workload it
+served (each request's function, arrival time and requested prompt length; its output length as served, i.e. the
+completion tokens the model produced, since the simulator cannot know where the model stops), simulates it on the
+cluster and prints the live and simulated means of TTFT, TPOT and E2E with the relative differences (sim - live) /
+live. Requests that failed live are left out of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lorafaas.errors import InvalidInput
+from lorafaas.replay.results import RequestResult, summarize
+from lorafaas.replay.sim.cluster import load_cluster
+from lorafaas.replay.sim.policies import resolve_policies
+from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.workload import Request, Workload
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+def live_workload(results_json: Path) -> tuple[Workload, list[RequestResult]]:
+    """The requests a live run served (errors left out) as a workload, and their live results."""
+    try:
+        document = json.loads(results_json.read_text())
+        rows = document["requests"]
+        duration_s = float(document["meta"]["replay_duration_s"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"{results_json}: not a live replay's results.json ({exc})") from exc
+    if document["meta"].get("mode") != "live":
+        raise InvalidInput(f"{results_json}: mode is {document['meta'].get('mode')!r}; compare needs a live run")
+    fields = set(RequestResult.__dataclass_fields__)
+    live = [RequestResult(**{k: v for k, v in row.items() if k in fields}) for row in rows]
+    live = sorted((r for r in live if r.ok and r.completion_tokens > 0), key=lambda r: r.arrival_s)
+    if not live:
+        raise InvalidInput(f"{results_json}: no request succeeded; nothing to compare")
+    requests = tuple(
+        Request(r.arrival_s, r.trace_function, r.function, r.prompt_tokens, r.completion_tokens) for r in live
+    )
+    return Workload(requests, duration_s), live
+
+
+def compare(live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0) -> dict:
+    work, live = live_workload(live_dir / "results.json")
+    outcome, row = simulate(work, load_cluster(cluster), resolve_policies([policy])[0], seed)
+    live_all, sim_all = summarize(live)[-1], summarize(outcome.results)[-1]
+    out: dict = {"requests": len(live), "cluster": cluster, "policy": policy, "metrics": {}}
+    for metric in METRICS:
+        a, b = getattr(live_all, metric).mean, getattr(sim_all, metric).mean
+        diff = None if not a or b is None else (b - a) / a
+        out["metrics"][metric] = {"live_mean": a, "sim_mean": b, "relative_difference": diff}
+    out["cold_starts"] = {"live": sum(1 for r in live if r.cold), "sim": row.num_cold_starts}
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['requests']} requests; simulated on `{result['cluster']}` with `{result['policy']}`", "",
+             "| metric | live mean s | sim mean s | sim vs live |", "|---|---:|---:|---:|"]  # fmt: skip
+    for metric, m in result["metrics"].items():
+        diff = "-" if m["relative_difference"] is None else f"{m['relative_difference'] * 100:+.1f}%"
+        live = "-" if m["live_mean"] is None else f"{m['live_mean']:.3f}"
+        sim = "-" if m["sim_mean"] is None else f"{m['sim_mean']:.3f}"
+        lines.append(f"| {metric.removesuffix('_s').upper()} | {live} | {sim} | {diff} |")
+    cold = result["cold_starts"]
+    lines.append(f"| cold starts | {cold['live']} | {cold['sim']} | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("live_dir", type=Path, help="the --out directory of a live `lorafaas replay`")
+    parser.add_argument("--cluster", default="local", help="`local`, `paper` or a cluster YAML")
+    parser.add_argument("--policy", default="lorafaas")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+    try:
+        result = compare(args.live_dir, args.cluster, args.policy, args.seed)
+    except InvalidInput as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
