@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -42,34 +42,28 @@ from lorafaas.backbone_daemon.config import DaemonPaths
 from lorafaas.errors import DaemonUnavailable, InstanceUnavailable, InvalidInput
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.backends.pod_status import (
+    ANNOTATION_BACKBONES,
+    ANNOTATION_INSTANCE_ID,
+    ANNOTATION_SPEC,
+    LABEL_BACKBONE,
+    LABEL_COMPONENT,
+    LABEL_FUNCTION,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    PodFailure,
+    is_ready,
+    pending_reason,
+    pod_failure,
+)
 from lorafaas.platform.model_store import ModelStore
 
 log = logging.getLogger(__name__)
 
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_FUNCTION = "lorafaas.io/function"
-LABEL_BACKBONE = "lorafaas.io/backbone"
-ANNOTATION_INSTANCE_ID = "lorafaas.io/instance-id"
-ANNOTATION_SPEC = "lorafaas.io/worker-spec"
-ANNOTATION_BACKBONES = "lorafaas.io/backbones"  # on node-agent pods: the backbones their daemons serve
+MAX_FAILURES_KEPT = 20  # per function
 TEMPLATE_KEY = "pod.yaml"
 WORKER_CONTAINER = "worker"
-# Waiting reasons after which a container will not start by itself.
-FAILED_WAITING_REASONS = frozenset(
-    {
-        "ErrImagePull",
-        "ImagePullBackOff",
-        "InvalidImageName",
-        "CrashLoopBackOff",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-    }
-)
-MAX_FAILURES_KEPT = 20  # per function
 
 
 @dataclass(frozen=True)
@@ -113,29 +107,6 @@ class KubernetesConfig:
     @property
     def agent_selector(self) -> str:
         return f"{LABEL_INSTANCE}={self.release},{LABEL_COMPONENT}=node-agent"
-
-
-@dataclass(frozen=True)
-class PodFailure:
-    """Why a function pod did not run; `describe` lists these."""
-
-    function: str
-    instance_id: str
-    pod: str
-    reason: str  # e.g. ImagePullBackOff, OOMKilled, Evicted, Unschedulable, Error
-    message: str
-    exit_code: int | None = None
-    at: float = field(default_factory=time.time)
-
-    def describe(self) -> dict:
-        return {
-            "instance_id": self.instance_id,
-            "pod": self.pod,
-            "reason": self.reason,
-            "message": self.message,
-            "exit_code": self.exit_code,
-            "at": self.at,
-        }
 
 
 @dataclass
@@ -218,7 +189,7 @@ class KubernetesBackend:
         pods = self.core.list_namespaced_pod(self.config.namespace, label_selector=self.config.agent_selector)
         nodes: dict[str, set[str]] = {}
         for pod in pods.items:
-            if pod.spec.node_name and _is_ready(pod):
+            if pod.spec.node_name and is_ready(pod):
                 served = (pod.metadata.annotations or {}).get(ANNOTATION_BACKBONES, "")
                 nodes.setdefault(pod.spec.node_name, set()).update(b for b in served.split(",") if b)
         return nodes
@@ -348,10 +319,10 @@ class KubernetesBackend:
                 self._record(failure)
                 self.delete_pod(name, grace_period_s=0)
                 raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
-            if _is_ready(pod) and pod.status.pod_ip:
+            if is_ready(pod) and pod.status.pod_ip:
                 return PodInstance(spec, name, pod.status.pod_ip, self)
             self.sleep(self.config.poll_interval_s)
-        reason, message = _pending_reason(pod)
+        reason, message = pending_reason(pod)
         self._record(
             PodFailure(spec.function, spec.instance_id, name, reason, f"not ready after {timeout_s:.0f} s: {message}")
         )
@@ -403,7 +374,7 @@ class KubernetesBackend:
                     deleted.append(pod.metadata.name)
                 continue
             present.add(instance_id)
-            if instance_id not in known and _is_ready(pod) and pod.status.pod_ip:
+            if instance_id not in known and is_ready(pod) and pod.status.pod_ip:
                 self.instances.append(
                     PodInstance(wanted_by_id[instance_id], pod.metadata.name, pod.status.pod_ip, self)
                 )
@@ -513,54 +484,6 @@ class KubernetesBackend:
             return method(*args, **kwargs)
         except ApiException as exc:
             raise InstanceUnavailable(f"{what} failed: {exc.status} {exc.reason}: {_api_message(exc)}") from exc
-
-
-def pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
-    """Why a function pod will not serve, from its status; None while it is starting or running."""
-    meta, status = pod.metadata, pod.status
-    annotations = meta.annotations or {}
-    labels = meta.labels or {}
-
-    def failure(reason: str, message: str, exit_code: int | None = None) -> PodFailure:
-        return PodFailure(
-            labels.get(LABEL_FUNCTION, "?"),
-            annotations.get(ANNOTATION_INSTANCE_ID, meta.name),
-            meta.name,
-            reason,
-            message or reason,
-            exit_code,
-        )
-
-    if status is None:
-        return None
-    for container in status.container_statuses or []:
-        state = container.state
-        if state is not None and state.waiting is not None and state.waiting.reason in FAILED_WAITING_REASONS:
-            return failure(state.waiting.reason, state.waiting.message or "")
-        if state is not None and state.terminated is not None:
-            done = state.terminated
-            return failure(
-                done.reason or "Terminated", done.message or f"the worker exited with {done.exit_code}", done.exit_code
-            )
-    if status.phase in ("Failed", "Succeeded"):
-        return failure(status.reason or status.phase, status.message or f"pod phase {status.phase}")
-    return None
-
-
-def _pending_reason(pod: k8s.V1Pod | None) -> tuple[str, str]:
-    if pod is None or pod.status is None:
-        return "Pending", "no status yet"
-    for condition in pod.status.conditions or []:
-        if condition.type == "PodScheduled" and condition.status == "False":
-            return condition.reason or "Unschedulable", condition.message or ""
-    return pod.status.phase or "Pending", "the worker did not become ready"
-
-
-def _is_ready(pod: k8s.V1Pod) -> bool:
-    status = pod.status
-    if status is None or status.phase != "Running":
-        return False
-    return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
 
 
 def _dns_subdomain(text: str) -> str:
