@@ -42,6 +42,8 @@ class PolicyResult(msgspec.Struct, frozen=True, kw_only=True):
     ttft_slo_attainment: float
     mean_ttft_s: float
     p99_ttft_s: float
+    most_in_flight: dict[str, int]  # function -> most requests one instance held at once (the batches it ran)
+    instances_started: dict[str, int]  # function -> cold starts during the run
 
 
 class BatchingResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,6 +157,7 @@ async def _drive(platform: PlatformProcess, bursts: int, burst_size: int, gap_s:
                                               max_tokens)) for i in range(burst_size)]
         outcomes = await asyncio.gather(*jobs)
         makespan = time.perf_counter() - started
+        described = {name: (await http.get(f"/v1/functions/{name}")).json() for name in DEMO_FUNCTIONS}
     ttfts = [t for t in outcomes if t is not None]
     ordered = sorted(ttfts)
     return PolicyResult(
@@ -163,6 +166,8 @@ async def _drive(platform: PlatformProcess, bursts: int, burst_size: int, gap_s:
         ttft_slo_attainment=round(sum(t <= slo_ttft_ms / 1e3 for t in ttfts) / len(outcomes), 3),
         mean_ttft_s=round(statistics.mean(ttfts), 3) if ttfts else float("nan"),
         p99_ttft_s=round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3) if ordered else float("nan"),
+        most_in_flight={name: d["batching"]["most_in_flight"] for name, d in described.items()},
+        instances_started={name: sum(d["cold_starts"].values()) for name, d in described.items()},
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,7 @@ from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend, InstanceRef
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler, SchedulerConfig
+from lorafaas.scheduler import Scheduler, SchedulerConfig, may_scale_out
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class AgentConfig:
     device_budget_bytes: int = 8 * 1024**3
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
+    compute_slots: int | None = None  # instances that run at full speed at once; None: cores / num_threads on a CPU
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -223,7 +225,8 @@ class NodeAgent:
         free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)
-        if len(current) < spec.max_instances:
+        if len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
+                                                               self.compute_slots):
             return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
         starting = [i for i in current if i.state == "starting"]
         if starting:
@@ -231,6 +234,17 @@ class NodeAgent:
             if starting[0].state == "ready" and starting[0].in_flight < cap:
                 return starting[0]
         return None
+
+    def _busy_instances(self) -> int:
+        return sum(1 for pool in self.instances.values() for i in pool if i.in_flight or i.state == "starting")
+
+    @property
+    def compute_slots(self) -> int:
+        if self.config.compute_slots is not None:
+            return self.config.compute_slots
+        if self.config.device == "cpu":
+            return max(1, (os.cpu_count() or 1) // max(1, self.config.num_threads))
+        return 1  # a GPU runs one instance's kernels at a time; batching, not more instances, fills it
 
     def _least_loaded(self, instances: list[Instance]) -> Instance:
         lowest = min(i.in_flight for i in instances)

@@ -28,7 +28,7 @@ from lorafaas.scheduler.messages import (
     WorkerSlot,
 )
 from lorafaas.scheduler.offload import OffloadDecision, batch_memory_bytes, plan_offload
-from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy
+from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy, may_scale_out
 from lorafaas.scheduler.preload import PreloadPlan, PreloadPlanner, plan_difference
 from lorafaas.scheduler.rates import RateTracker
 from lorafaas.scheduler.scheduler import Scheduler
@@ -67,6 +67,7 @@ __all__ = [
     "SlotId",
     "WorkerSlot",
     "batch_memory_bytes",
+    "may_scale_out",
     "order_batches",
     "plan_difference",
     "plan_offload",

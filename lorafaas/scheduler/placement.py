@@ -105,6 +105,20 @@ class PlacementPolicy:
         return PlacementDecision(chosen.kind, chosen.device, chosen.instance_id)
 
 
+def may_scale_out(num_instances: int, busy_on_device: int, compute_slots: int) -> bool:
+    """Whether a function whose instances are all full (B requests each) should start another on this device.
+
+    Its first instance always may. Another one only helps while the device has compute to spare: `busy_on_device`
+    counts the device's instances (of every function) running or starting, `compute_slots` how many can run at full
+    speed at once (a CPU: cores / threads per instance). On a saturated device a new instance does not add capacity;
+    it slows every running batch, and since prefills then take longer, the batch policy's B shrinks and more
+    instances follow. The request waits in its function's queue for a place in a running batch instead.
+    """
+    if compute_slots < 1:
+        raise ValueError(f"compute_slots is {compute_slots}; must be >= 1")
+    return num_instances == 0 or busy_on_device < compute_slots
+
+
 def _device_memory(view: ClusterView) -> tuple[dict[DeviceId, int], dict[DeviceId, set[str]]]:
     """Free bytes per device (capacity - used - resident artifacts, a backbone once) and the backbones on each."""
     free = {d.device_id: d.capacity_bytes - d.used_bytes for d in view.devices}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from scheduler_builders import fn, res, view
 
-from lorafaas.scheduler import InstanceView, PlacementPolicy, SchedulerConfig
+from lorafaas.scheduler import InstanceView, PlacementPolicy, SchedulerConfig, may_scale_out
 
 READY = frozenset({"libraries", "backbone", "adapter"})
 DEVICES = [("d0", 100, 0), ("d1", 100, 0), ("d2", 100, 0)]
@@ -74,3 +75,19 @@ def test_tie_break_never_leaves_the_best_class() -> None:
     v = view([fn("f")], DEVICES, instances=[inst("a", "f", "d0", running=0), inst("b", "f", "d1", running=3)])
     assert {place(v, top_k=1, seed=s).instance_id for s in range(30)} == {"a"}
     assert {place(v, top_k=2, seed=s).instance_id for s in range(30)} == {"a", "b"}
+
+
+def test_a_first_instance_may_always_start_even_on_a_saturated_device() -> None:
+    assert may_scale_out(num_instances=0, busy_on_device=5, compute_slots=2)
+
+
+def test_scale_out_only_while_the_device_has_compute_to_spare() -> None:
+    assert may_scale_out(num_instances=1, busy_on_device=1, compute_slots=2)
+    assert not may_scale_out(num_instances=1, busy_on_device=2, compute_slots=2)
+    assert not may_scale_out(num_instances=3, busy_on_device=3, compute_slots=2)
+    assert may_scale_out(num_instances=3, busy_on_device=3, compute_slots=4)
+
+
+def test_scale_out_needs_at_least_one_compute_slot() -> None:
+    with pytest.raises(ValueError, match="compute_slots"):
+        may_scale_out(1, 0, 0)
