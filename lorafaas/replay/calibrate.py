@@ -108,6 +108,7 @@ def cluster_yaml(measured: dict) -> dict:
     for key in ("libraries_s", "bind_s"):
         data["loading"][key] = round(data["loading"][key] * ratio, 4)
     data["contention"] = round(measured["contention"], 3)
+    data["device"].pop("cores", None)  # measured as the machine is now: the linear contention, not processor sharing
     data["name"] = "local-now"
     return data
 

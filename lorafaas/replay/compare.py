@@ -1,12 +1,14 @@
 """Simulator against a live replay on the same workload (issue 7 acceptance 3).
 
-    python -m lorafaas.replay.compare LIVE_OUT_DIR [--cluster local] [--policy lorafaas] [--seed 0] [--json]
+    python -m lorafaas.replay.compare LIVE_OUT_DIR [--cluster local] [--policy lorafaas] [--cpu-load FILE] [--json]
 
 Reads the live run's `results.json` (written by `lorafaas replay ... --out LIVE_OUT_DIR`), rebuilds the workload it
 served (each request's function, arrival time and requested prompt length; its output length as served, i.e. the
 completion tokens the model produced, since the simulator cannot know where the model stops), simulates it on the
 cluster and prints the live and simulated means of TTFT, TPOT and E2E with the relative differences (sim - live) /
-live. Requests that failed live are left out of both.
+live. Requests that failed live are left out of both. With `--cpu-load` (sampled by `lorafaas.replay.cpuload` during
+the live run) the simulated CPU device shares its cores with the runnable threads the machine had besides the
+platform's workers, window by window (a cluster with `cores`; the shipped `local` has 2).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
+from lorafaas.replay.cpuload import background_series
 from lorafaas.replay.results import RequestResult, summarize
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.policies import resolve_policies
@@ -47,11 +50,21 @@ def live_workload(results_json: Path) -> tuple[Workload, list[RequestResult]]:
     return Workload(requests, duration_s), live
 
 
-def compare(live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0) -> dict:
+def compare(
+    live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0, cpu_load: Path | None = None
+) -> dict:
     work, live = live_workload(live_dir / "results.json")
-    outcome, row = simulate(work, load_cluster(cluster), resolve_policies([policy])[0], seed)
+    background: list[tuple[float, float]] = []
+    if cpu_load is not None:
+        try:
+            background = background_series(json.loads(cpu_load.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidInput(f"{cpu_load}: not a cpuload sample file ({exc})") from exc
+    outcome, row = simulate(work, load_cluster(cluster), resolve_policies([policy])[0], seed, background)
     live_all, sim_all = summarize(live)[-1], summarize(outcome.results)[-1]
     out: dict = {"requests": len(live), "cluster": cluster, "policy": policy, "metrics": {}}
+    if background:
+        out["background_threads_mean"] = sum(b for _, b in background) / len(background)
     for metric in METRICS:
         a, b = getattr(live_all, metric).mean, getattr(sim_all, metric).mean
         diff = None if not a or b is None else (b - a) / a
@@ -61,8 +74,10 @@ def compare(live_dir: Path, cluster: str = "local", policy: str = "lorafaas", se
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['requests']} requests; simulated on `{result['cluster']}` with `{result['policy']}`", "",
-             "| metric | live mean s | sim mean s | sim vs live |", "|---|---:|---:|---:|"]  # fmt: skip
+    shared = result.get("background_threads_mean")
+    with_load = "" if shared is None else f", sharing its cores with {shared:.1f} background threads on average"
+    title = f"{result['requests']} requests; simulated on `{result['cluster']}` with `{result['policy']}`{with_load}"
+    lines = [title, "", "| metric | live mean s | sim mean s | sim vs live |", "|---|---:|---:|---:|"]
     for metric, m in result["metrics"].items():
         diff = "-" if m["relative_difference"] is None else f"{m['relative_difference'] * 100:+.1f}%"
         live = "-" if m["live_mean"] is None else f"{m['live_mean']:.3f}"
@@ -79,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="local", help="`local`, `paper` or a cluster YAML")
     parser.add_argument("--policy", default="lorafaas")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-load", type=Path, default=None, help="cpuload samples of the live run")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
     try:
-        result = compare(args.live_dir, args.cluster, args.policy, args.seed)
+        result = compare(args.live_dir, args.cluster, args.policy, args.seed, args.cpu_load)
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

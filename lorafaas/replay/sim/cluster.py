@@ -87,6 +87,7 @@ class ClusterSpec:
     max_instances_per_function: int = 64
     min_replan_s: float = 5.0  # a moved arrival rate re-plans at most this often (the node agent: every 5 s)
     prefill_batched: bool = True  # False: a worker prefills each request of a batch alone (the CPU runtime)
+    cores: float | None = None  # CPU device: its cores, shared by busy one-thread instances and background threads
 
     @property
     def num_devices(self) -> int:
@@ -217,6 +218,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.integer("max_instances_per_function", 64, 1, 100_000),
         top.number("min_replan_s", 5.0, 0.0),
         _flag(top, "prefill_batched", True),
+        dev.number("cores", low=1.0, high=4096.0) if "cores" in dev.data else None,
     )
 
 

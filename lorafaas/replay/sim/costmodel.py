@@ -3,8 +3,10 @@
 
     prefill_s(b, tokens)       T0 + per-token x prompt tokens in the batch (compute-bound)
     decode_step_s(b)           step at batch 1 + per extra sequence (memory-bound: the weights are read once a step)
-    contention(n)              a phase that starts while n instances run batches on its device takes 1 + c (n - 1)
-                               times longer (batches of one instance share its forward passes)
+    contention(n, b)           a phase that starts while n instances run batches on its device takes 1 + c (n - 1)
+                               times longer (batches of one instance share its forward passes); on a CPU device
+                               with `cores`: max(1, (n + b) / cores), the one-thread instances and b runnable
+                               threads of other programs sharing the cores equally (processor sharing)
     backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
                                bound to a copy already on the device (sharing) in `bind_s`
     backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at
@@ -35,7 +37,10 @@ class CostModel:
     def decode_step_s(self, backbone: BackboneSpec, batch_size: int) -> float:
         return backbone.decode_step_s + backbone.decode_step_per_seq_s * (batch_size - 1)
 
-    def contention(self, num_running: int) -> float:
+    def contention(self, num_running: int, background_threads: float = 0.0) -> float:
+        cores = self.cluster.cores
+        if cores is not None:
+            return max(1.0, (num_running + background_threads) / cores)
         return 1.0 + self.cluster.contention * max(0, num_running - 1)
 
     def kv_bytes(self, backbone: BackboneSpec, tokens: int) -> int:

@@ -15,12 +15,13 @@ running on the same device when they start. Nothing here reads a clock: the same
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lorafaas.replay.results import RequestResult
@@ -85,8 +86,20 @@ class SimOutcome:
 
 
 class Simulator:
-    def __init__(self, cluster: ClusterSpec, policy: PolicySpec, workload: Workload, seed: int = 0) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        policy: PolicySpec,
+        workload: Workload,
+        seed: int = 0,
+        background: Sequence[tuple[float, float]] = (),
+    ) -> None:
+        """`background`: (time s, runnable threads of other programs) from then on, e.g. measured by
+        `lorafaas.replay.cpuload` during a live run (a CPU device with `cores` shares them)."""
         self.cluster, self.policy, self.workload = cluster, policy, workload
+        samples = sorted(background)
+        self.background_at_s = [t for t, _ in samples]
+        self.background_threads = [max(0.0, b) for _, b in samples]
         self.costs = CostModel(cluster)
         self.rng = random.Random(seed)
         config = SchedulerConfig(
@@ -135,6 +148,10 @@ class Simulator:
         )
 
     # -- event loop ---------------------------------------------------------------------------------------------
+
+    def _background(self) -> float:
+        i = bisect.bisect_right(self.background_at_s, self.now) - 1
+        return self.background_threads[i] if i >= 0 else 0.0
 
     def push(self, at_s: float, kind: str, payload: object = None) -> None:
         heapq.heappush(self.events, (at_s, next(self.seq), kind, payload))
@@ -299,7 +316,7 @@ class Simulator:
         running[inst.function] = running.get(inst.function, 0) + 1
         device.active_overhead += kv
         self.mem.bill(device, self.now)
-        slow = self.costs.contention(device.num_running)
+        slow = self.costs.contention(device.num_running, self._background())
         if self.cluster.prefill_batched:  # one forward pass over the batch
             firsts = [self.costs.prefill_s(backbone, sum(r.prompt_tokens for r in reqs)) * slow] * len(reqs)
         else:  # each request prefilled alone, one after the other (the CPU runtime)
@@ -425,7 +442,7 @@ class Simulator:
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
         if self.cluster.device_kind == "cpu":  # starting a process is CPU work: it shares the cores with the running
-            slow = self.costs.contention(device.num_running + 1)
+            slow = self.costs.contention(device.num_running + 1, self._background())
             breakdown = {stage: seconds * slow for stage, seconds in breakdown.items()}
         cold_s = sum(breakdown.values())
         breakdown["total"] = cold_s

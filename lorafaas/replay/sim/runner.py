@@ -49,10 +49,14 @@ class PolicyResult:
 
 
 def simulate(
-    workload: Workload, cluster: ClusterSpec, policy: PolicySpec, seed: int = 0
+    workload: Workload,
+    cluster: ClusterSpec,
+    policy: PolicySpec,
+    seed: int = 0,
+    background: Sequence[tuple[float, float]] = (),
 ) -> tuple[SimOutcome, PolicyResult]:
     started = time.perf_counter()
-    outcome = Simulator(cluster, policy, workload, seed).run()
+    outcome = Simulator(cluster, policy, workload, seed, background).run()
     wall = time.perf_counter() - started
     overall = summarize(outcome.results)[-1]
     e2e = overall.e2e_s.mean

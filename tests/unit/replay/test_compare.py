@@ -8,6 +8,7 @@ import yaml
 
 from lorafaas.replay.calibrate import cluster_yaml, derive
 from lorafaas.replay.compare import compare, live_workload, main
+from lorafaas.replay.cpuload import background_series, machine_runnable
 from lorafaas.replay.report import write_report
 from lorafaas.replay.results import RequestResult
 from lorafaas.replay.sim.cluster import parse_cluster
@@ -75,3 +76,18 @@ def test_calibration_from_bench_figures() -> None:
     assert backbone["prefill_base_ms"] == pytest.approx(SHIPPED["backbones"]["smollm2-135m"]["prefill_base_ms"] * ratio,
                                                         abs=0.1)  # fmt: skip
     assert parse_cluster(data, "calibrated").contention == pytest.approx(0.32)
+
+
+def test_cpu_load_background_is_what_runs_besides_the_workers(tmp_path: Path) -> None:
+    samples = [[0.0, 5, 1], [2.5, 3, 1], [5.0, 2, 2], [7.5, 6, 2]]
+    assert background_series({"samples": samples}, window_s=5.0) == [(0.0, 3.0), (5.0, 2.0)]
+    assert machine_runnable() >= 0  # this machine's /proc/stat parses
+    # compare with a cpu-load file: the simulated device shares its cores with that background
+    _live_run(tmp_path)
+    (tmp_path / "cpuload.json").write_text(json.dumps({"samples": [[0.0, 9, 0]]}))
+    loaded = compare(tmp_path, cpu_load=tmp_path / "cpuload.json")
+    quiet = compare(tmp_path)
+    assert loaded["background_threads_mean"] == 9.0
+    assert loaded["metrics"]["e2e_s"]["sim_mean"] > 3 * quiet["metrics"]["e2e_s"]["sim_mean"]
+    (tmp_path / "bad.json").write_text("{}")
+    assert main([str(tmp_path), "--cpu-load", str(tmp_path / "bad.json")]) == 2

@@ -11,13 +11,14 @@ import yaml
 from lorafaas.errors import ClusterInvalid, InvalidInput
 from lorafaas.replay.build import WorkloadOptions, build_workload
 from lorafaas.replay.sim.cluster import load_cluster, parse_cluster
+from lorafaas.replay.sim.costmodel import CostModel
 from lorafaas.replay.sim.policies import POLICIES, PolicySpec, resolve_policies
 from lorafaas.replay.sim.runner import simulate
 from lorafaas.replay.synthetic import generate, write_2019_invocations
 from lorafaas.replay.workload import Mapping, Request, Workload
 
 LOCAL = load_cluster("local")
-GOLDEN_TTFT_S = [1.0069, 0.9388, 1.0698, 0.7188, 0.5676, 0.211, 0.273, 0.552]  # seed 3, local, lorafaas
+GOLDEN_TTFT_S = [1.0069, 0.6259, 0.9488, 0.7188, 0.3784, 0.211, 0.273, 0.552]  # seed 3, local, lorafaas
 PAPER = load_cluster("paper")
 
 
@@ -57,9 +58,10 @@ def test_cold_start_is_the_sum_of_missing_artifacts() -> None:
     first = out.results[0]
     assert first.cold and first.cold_start_s == pytest.approx(0.18 + 0.27 + 0.00185 + 0.065)
     assert first.ttft_s >= first.cold_start_s
-    # haiku's first start binds to the shared copy instead of loading it; on the CPU a process start shares the
-    # cores with pirate's running instance (contention 1 + c for two busy processes)
-    busy = 1 + LOCAL.contention
+    # haiku's first start binds to the shared copy instead of loading it (two busy processes on two cores: no
+    # slowdown)
+    busy = CostModel(LOCAL).contention(2)
+    assert busy == 1.0
     assert out.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(LOCAL.loading.bind_s * busy)
     alone, _ = simulate(SMALL, LOCAL, POLICIES["serverlessllm"])
     assert alone.cold_breakdowns["haiku"][0]["backbone"] == pytest.approx(
@@ -155,3 +157,17 @@ def test_a_short_request_frees_its_slot_before_its_batch_ends() -> None:
     assert b.sent_s == pytest.approx(a.cold_start_s)
     assert c.sent_s == pytest.approx(a.arrival_s + a.e2e_s)
     assert c.sent_s < b.arrival_s + b.e2e_s - 1.0
+
+
+def test_cpu_cores_are_shared_with_busy_instances_and_background_threads() -> None:
+    costs = CostModel(LOCAL)  # 2 cores
+    assert [costs.contention(n) for n in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    assert costs.contention(1, background_threads=3.0) == 2.0
+    assert CostModel(PAPER).contention(3) == pytest.approx(1 + 2 * PAPER.contention)  # GPUs: the linear model
+    # a warm request at 20 s while 3 other threads are runnable (from 10 s on): its prefill takes (1 + 3) / 2 = 2x
+    work = _work((0.0, "pirate", 10, 2), (20.0, "pirate", 10, 2))
+    quiet, _ = simulate(work, LOCAL, POLICIES["lorafaas"])
+    busy, _ = simulate(work, LOCAL, POLICIES["lorafaas"], background=[(0.0, 0.0), (10.0, 3.0)])
+    assert quiet.results[0].ttft_s == busy.results[0].ttft_s
+    assert quiet.results[1].ttft_s == pytest.approx(0.211)
+    assert busy.results[1].ttft_s == pytest.approx(2 * 0.211)
