@@ -10,9 +10,11 @@ lorafaas-foe         the same with the paper's fill-or-expire admission (`AgentC
 no-sharing           every function binds its own backbone copy (a per-function backbone name in the views)
 no-preload           SchedulerConfig(preloading=False)
 no-offload           SchedulerConfig(offloading=False); nothing resident is evicted for a batch or an instance
-fixed-batch-1        batches of one, dispatched at once
-fixed-batch-10       up to 10, dispatched when full or when the oldest waited 500 ms
-fixed-batch-20       up to 20, or 1000 ms
+fixed-keep-alive     SchedulerConfig(keep_alive_policy="fixed"): the cluster's keep_alive_s after every invocation
+                     instead of the hybrid histogram policy (the agent's `--policy fixed-keep-alive`)
+fixed-batch-1        batches of one, dispatched at once, one request per instance (the agent's `--policy fixed-batch`)
+fixed-batch-10       up to 10, dispatched when full or when the oldest waited 500 ms; at most 10 per instance
+fixed-batch-20       up to 20, or 1000 ms; at most 20 per instance
 serverlessllm        (Fu et al., OSDI 2024) each instance loads its own full backbone with the fast multi-tier
                      checkpoint loader (host-memory cache, then SSD), locality-aware placement (a node whose host
                      memory caches the checkpoint first), fixed keep-alive, requests dispatched at once
@@ -60,6 +62,7 @@ POLICIES: dict[str, PolicySpec] = {
     "no-sharing": PolicySpec("no-sharing", sharing=False),
     "no-preload": PolicySpec("no-preload", preloading=False),
     "no-offload": PolicySpec("no-offload", offloading=False, eviction="none"),
+    "fixed-keep-alive": PolicySpec("fixed-keep-alive", keep_alive="fixed"),
     "fixed-batch-1": PolicySpec("fixed-batch-1", batching="fixed", fixed_batch_size=1),
     "fixed-batch-10": PolicySpec("fixed-batch-10", batching="fixed", fixed_batch_size=10, fixed_batch_timeout_s=0.5),
     "fixed-batch-20": PolicySpec("fixed-batch-20", batching="fixed", fixed_batch_size=20, fixed_batch_timeout_s=1.0),
@@ -99,7 +102,15 @@ POLICIES: dict[str, PolicySpec] = {
     ),
 }
 VARIANTS = ("lorafaas-foe",)  # lorafaas with the agent's other admission rule (not one of the paper's ablations)
-ABLATIONS = ("no-sharing", "no-preload", "no-offload", "fixed-batch-1", "fixed-batch-10", "fixed-batch-20")
+ABLATIONS = (
+    "no-sharing",
+    "no-preload",
+    "no-offload",
+    "fixed-keep-alive",
+    "fixed-batch-1",
+    "fixed-batch-10",
+    "fixed-batch-20",
+)
 BASELINES = ("serverlessllm", "instainfer", "serverful")
 
 
