@@ -89,9 +89,10 @@ class BackboneDaemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         socket_path = self.paths.socket
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         socket_path.unlink(missing_ok=True)  # a killed predecessor's; we hold the lock, so nobody serves it
         server = await asyncio.start_unix_server(self._connection, path=str(socket_path))
+        socket_path.chmod(0o600)  # leases are for the platform's own processes
         self._owns_socket = True
         reaper = asyncio.create_task(self._reap_forever())
         log.info("daemon %d: serving backbone %s on %s at %s (segment %s, %d bytes)", os.getpid(),
@@ -217,8 +218,8 @@ class BackboneDaemon:
         self._stop.set()
 
     def _acquire_lock(self) -> None:
-        self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        self.paths.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

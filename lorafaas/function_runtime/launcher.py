@@ -65,6 +65,13 @@ class InstanceHandle:
             self.process.wait()
 
 
+def private_dir(path: Path) -> Path:
+    """A directory only the platform's user can enter: sockets, logs (prompts at DEBUG) and lock files live there."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # also one made before this rule, or under a permissive umask
+    return path
+
+
 class LocalLauncher:
     def __init__(self, home: Path, device: str = "cpu") -> None:
         self.home = Path(home)
@@ -112,7 +119,7 @@ class LocalLauncher:
             wait_until_ready(config.paths.socket, timeout_s=0.2)
             self._borrowed.add(backbone)
         except DaemonUnavailable:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.log_dir)
             with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
                 self._daemons[backbone] = (spawn_daemon(config, stderr=log_file), config.paths.socket)
         return config.paths.socket
@@ -143,8 +150,8 @@ class LocalLauncher:
 
     def _start_zygote(self) -> None:
         if self._zygote is None or self._zygote.poll() is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.log_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.run_dir)
+            private_dir(self.log_dir)
             self._zygote = start_zygote(self.zygote_socket, self.log_dir / "zygote.log")
 
     def spec(
@@ -155,7 +162,7 @@ class LocalLauncher:
         spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core
         machine)."""
         instance_id = f"{function}-{secrets.token_hex(3)}"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
         return WorkerSpec(
             function=function,
             instance_id=instance_id,
@@ -170,7 +177,7 @@ class LocalLauncher:
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceHandle:
         """Start a worker for `spec`: forked from the zygote (libraries pre-loaded) or, if `fresh`, a new process."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         log_path = self.log_dir / f"{spec.instance_id}.log"
         if fresh:
             process = start_fresh_worker(spec, log_path)

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import msgspec
 
-from lorafaas.errors import AlreadyExists, FunctionNotFound, InvocationNotFound, LorafaasError, ServerError
+from lorafaas.errors import (
+    AlreadyExists,
+    FunctionNotFound,
+    InvocationNotFound,
+    InvocationTimedOut,
+    LorafaasError,
+    ServerError,
+)
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
@@ -29,7 +36,7 @@ from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, Invocati
 log = logging.getLogger(__name__)
 
 INVOCATION_RETENTION_S = 3600.0
-SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit")
+SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s")
 
 
 class FunctionService:
@@ -138,7 +145,7 @@ class FunctionService:
                      ) -> AsyncIterator[m.Token | m.Finished]:
         spec = self.get(caller, name)
         request.check(spec.max_tokens_limit)
-        async for event in self.agent.invoke(spec, to_generate(request, secrets.token_hex(8))):
+        async for event in within_wall_time(self.agent.invoke(spec, to_generate(request, secrets.token_hex(8))), spec):
             yield event
 
     def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
@@ -170,7 +177,8 @@ class FunctionService:
         try:
             spec = self.store.get_function(record.function)
             finished = None
-            async for event in self.agent.invoke(spec, to_generate(record.request, record.invocation_id)):
+            events = self.agent.invoke(spec, to_generate(record.request, record.invocation_id))
+            async for event in within_wall_time(events, spec):
                 if isinstance(event, m.Finished):
                     finished = event
             if finished is None:
@@ -187,6 +195,27 @@ class FunctionService:
 
     def expire_invocations(self) -> int:
         return self.store.delete_expired_invocations(time.time())
+
+
+async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIterator:
+    """The events of one invocation until its function's `max_request_s` runs out, then InvocationTimedOut; the
+    generation behind it is cancelled (the instance drops the request) either way."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + spec.max_request_s
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), max(0.0, deadline - loop.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise InvocationTimedOut(
+                    f"function {spec.name}: the request ran past its wall-time limit of {spec.max_request_s:g} s "
+                    "(max_request_s); ask for fewer tokens or raise the limit"
+                ) from None
+            yield event
+    finally:
+        await events.aclose()
 
 
 def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:

@@ -56,7 +56,10 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", tags=["health"])
-    async def prometheus() -> Response:
+    async def prometheus(who: ApiKeyRecord = Depends(caller)) -> Response:
+        # Its labels name every tenant's functions: the admin key only (Prometheus sends it as a bearer token).
+        if not who.is_admin:
+            raise Forbidden("only the admin key can read /metrics, which covers every tenant's functions")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/functions", status_code=201, tags=["functions"])

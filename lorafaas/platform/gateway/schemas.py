@@ -44,6 +44,7 @@ class DeploySpec(BaseModel):
     min_instances: int | None = None
     max_instances: int | None = None
     max_tokens_limit: int | None = None
+    max_request_s: float | None = None
 
 
 class KeyBody(BaseModel):

@@ -21,6 +21,7 @@ MAX_SLO_TTFT_MS = 600_000
 MAX_KEEP_ALIVE_S = 86_400.0
 MAX_INSTANCES = 64
 MAX_TOKENS_LIMIT = 131_072
+MAX_REQUEST_S = 3600.0
 InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
@@ -51,6 +52,7 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
     min_instances: int = 0
     max_instances: int = 4
     max_tokens_limit: int = 1024
+    max_request_s: float = 300.0  # wall time of one invocation, queueing included; past it the request is stopped
     lora_mode: str = "local"
     version: int = 1  # bumped by each update
     created_at: float
@@ -72,6 +74,7 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
                 "min_instances must not exceed max_instances"
             )
         _check_range("max_tokens_limit", self.max_tokens_limit, 1, MAX_TOKENS_LIMIT)
+        _check_range("max_request_s", self.max_request_s, 0.1, MAX_REQUEST_S, " s")
         if self.lora_mode not in LORA_MODES:
             raise InvalidInput(f"lora_mode is {self.lora_mode!r}; expected one of {', '.join(LORA_MODES)}")
         if self.version < 1:
