@@ -221,7 +221,9 @@ class NodeAgent:
         """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
         if the function may grow; None when all are full."""
         pool = self.instances.setdefault(spec.name, [])
-        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
+        # A ready instance whose connection dropped died a moment ago (its watcher has not run yet): not a choice.
+        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")
+                   and (i.state == "starting" or i.client.connected)]
         free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)

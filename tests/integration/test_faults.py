@@ -1,0 +1,226 @@
+"""Faults on a real platform process (tiny backbone), each bounded in time, each checking what the client sees and
+that nothing the platform accepted is lost: an instance, a backbone daemon and the gateway SIGKILLed, Redis restarted
+under load, the disk filling up during a deploy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lorafaas.backbone_daemon.client import DaemonClient
+from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.platform.adapter_upload import pack_adapter
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.testing.platform_process import PlatformProcess
+from lorafaas.testing.tiny_models import save_tiny_adapter
+
+PROMPT = "Tell me about the ocean."
+
+
+def body(max_tokens: int = 6, prompt: str = PROMPT, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, **extra}
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, tiny_dense_dir) -> Path:
+    return save_tiny_adapter(tmp_path_factory.mktemp("faults-adapter"), tiny_dense_dir, base_model_name="tiny-dense")
+
+
+@pytest.fixture
+def home(tmp_path, tiny_dense_dir) -> Path:
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    return tmp_path
+
+
+def test_an_instance_killed_mid_stream_ends_the_stream_with_an_error_and_requests_not_started_are_retried(
+    home, adapter
+) -> None:
+    with PlatformProcess(home) as platform, platform.client() as admin:
+        admin.deploy({"name": "alpha", "backbone": "tiny-dense", "max_instances": 2}, adapter)
+        expected = admin.invoke("alpha", body())["text"]
+        [instance] = admin.describe("alpha")["instances"]
+        auth = {"Authorization": f"Bearer {platform.admin_key}"}
+
+        async def scenario() -> tuple[list[str], httpx.Response]:
+            async with httpx.AsyncClient(base_url=platform.url, headers=auth, timeout=60) as http:
+                lines: list[str] = []
+                async with http.stream(
+                    "POST", "/v1/functions/alpha/invoke", json=body(200, "a long story", stream=True)
+                ) as stream:
+                    reading = stream.aiter_lines()
+                    while not (line := await anext(reading)).startswith("data:"):
+                        pass
+                    lines.append(line)  # the first token is out: the stream is running on `instance`
+                    os.kill(instance["pid"], signal.SIGSTOP)  # frozen: what it is sent next does not start
+                    queued = asyncio.create_task(http.post("/v1/functions/alpha/invoke", json=body()))
+                    await asyncio.sleep(1.0)  # the second request is dispatched to the same (least-loaded) instance
+                    os.kill(instance["pid"], signal.SIGKILL)
+                    lines += [line async for line in reading]
+                return lines, await queued
+
+        lines, retried = asyncio.run(asyncio.wait_for(scenario(), 120))
+        events = [line for line in lines if line.startswith(("event:", "data:"))]
+        assert events[-2] == "event: error", events[-3:]
+        assert json.loads(events[-1].removeprefix("data:"))["error"]["code"] == "instance_unavailable"
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["text"] == expected, "the request that had not started ran again, elsewhere"
+        described = admin.describe("alpha")["instances"]
+        assert instance["pid"] not in [i["pid"] for i in described]
+        assert admin.invoke("alpha", body())["text"] == expected
+
+
+def test_a_killed_backbone_daemon_leaves_attached_instances_serving_and_is_started_again(home, adapter) -> None:
+    with PlatformProcess(home) as platform, platform.client() as admin:
+        admin.deploy({"name": "alpha", "backbone": "tiny-dense", "max_instances": 2}, adapter)
+        expected = admin.invoke("alpha", body())["text"]
+        socket_path = DaemonConfig(home=home, backbone="tiny-dense", device="cpu").paths.socket
+        with DaemonClient.connect(socket_path) as daemon:
+            first = daemon.status()
+        assert [lease.function for lease in first.leases] == ["alpha"]
+        os.kill(first.daemon_pid, signal.SIGKILL)
+        wait_for(
+            lambda: (
+                not Path(f"/proc/{first.daemon_pid}").exists()
+                or "Z" in Path(f"/proc/{first.daemon_pid}/stat").read_text().split()[2]
+            ),
+            10,
+            "the daemon's death",
+        )
+        for _ in range(3):  # the attached instance keeps its read-only mapping and serves on
+            assert admin.invoke("alpha", body())["text"] == expected
+        # A new instance needs a daemon: the platform starts one, which removes its predecessor's segment.
+        admin.update("alpha", {"min_instances": 2})
+        wait_for(
+            lambda: len([i for i in admin.describe("alpha")["instances"] if i["state"] == "ready"]) == 2,
+            120,
+            "a second instance after the daemon died",
+        )
+        with DaemonClient.connect(socket_path) as daemon:
+            second = daemon.status()
+        assert second.daemon_pid != first.daemon_pid and second.segment != first.segment
+        assert "alpha" in [lease.function for lease in second.leases]
+        assert not Path("/dev/shm", first.segment).exists(), "the killed daemon's segment was removed"
+        for _ in range(4):  # both instances, the old mapping and the new one, give the same answer
+            assert admin.invoke("alpha", body())["text"] == expected
+
+
+def test_async_invocations_accepted_before_the_gateway_is_killed_complete_after_restart(home, adapter) -> None:
+    platform = PlatformProcess(home).start()
+    try:
+        with platform.client() as admin:
+            admin.deploy({"name": "alpha", "backbone": "tiny-dense"}, adapter)
+            expected = {n: admin.invoke("alpha", body(32, f"question {n}"))["text"] for n in range(6)}
+            accepted = {admin.invoke_async("alpha", body(32, f"question {n}"))["invocation_id"]: n for n in range(6)}
+        platform.stop(signal.SIGKILL)  # no shutdown: whatever was queued or running is cut off
+        platform.start()
+        with platform.client() as admin:
+
+            def all_finished():
+                records = [admin.invocation(i) for i in accepted]
+                return records if all(r["status"] in ("succeeded", "failed") for r in records) else None
+
+            records = wait_for(all_finished, 120, "every accepted invocation finishing after the restart")
+        assert [r["status"] for r in records] == ["succeeded"] * len(accepted), records
+        for record in records:
+            assert record["result_text"] == expected[accepted[record["invocation_id"]]]
+    finally:
+        platform.stop()
+
+
+def test_redis_restarted_under_load_the_gateway_reconnects_and_no_function_is_lost(home, adapter, redis_server) -> None:
+    with PlatformProcess(home, extra_args=("--state", redis_server.url())) as platform, platform.client() as admin:
+        for name in ("alpha", "beta"):
+            admin.deploy({"name": name, "backbone": "tiny-dense"}, adapter)
+        specs = admin.list()
+        auth = {"Authorization": f"Bearer {platform.admin_key}"}
+
+        async def load() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=platform.url, headers=auth, timeout=60) as http:
+
+                async def client(name: str) -> list[httpx.Response]:
+                    replies = []
+                    for _ in range(12):
+                        replies.append(await http.post(f"/v1/functions/{name}/invoke", json=body(4)))
+                        await asyncio.sleep(0.1)
+                    return replies
+
+                tasks = [asyncio.create_task(client(name)) for name in ("alpha", "beta") for _ in range(2)]
+                await asyncio.sleep(0.5)
+                await asyncio.to_thread(redis_server.restart)  # SIGTERM, then the same port and data
+                return [reply for replies in await asyncio.gather(*tasks) for reply in replies]
+
+        replies = asyncio.run(asyncio.wait_for(load(), 120))
+        statuses = sorted({r.status_code for r in replies})
+        assert set(statuses) <= {200, 503}, [r.text for r in replies if r.status_code not in (200, 503)][:3]
+        for reply in replies:
+            if reply.status_code == 503:  # while Redis was away: a clear JSON error, never a hang or a 500
+                assert reply.json()["error"]["code"] == "store_unavailable", reply.text
+        assert replies[-1].status_code == 200, "the gateway reconnected by itself"
+        assert admin.list() == specs, "no function spec was lost"
+        assert admin.invoke("beta", body(4))["usage"]["completion_tokens"] == 4
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (root only): a real 'No space left on device'."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_during_a_deploy_is_a_clear_error_and_leaves_no_half_written_adapter(
+    home, tmp_path_factory, tiny_dense_dir
+) -> None:
+    big = save_tiny_adapter(
+        tmp_path_factory.mktemp("big-adapter"),
+        tiny_dense_dir,
+        rank=64,
+        base_model_name="tiny-dense",
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    )
+    small = save_tiny_adapter(tmp_path_factory.mktemp("small-adapter"), tiny_dense_dir, base_model_name="tiny-dense")
+    weights_bytes = (big / "adapter_model.safetensors").stat().st_size
+    with (
+        small_filesystem(home / "adapters", f"{weights_bytes // 2}"),
+        PlatformProcess(home) as platform,
+        platform.client() as admin,
+    ):
+        admin.deploy({"name": "small", "backbone": "tiny-dense"}, small)
+        before = sorted(p.name for p in (home / "adapters").iterdir())
+        reply = httpx.post(
+            f"{platform.url}/v1/functions",
+            timeout=60,
+            headers={"Authorization": f"Bearer {platform.admin_key}"},
+            data={"spec": json.dumps({"name": "big", "backbone": "tiny-dense"})},
+            files={"adapter": ("a.tar.gz", pack_adapter(big), "application/gzip")},
+        )
+        assert reply.status_code == 507, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "storage_full" and "No space left on device" in error["message"], error
+        assert sorted(p.name for p in (home / "adapters").iterdir()) == before, "nothing half-written is left"
+        assert [f["name"] for f in admin.list()] == ["small"]
+        assert admin.invoke("small", body(3))["usage"]["completion_tokens"] == 3
