@@ -31,7 +31,7 @@ from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState
 from lorafaas.replay.sim.views import ViewBuilder
 from lorafaas.replay.workload import Workload
-from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfig
+from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfig, may_scale_out
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ActiveRequest:
     token: int = 0  # bumped when a stall moves its completion (older events are ignored)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: instances live in sets and lists
 class SimInstance:
     instance_id: str
     function: FunctionName
@@ -141,6 +141,8 @@ class Simulator:
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
         self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
         self.instance_ids = itertools.count()
+        # the agent's compute slots: a CPU's cores / one thread per instance; a GPU runs one instance's kernels at once
+        self.compute_slots = max(1, int(cluster.cores)) if cluster.cores is not None else 1
         self.concurrency = (
             cluster.serverful_max_concurrent_batches
             if policy.batching == "immediate"
@@ -162,6 +164,7 @@ class Simulator:
             "done": self._on_done,
             "expire": self._on_expire,
             "plan": self._on_plan,
+            "observe": lambda p: self.scheduler.observe_prefill(*p),  # type: ignore[misc]
         }
         if self.policy.serverful:
             self._start_servers()
@@ -267,7 +270,7 @@ class Simulator:
                     fs.blocked = True
                     self.blocked[name] = None
                     return
-                if self.policy.serial_cold_starts:
+                if self.policy.agent_admission:
                     fs.dispatch_free_at_s = instance.ready_at_s
             size = min(size, self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
@@ -338,11 +341,12 @@ class Simulator:
             res.cold_start_s = inst.cold_start_s if cold else None
         inst.first_batch = False
         slo = fs.spec.slo_ttft_s
+        # the agent learns a prefill when its first token arrives (not when it is dispatched)
         if self.cluster.prefill_batched:
-            self.scheduler.observe_prefill(inst.function, slo, len(reqs), prefill)
+            self.push(start + prefill, "observe", (inst.function, slo, len(reqs), prefill))
         else:  # as the agent: each request's own (worker-measured) prefill x the size of the batch it came in
             for first, before in zip(firsts, [0.0, *firsts[:-1]], strict=True):
-                self.scheduler.observe_prefill(inst.function, slo, len(reqs), (first - before) * len(reqs))
+                self.push(start + first, "observe", (inst.function, slo, len(reqs), (first - before) * len(reqs)))
         self._stall(inst, start, prefill)
         group = [len(batch)]
         for i, r in zip(batch, reqs, strict=True):
@@ -431,6 +435,10 @@ class Simulator:
         if len(fs.instances) >= self.cluster.max_instances_per_function:
             return None
         candidates = self.views.candidate_devices(name)
+        if self.policy.agent_admission:  # as the agent: scale out only onto a device with compute to spare
+            candidates = [d for d in candidates if may_scale_out(len(fs.instances), self._busy(d), self.compute_slots)]
+            if not candidates:
+                return None
         for device in candidates:  # where it fits as things are, best first
             if self.views.bytes_to_start(name, device, batch_size) <= self.mem.free_bytes(device):
                 return self._cold_start(name, fs, device)
@@ -438,6 +446,10 @@ class Simulator:
         if self.views.make_room(name, first, self.views.bytes_to_start(name, first, batch_size)):
             return self._cold_start(name, fs, first)
         return None
+
+    def _busy(self, device: DeviceState) -> int:
+        """Instances on `device` running a batch or starting (the agent's `_busy_instances`)."""
+        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)  # type: ignore[attr-defined]
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
@@ -456,12 +468,14 @@ class Simulator:
             f"{name}-{next(self.instance_ids)}", name, device, self.now + cold_s, cold_s, overhead, last_used_s=self.now
         )
         fs.instances.append(inst)
+        device.instances.add(inst)
         return inst
 
     def _stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
         fs = self.fns[inst.function]
         fs.instances.remove(inst)
         device = inst.device
+        device.instances.discard(inst)
         self.mem.bill(device, self.now)
         device.used_bytes -= inst.overhead_bytes
         if not keep_artifacts:

@@ -4,7 +4,9 @@ lorafaas             backbone sharing, knapsack pre-loading, offloading, adaptiv
                      the scheduler's placement: the real `lorafaas.scheduler.Scheduler`, admitted as the node
                      agent admits (`lorafaas/platform/admission.py`, `AgentConfig` defaults): a request goes to
                      an instance as soon as one holds fewer than B in flight (its worker batches continuously),
-                     and a function's dispatcher waits while it cold-starts an instance
+                     and a function's dispatcher waits while it cold-starts an instance; another instance
+                     starts on a device only while its busy instances are fewer than its compute slots (a CPU's
+                     cores, one on a GPU: `lorafaas.scheduler.may_scale_out`, as the agent)
 lorafaas-foe         the same with the paper's fill-or-expire admission (`AgentConfig.fill_or_expire=True`):
                      hold the queue until it holds B requests or the oldest has waited d = SLO - T(N)
 no-sharing           every function binds its own backbone copy (a per-function backbone name in the views)
@@ -48,7 +50,9 @@ class PolicySpec:
     fixed_batch_size: int = 1
     fixed_batch_timeout_s: float = 0.0
     fill_or_expire: bool = False  # adaptive batching only: the agent's `AgentConfig.fill_or_expire` (default False)
-    serial_cold_starts: bool = True  # the lorafaas agent's dispatcher awaits an instance's start (False: baselines)
+    # the lorafaas node agent's admission: its dispatcher awaits an instance's start, and a function scales out on a
+    # device only while it has compute to spare (`may_scale_out`); False for the baselines
+    agent_admission: bool = True
     keep_alive: Literal["hybrid", "fixed"] = "hybrid"
     loader: LoaderKind = "standard"
     locality: bool = False  # ServerlessLLM: prefer nodes whose host memory caches the checkpoint
@@ -77,7 +81,7 @@ POLICIES: dict[str, PolicySpec] = {
         loader="fast",
         locality=True,
         uses_scheduler_placement=False,
-        serial_cold_starts=False,
+        agent_admission=False,
     ),
     "instainfer": PolicySpec(
         "instainfer",
@@ -87,7 +91,7 @@ POLICIES: dict[str, PolicySpec] = {
         eviction="lru",
         batching="immediate",
         keep_alive="fixed",
-        serial_cold_starts=False,
+        agent_admission=False,
     ),
     "serverful": PolicySpec(
         "serverful",
@@ -98,7 +102,7 @@ POLICIES: dict[str, PolicySpec] = {
         serverful=True,
         keep_alive="fixed",
         uses_scheduler_placement=False,
-        serial_cold_starts=False,
+        agent_admission=False,
     ),
 }
 VARIANTS = ("lorafaas-foe",)  # lorafaas with the agent's other admission rule (not one of the paper's ablations)

@@ -30,6 +30,7 @@ class DeviceState:
     idle_bytes: int = 0
     cost: float = 0.0
     active_overhead: int = 0  # used_bytes of instances running a batch (KV included)
+    instances: set = field(default_factory=set)  # the simulator's instances on this device
 
 
 class MemoryState:

@@ -357,3 +357,4 @@ class ViewBuilder:
                     f"srv-{device.device_id}-{f}", f, device, 0.0, 0.0, overhead, permanent=True
                 )
                 sim.fns[f].instances.append(inst)
+                device.instances.add(inst)

@@ -81,10 +81,12 @@ def test_fixed_batch_waits_for_its_timeout_or_a_full_batch() -> None:
     sent = sorted({r.sent_s for r in out.results})
     assert sent[0] == pytest.approx(0.09)  # the tenth arrival fills the first batch
     assert sent[1] == pytest.approx(0.10 + 0.5)  # the other two wait for the 500 ms timeout of the 11th
-    # batches of one: as the agent's `fixed-batch` policy, an instance holds one request at a time, so the burst
-    # grows the function to its maximum of 4 instances, started one after another
+    # batches of one: as the agent's `fixed-batch` policy, an instance holds one request at a time; the burst grows
+    # the function only while the device has compute to spare (2 cores: 2 busy instances, `may_scale_out`)
     one, _ = simulate(work, LOCAL, POLICIES["fixed-batch-1"])
-    assert one.results[0].sent_s == 0.0 and one.num_cold_starts == LOCAL.max_instances_per_function
+    assert one.results[0].sent_s == 0.0 and one.num_cold_starts == 2
+    four_cores, _ = simulate(work, replace(LOCAL, cores=4.0), POLICIES["fixed-batch-1"])
+    assert four_cores.num_cold_starts == LOCAL.max_instances_per_function == 4
     assert all(r.completion_tokens == 2 for r in one.results)
 
 
