@@ -169,3 +169,61 @@ def preload(
     with RichProgress() as progress:
         result = run_preload_bench(ModelStore(config.models_dir), rounds, keep_alive_s, progress)
     _show(result, as_json, "cold invocations, pre-loading on (lorafaas) and off (no-preload)")
+
+
+@app.command("load")
+def load(
+    ctx: typer.Context,
+    clients: int = typer.Option(20, "--clients", min=1, max=500, help="Concurrent closed-loop streaming clients."),
+    duration_s: float = typer.Option(300.0, "--duration", min=1.0, help="Seconds of load."),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, max=512),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Closed-loop load on the demo functions: nothing lost or duplicated, requests/s and TTFT percentiles."""
+    from lorafaas.platform.bench_load import run_load_bench
+    from lorafaas.platform.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_load_bench(ModelStore(config.models_dir), clients, duration_s, max_tokens, progress)
+    _show(result, as_json, f"{clients} clients for {duration_s:g} s")
+
+
+@app.command("soak")
+def soak(
+    ctx: typer.Context,
+    duration_s: float = typer.Option(1800.0, "--duration", min=1.0, help="Seconds of bursts and scale-to-zero."),
+    keep_alive_s: float = typer.Option(5.0, "--keep-alive", min=0.5, max=600.0),
+    burst: int = typer.Option(6, "--burst", min=1, max=100, help="Requests per function in each burst."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Bursts with scale-to-zero between them: platform memory growth, leaked segments and processes afterwards."""
+    from lorafaas.platform.bench_load import run_soak_bench
+    from lorafaas.platform.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_soak_bench(ModelStore(config.models_dir), duration_s, keep_alive_s, burst, progress=progress)
+    _show(result, as_json, f"soak for {duration_s:g} s")
+
+
+@app.command("moe-transport")
+def moe_transport(
+    repeats: int = typer.Option(20, "--repeats", min=3, max=500, help="Timed layers per transport and size (median)."),
+    rank: int = typer.Option(16, "--rank", min=1, max=256, help="Rank of the expert adapter."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """One MoE layer's LoRA round trip to the LoRA server: shared memory vs TCP vs naive HTTP+JSON, same run."""
+    from lorafaas.backbone_daemon.bench_moe_transport import run_moe_transport_bench
+
+    with RichProgress() as progress:
+        result = run_moe_transport_bench(progress, repeats=repeats, rank=rank)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("tokens", "rows", "shm", "tcp", "HTTP+JSON", "HTTP / shm",
+                  title=f"per-layer round trip, Mixtral-8x7B layer, rank {result.rank}")
+    for row in result.sizes:
+        table.add_row(str(row.tokens), str(row.rows), f"{row.shm_ms:.2f} ms", f"{row.tcp_ms:.2f} ms",
+                      f"{row.http_json_ms:.1f} ms", f"{row.http_over_shm:.0f}x")
+    console.print(table)
