@@ -33,6 +33,7 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import Scheduler, SchedulerConfig, may_scale_out
 
 log = logging.getLogger(__name__)
+MAX_FAILURES_KEPT = 20  # per function, for describe
 
 InstanceState = Literal["starting", "ready", "draining", "stopped", "crashed"]
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
@@ -96,6 +97,7 @@ class NodeAgent:
         self.num_cold_starts: dict[tuple[str, str], int] = {}  # (function, kind) -> count
         self.num_restarts: dict[str, int] = {}
         self.most_in_flight: dict[str, int] = {}  # function -> most requests one instance has held at once
+        self.crashes: dict[str, list[dict]] = {}  # function -> its instances that exited unexpectedly (recent last)
         self._tasks: set[asyncio.Task] = set()
         self._reconciler: asyncio.Task | None = None
         self._random = random.Random(0)
@@ -296,6 +298,10 @@ class NodeAgent:
             self.num_restarts[instance.function] = self.num_restarts.get(instance.function, 0) + 1
             log.warning("%s: instance %s (pid %s) exited unexpectedly", instance.function, instance.instance_id,
                         instance.pid)
+            crashes = self.crashes.setdefault(instance.function, [])
+            crashes.append({"instance_id": instance.instance_id, "pid": instance.pid, "reason": "exited unexpectedly",
+                            "at": time.time()})
+            del crashes[:-MAX_FAILURES_KEPT]
             pool = self.instances.get(instance.function, [])
             if instance in pool:
                 pool.remove(instance)
@@ -401,6 +407,12 @@ class NodeAgent:
 
     def offloaded(self, name: str) -> list[dict]:
         return self.policy.describe(name)
+
+    def failures(self, name: str) -> list[dict]:
+        """Instances of the function that failed: crashed processes seen here, and what the backend saw (a pod that
+        could not be scheduled, pull its image or stay alive)."""
+        from_backend = getattr(self.launcher, "describe_failures", None)  # only backends with a control plane
+        return [*self.crashes.get(name, []), *(from_backend(name) if from_backend else [])]
 
     def batching(self, spec: FunctionSpec) -> dict:
         """The batching decision for the function now: B and the fitted prefill model T(b) = T0 + a(b-1) it comes from,

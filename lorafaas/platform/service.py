@@ -114,7 +114,8 @@ class FunctionService:
         return {"function": msgspec.to_builtins(spec), "instances": self.agent.describe(spec.name),
                 "last_cold_start": self.agent.last_cold_start.get(spec.name),
                 "offloaded": self.agent.offloaded(spec.name), "batching": self.agent.batching(spec),
-                "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name}}
+                "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name},
+                "failures": self.agent.failures(spec.name)}
 
     def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
         spec = self.get(caller, name)

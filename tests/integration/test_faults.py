@@ -81,8 +81,9 @@ def test_an_instance_killed_mid_stream_ends_the_stream_with_an_error_and_request
         assert json.loads(events[-1].removeprefix("data:"))["error"]["code"] == "instance_unavailable"
         assert retried.status_code == 200, retried.text
         assert retried.json()["text"] == expected, "the request that had not started ran again, elsewhere"
-        described = admin.describe("alpha")["instances"]
-        assert instance["pid"] not in [i["pid"] for i in described]
+        described = admin.describe("alpha")
+        assert instance["pid"] not in [i["pid"] for i in described["instances"]]
+        assert [(f["pid"], f["reason"]) for f in described["failures"]] == [(instance["pid"], "exited unexpectedly")]
         assert admin.invoke("alpha", body())["text"] == expected
 
 

@@ -122,6 +122,8 @@ def describe(ctx: typer.Context, name: str, url: str = URL, as_json: bool = JSON
                       f"{batching['most_in_flight']}")
     for item in info.get("offloaded") or []:
         console.print(f"offloaded: {_offloaded(item)}")
+    for failure in info.get("failures") or []:
+        console.print(f"[red]failed:[/] {failure['instance_id']}: {failure['reason']} {failure.get('message', '')}")
 
 
 def _offloaded(item: dict) -> str:
