@@ -118,7 +118,8 @@ class ModelStore:
                 f"new {digest[:12]}); import under another name"
             )
         copied = [p for p in sorted(source_dir.iterdir()) if p.is_file() and p.suffix in METADATA_SUFFIXES]
-        ids = tuple(dict.fromkeys(i for i in (config.get("_name_or_path"), source_dir.name) if i))
+        ids = tuple(dict.fromkeys(i for i in (*_recorded_ids(source_dir), config.get("_name_or_path"), source_dir.name)
+                                  if i))
         with self.staging(name) as staging:
             for path in copied:
                 shutil.copy2(path, staging / path.name)
@@ -230,3 +231,13 @@ def _copy_with_progress(src: Path, dst: Path, progress: ProgressSink) -> None:
         while chunk := fin.read(HASH_CHUNK_BYTES):
             fout.write(chunk)
             progress.advance(len(chunk))
+
+
+def _recorded_ids(source_dir: Path) -> tuple[str, ...]:
+    """The names a store entry's manifest recorded, when the source is one (transformers 5 no longer writes
+    `_name_or_path` to config.json, so a re-import would otherwise lose the hub id its adapters name)."""
+    try:
+        manifest = msgspec.json.decode((source_dir / MANIFEST_FILE).read_bytes(), type=BackboneManifest)
+    except (OSError, msgspec.DecodeError):
+        return ()
+    return manifest.base_model_ids

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from lorafaas.errors import AlreadyExists, BackboneNotFound, InvalidName, MalformedModel, PickledWeightsRefused
 from lorafaas.platform.model_store import MANIFEST_FILE, ModelStore
+from lorafaas.progress import SilentProgress
 from lorafaas.weights import read_safetensors_header
 
 
@@ -119,3 +120,18 @@ def test_unknown_backbone_names_the_imported_ones(store: ModelStore, tiny_dense_
     store.import_dir("tiny", tiny_dense_dir)
     with pytest.raises(BackboneNotFound, match=r"'nope'.*imported: tiny"):
         store.get("nope")
+
+
+def test_importing_a_store_entry_keeps_the_names_its_manifest_recorded(
+    store: ModelStore, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    # A GGUF import records the hub id, which config.json does not carry; adapters name the backbone by it.
+    with store.staging("first") as staging:
+        for path in tiny_dense_dir.iterdir():
+            shutil.copy2(path, staging / path.name)
+        first = store.finalize(staging, "first", source="test", base_model_ids=("Org/Tiny-Model",),
+                               progress=SilentProgress())
+    other = ModelStore(tmp_path / "other")
+    copied, _ = other.import_dir("again", store.path(first.name))
+    assert copied.base_model_ids[0] == "Org/Tiny-Model"
+    assert "first" in copied.base_model_ids  # the folder's name, as for any directory
