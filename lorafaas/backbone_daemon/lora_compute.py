@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ class BatchStats:
     num_batches: int = 0
     max_calls_per_batch: int = 0
     num_groups: int = 0
+    compute_s: float = 0.0  # time spent computing batches
 
 
 class LoraCompute:
@@ -54,6 +56,13 @@ class LoraCompute:
     @torch.inference_mode()
     def run(self, works: list[LoraWork]) -> None:
         """Fill every work's `result`, or set its `error` (one adapter failing to load fails only its calls)."""
+        started = time.perf_counter()
+        try:
+            self._run(works)
+        finally:
+            self.stats.compute_s += time.perf_counter() - started
+
+    def _run(self, works: list[LoraWork]) -> None:
         self.stats.num_batches += 1
         self.stats.num_calls += len(works)
         self.stats.max_calls_per_batch = max(self.stats.max_calls_per_batch, len(works))

@@ -157,6 +157,7 @@ class LoraServer:
             num_batches=stats.num_batches,
             max_calls_per_batch=stats.max_calls_per_batch,
             num_groups=stats.num_groups,
+            compute_s=stats.compute_s,
             cache=m.CacheStatus(
                 capacity=cache.capacity,
                 resident=cache.resident_layers(),

@@ -128,6 +128,7 @@ class ServerStatus(_Message, tag="server_status"):
     num_batches: int
     max_calls_per_batch: int  # calls (of any instances and adapters) grouped into one batch
     num_groups: int  # (adapter, layer, projection, expert) low-rank products run
+    compute_s: float  # time the compute thread spent on batches
     cache: CacheStatus
 
 

@@ -84,6 +84,13 @@ class DuplexBuffer:
             )
         return self._bytes[offset : offset + nbytes].view(dtype).view(shape)
 
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Copy a tensor's bytes in with one plain memcpy (torch's copy_ may wake its thread pool for this)."""
+        data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+        if offset < 0 or offset % ALIGNMENT or offset + data.nbytes > self.size:
+            raise SegmentError(f"{data.nbytes} bytes at offset {offset} do not fit the {self.size}-byte LoRA buffer")
+        self._mmap[offset : offset + data.nbytes] = data
+
     def unlink(self) -> None:
         segment_path(self.name).unlink(missing_ok=True)
 
@@ -205,7 +212,7 @@ class LoraServerClient:
                 needed = rows_bytes + num_rows * out_features * rows.dtype.itemsize
                 if needed > self._buffer.size:
                     self._grow_buffer(needed)
-                self._buffer.tensor(0, rows.dtype, tuple(rows.shape)).copy_(rows)
+                self._buffer.write(0, rows)
                 result = self._buffer.tensor(rows_bytes, rows.dtype, (num_rows, out_features))
                 self._sock.sendall(
                     encode_frame(m.LoraCall(**call, rows=m.ShmPayload(offset=0), result_offset=rows_bytes))
