@@ -11,7 +11,7 @@ from rich.markup import escape
 from lorafaas import __version__
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
-from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, replay, up
+from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, moe, replay, up
 from lorafaas.platform.cli.output import err_console
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app = typer.Typer(
 app.add_typer(backbone.app, name="backbone")
 app.add_typer(adapter.app, name="adapter")
 app.add_typer(bench.app, name="bench")
+app.add_typer(moe.app, name="moe")
 app.command("demo")(demo.demo)
 app.command("up")(up.up)
 app.command("deploy")(functions.deploy)
