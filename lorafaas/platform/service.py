@@ -136,7 +136,12 @@ class FunctionService:
     async def _store_adapter(self, archive: bytes, backbone: str) -> str:
         def unpack_and_store() -> str:
             with tempfile.TemporaryDirectory(prefix="lorafaas-upload-") as scratch:
-                return self.adapters.put(unpack_adapter(archive, Path(scratch)), self.models, backbone)
+                try:
+                    return self.adapters.put(unpack_adapter(archive, Path(scratch)), self.models, backbone)
+                except LorafaasError as exc:  # name files as they are in the archive, not where this server put them
+                    exc.message = exc.message.replace(f"{scratch}/", "").replace(scratch, "the archive")
+                    exc.args = (exc.message,)
+                    raise
 
         return await asyncio.to_thread(unpack_and_store)
 

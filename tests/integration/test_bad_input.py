@@ -183,6 +183,7 @@ def test_hostile_adapter_archives_are_refused_with_a_message_and_store_nothing(
             assert_json_error(reply, 422, code, words)
         except AssertionError as exc:
             raise AssertionError(f"{case}: {exc}") from None
+        assert "lorafaas-upload-" not in reply.text, f"{case}: the message names a path on the server: {reply.text}"
         # The same archive as a replacement adapter for a deployed function is refused the same way.
         patched = httpx.patch(
             f"{platform.url}/v1/functions/alpha",
