@@ -286,3 +286,19 @@ def test_a_platform_on_redis_keeps_its_functions_across_restarts(tmp_path, tiny_
             assert client.invoke("alpha", chat())["text"] == answer
     finally:
         running.stop()
+
+
+def test_the_cli_deploys_with_every_limit_flag(platform, admin, adapters, cli) -> None:
+    result = cli("--home", str(platform.home), "deploy", "alpha", "--adapter", str(adapters["alpha"]),
+                 "--backbone", "tiny-dense", "--slo-ttft-ms", "700", "--keep-alive", "30", "--max", "2",
+                 "--max-tokens-limit", "32", "--max-request-s", "9.5", "--json", "--url", platform.url)
+    try:
+        assert result.returncode == 0, result.stderr
+        spec = admin.describe("alpha")["function"]
+        assert (spec["slo_ttft_ms"], spec["keep_alive_s"], spec["max_instances"], spec["max_tokens_limit"],
+                spec["max_request_s"]) == (700, 30.0, 2, 32, 9.5)
+        too_many = cli("--home", str(platform.home), "invoke", "alpha", "hi", "--max-tokens", "33", "--url",
+                       platform.url)
+        assert too_many.returncode == 2 and "32" in too_many.stderr, too_many.stderr
+    finally:
+        cleanup(admin)

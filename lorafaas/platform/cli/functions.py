@@ -17,7 +17,7 @@ from lorafaas.platform.cli.output import console, err_console, print_json
 URL = typer.Option(DEFAULT_URL, "--url", envvar="LORAFAAS_URL", help="The lorafaas gateway.")
 JSON = typer.Option(False, "--json", help="Print one JSON document.")
 YAML_FIELDS = {"name", "adapter", "backbone", "slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances",
-               "max_tokens_limit", "tenant"}
+               "max_tokens_limit", "max_request_s", "tenant"}
 
 
 def _client(ctx: typer.Context, url: str) -> ApiClient:
@@ -34,6 +34,10 @@ def deploy(
     keep_alive_s: float | None = typer.Option(None, "--keep-alive", help="Seconds an idle instance is kept."),
     min_instances: int | None = typer.Option(None, "--min", help="Instances kept ready at all times."),
     max_instances: int | None = typer.Option(None, "--max", help="Upper bound on instances."),
+    max_tokens_limit: int | None = typer.Option(None, "--max-tokens-limit", help="Most tokens one request may ask."),
+    max_request_s: float | None = typer.Option(
+        None, "--max-request-s", help="Wall-time limit of one request, queueing included (504 beyond)."
+    ),
     tenant: str | None = typer.Option(None, "--tenant", help="Deploy for this tenant (admin key only)."),
     file: Path | None = typer.Option(None, "-f", "--file", help="function.yaml with the same fields."),
     replace: bool = typer.Option(False, "--replace", help="Update an existing function (atomic switch)."),
@@ -43,7 +47,8 @@ def deploy(
     """Deploy a LoRA adapter as a function."""
     spec = _read_function_file(file) if file else {}
     flags = {"name": name, "backbone": backbone, "slo_ttft_ms": slo_ttft_ms, "keep_alive_s": keep_alive_s,
-             "min_instances": min_instances, "max_instances": max_instances, "tenant": tenant}
+             "min_instances": min_instances, "max_instances": max_instances, "max_tokens_limit": max_tokens_limit,
+             "max_request_s": max_request_s, "tenant": tenant}
     spec |= {k: v for k, v in flags.items() if v is not None}
     adapter_dir = adapter or (Path(spec.pop("adapter")) if "adapter" in spec else None)
     spec.pop("adapter", None)
