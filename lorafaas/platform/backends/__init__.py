@@ -18,7 +18,9 @@ def open_backend(kind: str, home: Path, device: str) -> Backend:
     if kind == "local":
         from lorafaas.function_runtime.launcher import LocalLauncher
 
-        return LocalLauncher(home, device=device)
+        launcher = LocalLauncher(home, device=device)
+        launcher.recover_predecessors()  # a previous platform killed outright: stop its instances, adopt its daemons
+        return launcher
     if kind == "kubernetes":
         try:
             from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
