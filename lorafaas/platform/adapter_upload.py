@@ -38,18 +38,23 @@ def unpack_adapter(archive: bytes, out_dir: Path) -> Path:
                 raise AdapterInvalid(f"{member.name} is {member.size} bytes; the limit is {ALLOWED[name]} bytes")
             if name in found:
                 raise AdapterInvalid(f"the archive holds {name} twice")
-            source = tar.extractfile(member)
-            data = source.read(ALLOWED[name] + 1)
             try:
-                (Path(out_dir) / name).write_bytes(data)
+                _copy_member(tar.extractfile(member), Path(out_dir) / name)
             except OSError as exc:
-                action = f"cannot unpack the uploaded {name} ({len(data)} bytes) into {out_dir}"
+                action = f"cannot unpack the uploaded {name} ({member.size} bytes) into {out_dir}"
                 raise storage_error(exc, action) from exc
             found.add(name)
     missing = set(ALLOWED) - found
     if missing:
         raise AdapterInvalid(f"the adapter archive lacks {', '.join(sorted(missing))}")
     return Path(out_dir)
+
+
+def _copy_member(source, target: Path, chunk_bytes: int = 1 << 20) -> None:
+    """Stream a member to disk: a member inflates to its (checked) size in chunks, never whole in memory."""
+    with target.open("wb") as out:
+        while chunk := source.read(chunk_bytes):
+            out.write(chunk)
 
 
 def _checked_name(member: tarfile.TarInfo) -> str | None:
