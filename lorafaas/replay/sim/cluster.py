@@ -88,6 +88,8 @@ class ClusterSpec:
     min_replan_s: float = 5.0  # a moved arrival rate re-plans at most this often (the node agent: every 5 s)
     prefill_batched: bool = True  # False: a worker prefills each request of a batch alone (the CPU runtime)
     cores: float | None = None  # CPU device: its cores, shared by busy one-thread instances and background threads
+    compute_slots: int | None = None  # instances a device runs at full speed at once (the agent's AgentConfig field;
+    # None: the cores on a CPU, 1 on a GPU)
 
     @property
     def num_devices(self) -> int:
@@ -219,6 +221,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.number("min_replan_s", 5.0, 0.0),
         _flag(top, "prefill_batched", True),
         dev.number("cores", low=1.0, high=4096.0) if "cores" in dev.data else None,
+        dev.integer("compute_slots", low=1, high=100_000) if "compute_slots" in dev.data else None,
     )
 
 

@@ -142,7 +142,7 @@ class Simulator:
         self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
         self.instance_ids = itertools.count()
         # the agent's compute slots: a CPU's cores / one thread per instance; a GPU runs one instance's kernels at once
-        self.compute_slots = max(1, int(cluster.cores)) if cluster.cores is not None else 1
+        self.compute_slots = cluster.compute_slots or (max(1, int(cluster.cores)) if cluster.cores is not None else 1)
         self.concurrency = (
             cluster.serverful_max_concurrent_batches
             if policy.batching == "immediate"
