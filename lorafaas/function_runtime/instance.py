@@ -2,6 +2,9 @@
 
     libraries -> backbone (bound through the daemon) -> adapter (host memory, then on the device) -> warmup
 
+An expert adapter (MoE backbones, `moe_lora.py`) keeps its attention part here and runs its expert LoRA here
+(`lora_mode` local) or on the node's LoRA server (remote, the default).
+
 The node agent orders the steps one at a time (pre-loading); a request arriving early runs whatever is missing (a
 cold start), and the timings of each step are kept as that cold start's breakdown. Every method here blocks; the
 worker runs them on its single compute thread.
@@ -15,7 +18,7 @@ import time
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime.messages import StageName, UnstageName, WorkerSpec
+from lorafaas.function_runtime.messages import AdapterStats, StageName, UnstageName, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +98,11 @@ class FunctionInstance:
             raise InvalidInput(f"cannot {stage} while the instance serves {self.engine.num_running} request(s)")
         started = time.perf_counter()
         if stage in ("adapter_offload", "adapter_drop") and self.model is not None:
-            from lorafaas.function_runtime.lora import detach_adapter
-
-            detach_adapter(self.model)
-        if stage == "adapter_drop":
-            self.host_adapter = None
+            self._detach_adapter()
+        # A remote-mode expert adapter has no host copy worth keeping (the LoRA server holds its experts): offloading
+        # releases its connection and buffer too, and reloading reconnects.
+        if stage == "adapter_drop" or (stage == "adapter_offload" and self._adapter_kind() == "remote"):
+            self._release_host_adapter()
         if stage == "backbone":
             self._unbind()
         else:  # the host copy, if kept, makes reloading the adapter a placement only
@@ -136,12 +139,44 @@ class FunctionInstance:
             self._place_adapter()
 
     def _load_adapter(self) -> None:
-        from lorafaas.function_runtime.lora import read_host_adapter
-
         if self.spec.adapter_dir and self.host_adapter is None:
-            self.host_adapter = read_host_adapter(Path(self.spec.adapter_dir))
+            self.host_adapter = self._read_adapter(Path(self.spec.adapter_dir))
         if self.model is not None:
             self._place_adapter()
+
+    def _read_adapter(self, adapter_dir: Path):
+        """A dense adapter into host memory, or an expert adapter opened in the spec's LoRA mode (`MoeAdapter`:
+        its attention part here, its experts here or on the LoRA server)."""
+        from lorafaas.platform.adapters.expert_adapters import is_expert_adapter
+
+        if is_expert_adapter(adapter_dir):
+            from lorafaas.function_runtime.moe_lora import open_moe_adapter
+
+            return open_moe_adapter(
+                adapter_dir,
+                self.spec.lora_mode,
+                lora_server=self.spec.lora_server,
+                client=self.spec.instance_id,
+                device=self.spec.device,
+            )
+        from lorafaas.function_runtime.lora import read_host_adapter
+
+        return read_host_adapter(adapter_dir)
+
+    def adapter_stats(self) -> AdapterStats | None:
+        adapter = self.host_adapter
+        if adapter is None:
+            return None
+        if self._adapter_kind() == "dense":
+            return AdapterStats(kind="dense", held_bytes=adapter.num_bytes)
+        info = adapter.info
+        return AdapterStats(
+            kind="experts", lora_mode=adapter.mode, held_bytes=adapter.held_bytes, expert_bytes=info.expert_bytes
+        )
+
+    def _adapter_kind(self) -> str | None:
+        """None (no adapter), "dense", or an expert adapter's mode ("local" | "remote")."""
+        return None if self.host_adapter is None else _kind_of(self.host_adapter)
 
     def _load_warmup(self) -> None:
         from lorafaas.function_runtime.messages import SamplingParams
@@ -161,12 +196,35 @@ class FunctionInstance:
     # -- undoing -------------------------------------------------------------------------------------------------
 
     def _place_adapter(self) -> None:
-        from lorafaas.function_runtime.lora import attach_adapter, detach_adapter
+        from lorafaas.function_runtime.lora import attach_adapter
 
-        if self.host_adapter is None:
-            detach_adapter(self.model)
-        else:
+        kind = self._adapter_kind()
+        if kind is None:
+            self._detach_adapter()
+        elif kind == "dense":
             attach_adapter(self.model, self.host_adapter, self.spec.device)
+        else:
+            from lorafaas.function_runtime.moe_lora import install_expert_lora
+
+            install_expert_lora(self.model, self.host_adapter.source, self.host_adapter.info)
+            attach_adapter(self.model, self.host_adapter.attention, self.spec.device)
+
+    def _detach_adapter(self) -> None:
+        from lorafaas.function_runtime.lora import detach_adapter
+
+        detach_adapter(self.model)
+        if self._adapter_kind() not in (None, "dense"):
+            from lorafaas.function_runtime.moe_lora import remove_expert_lora
+
+            remove_expert_lora(self.model)
+
+    def _release_host_adapter(self) -> None:
+        """Forget the host copy; an expert adapter closes its source: local factors freed, or the server connection
+        and its shared-memory buffer closed (the protocol has no unregister: the server's cache evicts the adapter
+        when others need the room)."""
+        adapter, self.host_adapter = self.host_adapter, None
+        if adapter is not None and _kind_of(adapter) != "dense":
+            adapter.close()
 
     def _unbind(self) -> None:
         self.model = self.tokenizer = self.engine = None
@@ -177,6 +235,11 @@ class FunctionInstance:
                 daemon.detach(self._lease_id)
             self._lease_id = None
         self.loaded = [s for s in self.loaded if s not in ("backbone", "warmup")]
+
+
+def _kind_of(adapter) -> str:
+    """`dense` for a HostAdapter, the mode of a MoeAdapter (checked without importing moe_lora and torch)."""
+    return getattr(adapter, "mode", "dense")
 
 
 def _prerequisites(stage: StageName, adapter_first: bool) -> tuple[StageName, ...]:

@@ -66,6 +66,19 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "cpu"
     max_batch_size: int = 8
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # Expert adapters (MoE backbones) only: where their expert LoRA runs; ignored for dense adapters.
+    lora_mode: Literal["local", "remote"] | None = None  # None: remote, the default on MoE backbones
+    lora_server: str | None = None  # the node's LoRA server for the backbone (a socket path or tcp://HOST:PORT)
+
+
+class AdapterStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The adapter an instance holds: dense LoRA, or an expert adapter whose expert factors are held here (local
+    mode) or by the LoRA server (remote mode)."""
+
+    kind: Literal["dense", "experts"]
+    lora_mode: Literal["local", "remote"] | None = None  # experts only
+    held_bytes: int  # adapter tensor bytes this process holds
+    expert_bytes: int = 0  # the adapter's expert factors, wherever they are held
 
 
 # Requests (client -> worker)
@@ -116,6 +129,7 @@ class StageDone(msgspec.Struct, frozen=True, kw_only=True, tag="stage_done"):
     stage: str
     seconds: float
     memory: MemoryStats
+    adapter: AdapterStats | None = None  # the adapter held after this step
 
 
 class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
@@ -151,6 +165,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     num_running: int
     num_waiting: int
     num_served: int
+    adapter: AdapterStats | None = None
 
 
 Reply = HelloReply | StageDone | Token | Finished | ErrorReply | Stats
