@@ -131,10 +131,12 @@ class WorkerServer:
                     self._work.set()
             elif isinstance(request, m.Stage):
                 seconds = await self._run(self.instance.load, request.stage)
-                self._send(writer, m.StageDone(stage=request.stage, seconds=seconds, memory=read_memory()))
+                self._send(writer, m.StageDone(stage=request.stage, seconds=seconds, memory=read_memory(),
+                                               adapter=self.instance.adapter_stats()))
             elif isinstance(request, m.Unstage):
                 seconds = await self._run(self.instance.unload, request.stage)
-                self._send(writer, m.StageDone(stage=request.stage, seconds=seconds, memory=read_memory()))
+                self._send(writer, m.StageDone(stage=request.stage, seconds=seconds, memory=read_memory(),
+                                               adapter=self.instance.adapter_stats()))
             elif isinstance(request, m.GetStats):
                 self._send(writer, self.stats())
             elif isinstance(request, m.Shutdown):
@@ -213,6 +215,7 @@ class WorkerServer:
             stages=tuple(self.instance.loaded), stage_seconds=dict(self.instance.stage_seconds),
             memory=read_memory(), num_running=engine.num_running if engine else 0,
             num_waiting=engine.num_waiting if engine else 0, num_served=self._num_served,
+            adapter=self.instance.adapter_stats(),
         )
 
 
