@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+
 from lorafaas.errors import InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.lora_servers import LoraServers, with_lora_mode
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
@@ -67,6 +70,7 @@ class Instance:
     last_used_s: float = 0.0  # agent clock
     cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
     loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
+    adapter: dict | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held): AdapterStats
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -76,7 +80,7 @@ class Instance:
     def describe(self) -> dict:
         return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
                 "version": self.version, "in_flight": self.in_flight, "started_at": self.started_at,
-                "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start)}
+                "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start), "adapter": self.adapter}
 
 
 class NodeAgent:
@@ -86,8 +90,10 @@ class NodeAgent:
         adapter_path: Callable[[str], Path],
         config: AgentConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lora_servers: LoraServers | None = None,  # the MoE backbones' LoRA servers here; None: the backend runs none
     ) -> None:
         self.launcher = launcher
+        self.lora_servers = lora_servers
         self.adapter_path = adapter_path
         self.config = config or AgentConfig()
         self.clock = clock
@@ -127,6 +133,8 @@ class NodeAgent:
             for instance in list(instances):
                 await self.stop_instance(instance)
         await asyncio.to_thread(self.launcher.close)
+        if self.lora_servers is not None:
+            await asyncio.to_thread(self.lora_servers.close)
 
     def apply(self, spec: FunctionSpec) -> None:
         """Adopt a (new version of a) function spec; the reconciler starts, drains and retires instances."""
@@ -150,10 +158,13 @@ class NodeAgent:
             await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
 
     async def remove(self, name: str) -> None:
-        self.specs.pop(name, None)
+        spec = self.specs.pop(name, None)
         self.scheduler.forget(name)
         for instance in self.instances.pop(name, []):
             await self.stop_instance(instance)
+        if spec is not None and self.lora_servers is not None and all(
+                s.backbone != spec.backbone for s in self.specs.values()):  # the backbone's last function went
+            await asyncio.to_thread(self.lora_servers.stop, spec.backbone)
 
     # -- invocation ------------------------------------------------------------------------------------------------
 
@@ -265,13 +276,18 @@ class NodeAgent:
                 self.launcher.spec, spec.name, spec.backbone, self.adapter_path(spec.adapter_digest),
                 max_batch_size=self.config.max_batch_size, num_threads=self.config.num_threads,
             )
+            worker_spec = await asyncio.to_thread(  # an expert adapter's mode; may start the LoRA server
+                with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
             instance.cold_start["spawn"] = time.perf_counter() - started
             instance.client = await instance.handle.connect()
             for stage in stages:
-                instance.cold_start[stage] = (await instance.client.stage(stage)).seconds
+                done = await instance.client.stage(stage)
+                instance.cold_start[stage] = done.seconds
                 instance.loaded.add(stage)
+                if stage == "adapter" and done.adapter is not None:
+                    instance.adapter = msgspec.to_builtins(done.adapter)
         except (LorafaasError, OSError) as exc:
             instance.state = "crashed"
             instance.ready_event.set()
