@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from lorafaas.errors import InvalidInput
+from lorafaas.function_runtime.lora_servers import LoraServers
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
 from lorafaas.platform.backends import open_backend
@@ -109,7 +110,12 @@ class Platform:
         self.launcher = open_backend(config.backend, home, device.name)
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
                                    scheduler=scheduler_config(config.policy))
-        self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config)
+        # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)
+        lora_servers = None
+        if config.backend == "local":
+            lora_servers = LoraServers(home / "run", home / "logs", device=device.name,
+                                       num_threads=agent_config.num_threads)
+        self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config, lora_servers=lora_servers)
         self.service = FunctionService(self.store, self.models, self.adapters, self.agent)
         self.metrics = GatewayMetrics(self.agent)
         self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
