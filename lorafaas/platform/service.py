@@ -20,6 +20,7 @@ import msgspec
 from lorafaas.errors import (
     AlreadyExists,
     FunctionNotFound,
+    InvalidInput,
     InvocationNotFound,
     InvocationTimedOut,
     LorafaasError,
@@ -28,7 +29,7 @@ from lorafaas.errors import (
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.model_store import ModelStore, read_model_config
 from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, InvocationRequest
@@ -36,7 +37,9 @@ from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, Invocati
 log = logging.getLogger(__name__)
 
 INVOCATION_RETENTION_S = 3600.0
-SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s")
+SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s",
+               "lora_mode")
+MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen-MoE, DeepSeek
 
 
 class FunctionService:
@@ -68,6 +71,7 @@ class FunctionService:
         spec = FunctionSpec(name=name, tenant=tenant, backbone=fields.get("backbone", ""), adapter_digest="0" * 64,
                             created_at=now, updated_at=now, **_spec_values(fields)).check()
         self.models.get(spec.backbone)  # BackboneNotFound before any work
+        self._check_lora_mode(spec)
         if self._exists(spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
@@ -88,6 +92,8 @@ class FunctionService:
             changes["adapter_digest"] = await self._store_adapter(adapter_archive, current.backbone)
         spec = msgspec.structs.replace(current, **changes, version=current.version + 1,
                                        updated_at=max(time.time(), current.created_at)).check()
+        if "lora_mode" in changes:
+            self._check_lora_mode(spec)
         self.store.put_function(spec, create=False)
         self.agent.apply(spec)
         return spec
@@ -125,6 +131,18 @@ class FunctionService:
                 f.seek(max(0, path.stat().st_size - tail_bytes))
                 parts.append(f"==> {path.stem} <==\n" + f.read().decode(errors="replace"))
         return "\n".join(parts)
+
+    def _check_lora_mode(self, spec: FunctionSpec) -> None:
+        """A LoRA mode is a choice for MoE backbones only: refuse one given for a dense backbone."""
+        if spec.lora_mode is None:
+            return
+        config = read_model_config(self.models.path(spec.backbone))
+        if not any(isinstance(n := config.get(key), int) and n > 1 for key in MOE_CONFIG_KEYS):
+            raise InvalidInput(
+                f"lora_mode {spec.lora_mode!r} is for mixture-of-experts backbones (expert adapters), but backbone "
+                f"{spec.backbone!r} ({config.get('model_type', 'unknown type')}) is dense; deploy without "
+                "--lora-mode (lora_mode)"
+            )
 
     def _exists(self, name: str) -> bool:
         try:

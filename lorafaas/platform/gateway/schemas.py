@@ -45,6 +45,7 @@ class DeploySpec(BaseModel):
     max_instances: int | None = None
     max_tokens_limit: int | None = None
     max_request_s: float | None = None
+    lora_mode: str | None = None  # MoE backbones only: "remote" (default) or "local"
 
 
 class KeyBody(BaseModel):

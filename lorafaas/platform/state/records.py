@@ -53,7 +53,9 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_instances: int = 4
     max_tokens_limit: int = 1024
     max_request_s: float = 300.0  # wall time of one invocation, queueing included; past it the request is stopped
-    lora_mode: str = "local"
+    # Expert adapters on MoE backbones: "remote" (the node's LoRA server runs the experts' LoRA) or "local" (each
+    # instance holds them); None: remote. Refused on dense backbones at deploy.
+    lora_mode: str | None = None
     version: int = 1  # bumped by each update
     created_at: float
     updated_at: float
@@ -75,7 +77,7 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
             )
         _check_range("max_tokens_limit", self.max_tokens_limit, 1, MAX_TOKENS_LIMIT)
         _check_range("max_request_s", self.max_request_s, 0.1, MAX_REQUEST_S, " s")
-        if self.lora_mode not in LORA_MODES:
+        if self.lora_mode is not None and self.lora_mode not in LORA_MODES:
             raise InvalidInput(f"lora_mode is {self.lora_mode!r}; expected one of {', '.join(LORA_MODES)}")
         if self.version < 1:
             raise InvalidInput(f"version is {self.version}; versions start at 1")
