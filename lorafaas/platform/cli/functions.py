@@ -17,7 +17,7 @@ from lorafaas.platform.cli.output import console, err_console, print_json
 URL = typer.Option(DEFAULT_URL, "--url", envvar="LORAFAAS_URL", help="The lorafaas gateway.")
 JSON = typer.Option(False, "--json", help="Print one JSON document.")
 YAML_FIELDS = {"name", "adapter", "backbone", "slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances",
-               "max_tokens_limit", "max_request_s", "tenant"}
+               "max_tokens_limit", "max_request_s", "lora_mode", "tenant"}
 
 
 def _client(ctx: typer.Context, url: str) -> ApiClient:
@@ -38,6 +38,10 @@ def deploy(
     max_request_s: float | None = typer.Option(
         None, "--max-request-s", help="Wall-time limit of one request, queueing included (504 beyond)."
     ),
+    lora_mode: str | None = typer.Option(
+        None, "--lora-mode", help="MoE backbones: remote (default: the node's LoRA server runs the experts' LoRA) "
+        "or local (each instance holds its expert adapter)."
+    ),
     tenant: str | None = typer.Option(None, "--tenant", help="Deploy for this tenant (admin key only)."),
     file: Path | None = typer.Option(None, "-f", "--file", help="function.yaml with the same fields."),
     replace: bool = typer.Option(False, "--replace", help="Update an existing function (atomic switch)."),
@@ -48,7 +52,7 @@ def deploy(
     spec = _read_function_file(file) if file else {}
     flags = {"name": name, "backbone": backbone, "slo_ttft_ms": slo_ttft_ms, "keep_alive_s": keep_alive_s,
              "min_instances": min_instances, "max_instances": max_instances, "max_tokens_limit": max_tokens_limit,
-             "max_request_s": max_request_s, "tenant": tenant}
+             "max_request_s": max_request_s, "lora_mode": lora_mode, "tenant": tenant}
     spec |= {k: v for k, v in flags.items() if v is not None}
     adapter_dir = adapter or (Path(spec.pop("adapter")) if "adapter" in spec else None)
     spec.pop("adapter", None)
@@ -112,11 +116,12 @@ def describe(ctx: typer.Context, name: str, url: str = URL, as_json: bool = JSON
     spec = info["function"]
     console.print(f"[bold]{spec['name']}[/] (tenant {spec['tenant']}) version {spec['version']}: backbone "
                   f"{spec['backbone']}, adapter {spec['adapter_digest'][:12]}, SLO {spec['slo_ttft_ms']} ms, "
-                  f"keep-alive {spec['keep_alive_s']:g} s, instances {spec['min_instances']}..{spec['max_instances']}")
-    table = Table("instance", "pid", "device", "state", "in flight", "cold start")
+                  f"keep-alive {spec['keep_alive_s']:g} s, instances {spec['min_instances']}..{spec['max_instances']}"
+                  + (f", LoRA mode {spec['lora_mode']}" if spec.get("lora_mode") else ""))
+    table = Table("instance", "pid", "device", "state", "in flight", "adapter", "cold start")
     for i in info["instances"]:
         table.add_row(i["instance_id"], str(i["pid"]), i["device"], i["state"], str(i["in_flight"]),
-                      _breakdown(i["cold_start"]))
+                      _adapter(i.get("adapter")), _breakdown(i["cold_start"]))
     console.print(table)
     if info.get("last_cold_start"):
         console.print(f"last cold start: {_breakdown(info['last_cold_start'])}")
@@ -129,6 +134,17 @@ def describe(ctx: typer.Context, name: str, url: str = URL, as_json: bool = JSON
         console.print(f"offloaded: {_offloaded(item)}")
     for failure in info.get("failures") or []:
         console.print(f"[red]failed:[/] {failure['instance_id']}: {failure['reason']} {failure.get('message', '')}")
+
+
+def _adapter(adapter: dict | None) -> str:
+    """E.g. `experts, remote: 7.0 KiB held (64.0 KiB of experts on the LoRA server)`."""
+    if not adapter:
+        return ""
+    held = f"{adapter['held_bytes'] / 1024:.1f} KiB held"
+    if adapter["kind"] == "dense":
+        return f"dense: {held}"
+    where = "on the LoRA server" if adapter["lora_mode"] == "remote" else "here"
+    return f"experts, {adapter['lora_mode']}: {held} ({adapter['expert_bytes'] / 1024:.1f} KiB of experts {where})"
 
 
 def _offloaded(item: dict) -> str:
