@@ -6,7 +6,8 @@ even on SIGKILL) says who owns the pair; its segment's name carries the home, ba
     /dev/shm/lorafaas-<home tag>.<backbone>.<device>.<pid>
 
 so a starting daemon recognises the segments of a killed predecessor. Backbone names cannot contain '.', so one
-backbone's prefix never matches another's segments.
+backbone's prefix never matches another's segments. Next to the lock, the daemon keeps a record of its sealed segment
+and its leases (`<stem>.segment`), so that a successor can adopt the segment instead of loading a second copy.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class DaemonPaths:
     run_dir: Path
     socket: Path
     lock: Path
+    record: Path  # the sealed segment and its leases, for a successor to adopt (see adoption.py)
     segment_prefix: str  # every segment of this (home, backbone, device) starts with it, followed by a pid
 
     @classmethod
@@ -67,6 +69,7 @@ class DaemonPaths:
             run_dir=run_dir,
             socket=socket,
             lock=run_dir / f"{stem}.lock",
+            record=run_dir / f"{stem}.segment",
             segment_prefix=f"{SEGMENT_PREFIX}{home_tag}.{backbone}.{device.replace(':', '-')}.",
         )
 

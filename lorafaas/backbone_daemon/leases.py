@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lorafaas.backbone_daemon.messages import LeaseInfo
+from lorafaas.backbone_daemon.messages import LeaseInfo, LeaseRecord
 from lorafaas.errors import LeaseNotFound
 
 
@@ -99,6 +99,25 @@ class LeaseTable:
             reaped.append((lease, reason))
         self.num_reaped += len(reaped)
         return reaped
+
+    def records(self) -> tuple[LeaseRecord, ...]:
+        """The table as a successor needs it to re-create the leases (see `restore`)."""
+        return tuple(LeaseRecord(lease_id=x.lease_id, function=x.function, pid=x.pid, start_ticks=x.start_ticks,
+                                 attached_at=x.attached_at) for x in self._leases.values())
+
+    def restore(self, records: tuple[LeaseRecord, ...]) -> list[Lease]:
+        """Re-create a killed predecessor's leases whose processes still live, under the same ids (so their holders
+        can renew and detach them here); the others count as reaped. Returns the leases re-created."""
+        restored = []
+        for record in records:
+            if not self._is_alive(record.pid, record.start_ticks):
+                self.num_reaped += 1
+                continue
+            lease = Lease(lease_id=record.lease_id, function=record.function, pid=record.pid,
+                          start_ticks=record.start_ticks, attached_at=record.attached_at, renewed_at_s=self._clock())
+            self._leases[lease.lease_id] = lease
+            restored.append(lease)
+        return restored
 
     def snapshot(self) -> tuple[LeaseInfo, ...]:
         now = self._clock()

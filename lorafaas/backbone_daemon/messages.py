@@ -10,6 +10,10 @@ and closes. Then any number of requests, each answered by one response, in order
     Shutdown(force)         -> ShuttingDown, or ErrorReply(code="leases_held") while leases are held unless forced
 
 Frame: 4-byte big-endian payload length, then the msgpack payload (a tagged struct, tag field "type").
+
+`SegmentRecord` is what a daemon leaves for its successor (a file next to its lock, msgpack, own version): the sealed
+segment's manifest and identity, and the leases held. A daemon restarted after a crash adopts the segment and
+re-creates those leases under the same ids, so attached functions detach from it as from the one they attached to.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ class DaemonStatus(_Message, tag="daemon_status"):
     uptime_s: float
     leases: tuple[LeaseInfo, ...]
     num_reaped: int  # leases reaped since start (their functions died or went silent)
+    adopted_from_pid: int | None = None  # the killed daemon whose segment this one adopted instead of loading
+    num_leases_adopted: int = 0  # leases of functions still attached to the adopted segment, re-created at start
 
 
 class ShuttingDown(_Message, tag="shutting_down"):
@@ -115,6 +121,29 @@ class ErrorReply(_Message, tag="error"):
 
 
 Response = Welcome | Attached | HeartbeatAck | Detached | DaemonStatus | ShuttingDown | ErrorReply
+
+# What a daemon records for its successor
+RECORD_VERSION = 1
+
+
+class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True):
+    lease_id: str
+    function: str
+    pid: int
+    start_ticks: int | None  # with the pid: the process, even if the pid is reused later
+    attached_at: float  # unix time
+
+
+class SegmentRecord(msgspec.Struct, frozen=True, kw_only=True):
+    record_version: int = RECORD_VERSION
+    daemon_pid: int
+    device: str
+    backbone: BackboneInfo  # its weights_sha256 must still be the store entry's
+    manifest: SegmentManifest  # of the sealed segment
+    inode: int  # the segment file's identity and last write: anything else at that name is not this segment
+    mtime_ns: int
+    leases: tuple[LeaseRecord, ...]
+
 
 request_decoder = msgspec.msgpack.Decoder(Request)
 response_decoder = msgspec.msgpack.Decoder(Response)

@@ -1,9 +1,11 @@
 """The backbone daemon: load one backbone into one segment on one device, lease it to functions, clean up after.
 
-Life: take the (home, backbone, device) lock -> remove segments left by a killed predecessor -> read the backbone
-from the store straight into a new segment -> serve the protocol on a Unix socket (asyncio; the lease table is owned
-by the event loop) -> on Shutdown, SIGTERM or SIGINT: stop, unlink the segment and the socket, release the lock.
-Functions attached when the daemon stops or dies keep their mapping; only new attaches need a daemon.
+Life: take the (home, backbone, device) lock -> adopt the segment of a killed predecessor if it is intact and holds
+the same weights (re-creating the leases of the functions still attached to it; see adoption.py), and remove any
+other segment it left -> if nothing was adopted, read the backbone from the store straight into a new segment ->
+serve the protocol on a Unix socket (asyncio; the lease table is owned by the event loop), keeping the segment record
+up to date for a successor -> on Shutdown, SIGTERM or SIGINT: stop, unlink the segment, its record and the socket,
+release the lock. Functions attached when the daemon stops or dies keep their mapping; only new attaches need a daemon.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 import msgspec
 
 from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon import adoption
 from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
 from lorafaas.backbone_daemon.leases import LeaseTable, process_alive
@@ -66,22 +69,46 @@ class BackboneDaemon:
         self._stop: asyncio.Event | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._owns_socket = False
+        self.adopted_from_pid: int | None = None
+        self.num_leases_adopted = 0
 
     def start(self) -> None:
         """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
         manifest = self.store.get(self.config.backbone)  # BackboneNotFound before anything is created
         cuda_ipc.check_transport(self.config.device)  # no cupy or no GPU: say so before loading anything
         self._acquire_lock()
-        self._remove_stale_segments()
         name = self.paths.segment_name(os.getpid())
-        log.info("daemon %d: loading backbone %s (%d bytes) onto %s", os.getpid(), manifest.name, manifest.bytes,
-                 self.config.device)
-        self.segment = load_into_segment(self.store.path(manifest.name), manifest.weight_files, self.config.device,
-                                         name)
+        self._adopt(manifest, name)
+        self._remove_stale_segments()
+        if self.segment is None:
+            self.paths.record.unlink(missing_ok=True)  # it describes a segment that is gone now
+            log.info("daemon %d: loading backbone %s (%d bytes) onto %s", os.getpid(), manifest.name, manifest.bytes,
+                     self.config.device)
+            self.segment = load_into_segment(self.store.path(manifest.name), manifest.weight_files,
+                                             self.config.device, name)
         self.info = m.BackboneInfo(name=manifest.name, model_dir=str(self.store.path(manifest.name)),
                                    architecture=manifest.architecture, weights_sha256=manifest.weights_sha256)
+        self._save_record()
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
+
+    def _adopt(self, manifest, name: str) -> None:
+        """Take over the segment a killed predecessor recorded, if it is intact and holds these weights."""
+        record = adoption.read_record(self.paths.record)
+        if record is None:
+            return
+        reason = adoption.refusal(record, self.config, self.paths, manifest)
+        if reason is not None:
+            log.info("daemon %d: not adopting the segment of daemon %d: %s", os.getpid(), record.daemon_pid, reason)
+            return
+        self.segment, attached = adoption.adopt(record, name)
+        restored = self.leases.restore(attached)
+        self.adopted_from_pid = record.daemon_pid
+        self.num_leases_adopted = len(restored)
+        log.info("daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again) as %s; %d lease(s) "
+                 "re-created for functions still attached: %s", os.getpid(), record.manifest.location.name,
+                 record.daemon_pid, record.manifest.size, name, len(restored),
+                 ", ".join(f"{x.function} (pid {x.pid})" for x in restored) or "none")
 
     async def serve(self, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
         self._stop = asyncio.Event()
@@ -112,6 +139,8 @@ class BackboneDaemon:
     def cleanup(self) -> None:
         """Unlink the segment and the socket, release the lock. Idempotent; attached functions keep their mapping."""
         if self.segment is not None:
+            if self.info is not None:  # this run recorded it; a daemon that failed to start leaves the record be
+                self.paths.record.unlink(missing_ok=True)
             self.segment.destroy()
             log.info("daemon %d: segment %s removed (%d lease(s) still attached keep their mapping)", os.getpid(),
                      self._segment_label(), len(self.leases))
@@ -136,6 +165,7 @@ class BackboneDaemon:
             if self._stopping:
                 raise LeaseRefused(f"the daemon of {self.config.backbone} on {self.config.device} is stopping")
             lease = self.leases.grant(request.function, peer_pid)
+            self._save_record()
             log.info("lease %s granted to function %s (pid %d); %d lease(s)", lease.lease_id, lease.function,
                      lease.pid, len(self.leases))
             return m.Attached(lease_id=lease.lease_id, manifest=self.segment.manifest, backbone=self.info,
@@ -144,6 +174,7 @@ class BackboneDaemon:
             return m.HeartbeatAck(lease_id=self.leases.renew(request.lease_id).lease_id)
         if isinstance(request, m.Detach):
             lease = self.leases.release(request.lease_id)
+            self._save_record()
             log.info("lease %s of function %s (pid %d) released; %d lease(s)", lease.lease_id, lease.function,
                      lease.pid, len(self.leases))
             return m.Detached(lease_id=lease.lease_id)
@@ -168,7 +199,8 @@ class BackboneDaemon:
             backbone=self.config.backbone, device=self.config.device, transport=manifest.transport,
             segment=self._segment_label(), daemon_pid=os.getpid(), bytes=manifest.tensor_bytes,
             segment_bytes=manifest.size, uptime_s=time.monotonic() - self._started_s, leases=self.leases.snapshot(),
-            num_reaped=self.leases.num_reaped,
+            num_reaped=self.leases.num_reaped, adopted_from_pid=self.adopted_from_pid,
+            num_leases_adopted=self.num_leases_adopted,
         )
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -207,9 +239,25 @@ class BackboneDaemon:
             self._reap()
 
     def _reap(self) -> None:
-        for lease, reason in self.leases.reap():
+        reaped = self.leases.reap()
+        for lease, reason in reaped:
             log.info("lease %s of function %s (pid %d) reaped: %s; %d lease(s)", lease.lease_id, lease.function,
                      lease.pid, reason, len(self.leases))
+        if reaped:
+            self._save_record()
+
+    def _save_record(self) -> None:
+        """What a successor needs to adopt the segment (cpu only: a CUDA allocation dies with this process)."""
+        location = self.segment.manifest.location
+        if not isinstance(location, cuda_ipc.ShmLocation):
+            return
+        identity = adoption.segment_identity(location.name)
+        if identity is None:
+            return
+        inode, _size, mtime_ns = identity
+        adoption.write_record(self.paths.record, m.SegmentRecord(
+            daemon_pid=os.getpid(), device=self.config.device, backbone=self.info, manifest=self.segment.manifest,
+            inode=inode, mtime_ns=mtime_ns, leases=self.leases.records()))
 
     def _on_signal(self, signum: int) -> None:
         log.info("daemon %d: %s, stopping (%d lease(s) held keep their mapping)", os.getpid(),

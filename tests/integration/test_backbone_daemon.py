@@ -1,4 +1,5 @@
-"""The backbone daemon as a real process on tiny-dense: protocol, leases, reaping, faults, stale segments, stop.
+"""The backbone daemon as a real process on tiny-dense: protocol, leases, reaping, faults, adopting or removing a
+killed daemon's segment, stop.
 
 Daemons and probes are real child processes, bounded by timeouts and always killed; every test that stops a daemon
 checks that nothing of ours is left in /dev/shm.
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon
 from lorafaas.backbone_daemon.config import DaemonConfig
@@ -23,7 +25,7 @@ from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, LeaseNotFound, LeasesHeld
 from lorafaas.function_runtime.reference import load_backbone
 from lorafaas.platform.model_store import ModelStore
-from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
+from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest, tensors_digest
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame
 
 BACKBONE = "tiny-dense"
@@ -190,19 +192,71 @@ def test_shutdown_is_refused_while_leases_are_held_unless_forced(daemons) -> Non
         DaemonClient.connect(config.paths.socket)
 
 
-def test_a_killed_daemons_segment_is_removed_at_next_start_and_functions_keep_working(daemons) -> None:
+def _inode(name: str) -> int:
+    return os.stat(Path("/dev/shm", name)).st_ino
+
+
+def _segment_digest(config: DaemonConfig) -> tuple[str, str]:
+    """(segment name, digest of its tensors) as a new attacher sees them."""
+    with DaemonClient.connect(config.paths.socket) as client:
+        attached = client.attach("fn-digest")
+        attachment = cuda_ipc.attach(attached.manifest)
+        try:
+            return attached.manifest.location.name, tensors_digest(attachment.tensors)
+        finally:
+            attachment.close()
+            client.detach(attached.lease_id)
+
+
+def test_a_killed_daemons_segment_and_leases_are_adopted_by_the_next_daemon(daemons) -> None:
     home = daemons.home()
     config, first = daemons.start(home)
     prefix = config.paths.segment_prefix
-    stale = config.paths.segment_name(first.pid)
-    with _probe(config, "fn-survivor") as probe:
-        before = probe.wait_report()
+    segment = config.paths.segment_name(first.pid)
+    inode = _inode(segment)
+    _name, contents = _segment_digest(config)
+    with _probe(config, "fn-survivor") as survivor, _probe(config, "fn-leaver") as leaver:
+        before = survivor.wait_report()
+        leaver.wait_report()
+        with DaemonClient.connect(config.paths.socket) as client:
+            leases = {x.function: (x.lease_id, x.pid) for x in client.status().leases}
         first.kill()
         first.wait()
-        assert list_segments(prefix) == [stale]  # SIGKILL: no chance to clean up
-        assert probe.request("report").logits_sha256 == before.logits_sha256  # mapping outlives the daemon
+        assert list_segments(prefix) == [segment]  # SIGKILL: no chance to clean up
+        leaver.kill()  # dies while no daemon watches: its lease must not come back
+        assert survivor.request("report").logits_sha256 == before.logits_sha256  # the mapping outlives the daemon
         _config, second = daemons.start(home)
-        assert list_segments(prefix) == [config.paths.segment_name(second.pid)]  # the stale one is gone
-        assert probe.request("report").logits_sha256 == before.logits_sha256  # unlinked, still mapped
+        with DaemonClient.connect(config.paths.socket) as client:
+            status = client.status()
+        assert status.adopted_from_pid == first.pid and status.num_leases_adopted == 1
+        # The same segment (same inode, not a second copy), renamed to its new owner; no other segment.
+        assert list_segments(prefix) == [config.paths.segment_name(second.pid)] == [status.segment]
+        assert _inode(status.segment) == inode
+        assert {x.function: (x.lease_id, x.pid) for x in status.leases} == {"fn-survivor": leases["fn-survivor"]}
+        assert survivor.request("report").logits_sha256 == before.logits_sha256
+        assert _segment_digest(config) == (status.segment, contents)  # a new attach maps the adopted segment
+        with pytest.raises(LeasesHeld, match="fn-survivor"):  # an adopted lease holds the daemon like any other
+            stop_daemon(second, config.paths.socket)
+    _wait_for(lambda: _leases(config) == {})
     assert stop_daemon(second, config.paths.socket) == 0
-    assert list_segments(prefix) == []
+    assert list_segments(prefix) == [] and not config.paths.record.exists()  # a clean stop leaves nothing
+
+
+def test_a_killed_daemons_segment_that_is_not_intact_is_removed_and_the_backbone_loaded_again(daemons) -> None:
+    home = daemons.home()
+    config, first = daemons.start(home)
+    prefix = config.paths.segment_prefix
+    first.kill()
+    first.wait()
+    stale = config.paths.segment_name(first.pid)
+    os.utime(Path("/dev/shm", stale))  # written after it was sealed: not what the record describes
+    for spoil in (lambda: None, lambda: config.paths.record.write_bytes(b"not a record")):
+        spoil()
+        successor = BackboneDaemon(config)  # in this process: fast, and it holds the lock like any daemon
+        try:
+            successor.start()
+            assert successor.adopted_from_pid is None
+            assert list_segments(prefix) == [config.paths.segment_name(os.getpid())]  # loaded anew; stale one gone
+        finally:
+            successor.cleanup()
+        assert list_segments(prefix) == [] and not config.paths.record.exists()
