@@ -1,7 +1,10 @@
 """Starting function workers as local processes: the backbone daemons, the zygote and the workers themselves.
 
 `LocalLauncher` owns every process it starts and stops them all on `close()`; the node agent, the benchmarks and
-the tests drive function instances through it.
+the tests drive function instances through it. A supervisor thread restarts a backbone daemon that dies (the new one
+adopts its segment and leases: attached instances notice nothing). What it started is recorded in `$HOME/run`
+(launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its zygote and instances and
+adopts its daemons (`recover_predecessors`).
 
     with LocalLauncher(home) as launcher:
         instance = launcher.launch("pirate", "smollm2-135m", adapter_dir)      # forked from the zygote
@@ -21,16 +24,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafaas.backbone_daemon.client import spawn_daemon, stop_daemon, wait_until_ready
+from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import DaemonUnavailable
+from lorafaas.errors import DaemonUnavailable, LorafaasError
 from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.launcher_record import (
+    LauncherRecord,
+    ProcessRef,
+    RecordFile,
+    dead_launchers,
+    terminate,
+    terminate_all,
+    wait_gone,
+)
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.function_runtime.zygote import spawn_worker, start_fresh_worker, start_zygote, wait_for_socket
 from lorafaas.platform.model_store import ModelStore
 
 log = logging.getLogger(__name__)
+SUPERVISE_INTERVAL_S = 0.25  # how soon a dead daemon is noticed
+MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the supervisor gives up (a crash loop)
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -72,6 +87,40 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+@dataclass
+class DaemonProcess:
+    """A backbone daemon this launcher stops on close: started by it (`process`), or adopted from a dead launcher."""
+
+    config: DaemonConfig
+    ref: ProcessRef
+    process: subprocess.Popen | None  # None when adopted: not our child
+
+    def alive(self) -> bool:
+        return self.process.poll() is None if self.process is not None else self.ref.alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut it down (forced: its leases go with it) and wait; kill it if it does not answer or stop."""
+        socket_path = self.config.paths.socket
+        if self.process is not None:
+            try:
+                stop_daemon(self.process, socket_path, force=True, timeout_s=timeout_s)
+            except (LorafaasError, OSError):  # stopping must not fail the caller: kill it
+                log.warning("backbone daemon %d did not stop cleanly; killing it", self.process.pid, exc_info=True)
+                self.process.kill()
+                self.process.wait()
+            return
+        if not self.ref.alive():
+            return
+        try:
+            with DaemonClient.connect(socket_path) as client:
+                client.shutdown(force=True)
+        except LorafaasError as exc:
+            log.warning("adopted backbone daemon %d did not accept a shutdown (%s); terminating it", self.ref.pid,
+                        exc.message)
+        if not wait_gone(self.ref, timeout_s):
+            terminate(self.ref, f"backbone daemon of {self.config.backbone}")
+
+
 class LocalLauncher:
     def __init__(self, home: Path, device: str = "cpu") -> None:
         self.home = Path(home)
@@ -79,11 +128,16 @@ class LocalLauncher:
         self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
         self.run_dir = self.home / "run"
         self.log_dir = self.home / "logs"
-        self._daemons: dict[str, tuple[subprocess.Popen, Path]] = {}  # started (and stopped) by us
-        self._borrowed: set[str] = set()  # backbones whose daemon was already running
+        self._daemons: dict[str, DaemonProcess] = {}  # started (or adopted) and stopped by us
+        self._borrowed: set[str] = set()  # backbones whose daemon someone else runs (`lorafaas backbone serve`)
         self._lock = threading.RLock()
         self._zygote: subprocess.Popen | None = None
         self.instances: list[InstanceHandle] = []
+        self.num_daemon_restarts: dict[str, int] = {}
+        self._restarted_at: dict[str, list[float]] = {}
+        self._record = RecordFile(self.run_dir)
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def __enter__(self) -> LocalLauncher:
         return self
@@ -107,7 +161,12 @@ class LocalLauncher:
 
     def _ensure_daemon(self, config: DaemonConfig) -> Path:
         backbone = config.backbone
-        if backbone in self._daemons and self._daemons[backbone][0].poll() is None:
+        daemon = self._daemons.get(backbone)
+        if daemon is not None:
+            if not daemon.alive():  # died a moment ago; the supervisor has not seen it yet
+                self._restart_daemon(backbone, daemon)
+            if backbone not in self._daemons:
+                raise DaemonUnavailable(f"the backbone daemon of {backbone} keeps dying; see its log")
             return config.paths.socket
         if backbone in self._borrowed:  # someone else's daemon: it may have stopped since
             try:
@@ -119,30 +178,111 @@ class LocalLauncher:
             wait_until_ready(config.paths.socket, timeout_s=0.2)
             self._borrowed.add(backbone)
         except DaemonUnavailable:
-            private_dir(self.log_dir)
-            with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
-                self._daemons[backbone] = (spawn_daemon(config, stderr=log_file), config.paths.socket)
+            self._daemons[backbone] = self._spawn_daemon(config)
+            self._write_record()
+            self._ensure_supervisor()
         return config.paths.socket
+
+    def _spawn_daemon(self, config: DaemonConfig) -> DaemonProcess:
+        private_dir(self.log_dir)
+        with open(self.log_dir / f"daemon-{config.backbone}.log", "ab") as log_file:
+            process = spawn_daemon(config, stderr=log_file)
+        return DaemonProcess(config, ProcessRef.of(process.pid), process)
+
+    def _restart_daemon(self, backbone: str, daemon: DaemonProcess) -> None:
+        """Replace a daemon that died (the new one adopts its segment and leases); give up on a crash loop."""
+        code = daemon.process.wait() if daemon.process is not None else None
+        now = time.monotonic()
+        recent = [t for t in self._restarted_at.get(backbone, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_DAEMON_RESTARTS:
+            log.error("backbone daemon of %s died %d times within %.0f s; not restarting it again", backbone,
+                      len(recent) + 1, RESTART_WINDOW_S)
+            del self._daemons[backbone]
+            self._write_record()
+            return
+        self._restarted_at[backbone] = [*recent, now]
+        log.warning("backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid,
+                    backbone, code)
+        try:
+            self._daemons[backbone] = self._spawn_daemon(daemon.config)
+        except (LorafaasError, OSError) as exc:
+            log.error("restarting the backbone daemon of %s failed: %s", backbone, exc)
+            del self._daemons[backbone]
+        else:
+            self.num_daemon_restarts[backbone] = self.num_daemon_restarts.get(backbone, 0) + 1
+            log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[backbone].ref.pid)
+        self._write_record()
+
+    def _ensure_supervisor(self) -> None:
+        if self._supervisor is None or not self._supervisor.is_alive():
+            self._supervisor = threading.Thread(target=self._supervise, name="daemon-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Notice a daemon's death within SUPERVISE_INTERVAL_S and start it again."""
+        while not self._closing.wait(SUPERVISE_INTERVAL_S):
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                for backbone, daemon in list(self._daemons.items()):
+                    if not daemon.alive():
+                        self._restart_daemon(backbone, daemon)
 
     def running_backbones(self) -> list[str]:
         """Backbones whose daemon runs on this launcher's device (started here or found running)."""
-        return [b for b, (process, _) in self._daemons.items() if process.poll() is None] + sorted(self._borrowed)
+        return [b for b, daemon in self._daemons.items() if daemon.alive()] + sorted(self._borrowed)
 
     def stop_daemon(self, backbone: str) -> bool:
         """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise.
         Holds the lock until it is gone, so that nobody attaches to a daemon that is stopping."""
         with self._lock:
-            entry = self._daemons.pop(backbone, None)
-            if entry is None:
+            daemon = self._daemons.pop(backbone, None)
+            if daemon is None:
                 return False
-            process, socket_path = entry
-            try:
-                stop_daemon(process, socket_path, force=True)
-            except Exception:  # stopping must not fail the caller: kill it
-                log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
-                process.kill()
-                process.wait()
+            daemon.stop()
+            self._write_record()
         return True
+
+    def recover_predecessors(self) -> None:
+        """Clean up after launchers of this home that died without closing (a platform killed with SIGKILL): stop
+        their function instances and zygote, adopt their backbone daemons (stopped by this launcher's close)."""
+        if not self.run_dir.is_dir():
+            return
+        with self._lock, dead_launchers(self.run_dir) as records:
+            for path, record in records:
+                log.info("launcher %d of this home died without cleaning up (%s); recovering what it started",
+                         record.launcher_pid, path.name)
+                num_stopped = terminate_all(list(record.instances), "function instance")
+                if record.zygote is not None and terminate(record.zygote, "library pool (zygote)"):
+                    num_stopped += 1
+                for backbone, ref in record.daemons.items():
+                    if not ref.alive():
+                        continue  # the next daemon started for it adopts its segment
+                    daemon = DaemonProcess(DaemonConfig(home=self.home, backbone=backbone, device=record.device),
+                                           ref, None)
+                    if record.device != self.device or backbone in self._daemons:
+                        daemon.stop()
+                        num_stopped += 1
+                        continue
+                    self._daemons[backbone] = daemon
+                    log.info("adopted the backbone daemon %d of %s on %s", ref.pid, backbone, self.device)
+                log.info("launcher %d: stopped %d process(es) it left; %d daemon(s) adopted", record.launcher_pid,
+                         num_stopped, len(self._daemons))
+            if records:
+                self._write_record()
+                if self._daemons:
+                    self._ensure_supervisor()
+
+    def _write_record(self) -> None:
+        with self._lock:
+            zygote = ProcessRef.of(self._zygote.pid) if self._zygote is not None else None
+            instances = tuple(ref for i in list(self.instances) if (ref := ProcessRef.of(i.pid)).start_ticks)
+            daemons = {b: d.ref for b, d in self._daemons.items()}
+            if zygote is None and not instances and not daemons and not self._record.path.exists():
+                return  # nothing started yet: no file
+            private_dir(self.run_dir)
+            self._record.write(LauncherRecord(launcher_pid=os.getpid(), device=self.device, zygote=zygote,
+                                              daemons=daemons, instances=instances))
 
     def start_zygote(self) -> None:
         with self._lock:
@@ -153,6 +293,7 @@ class LocalLauncher:
             private_dir(self.run_dir)
             private_dir(self.log_dir)
             self._zygote = start_zygote(self.zygote_socket, self.log_dir / "zygote.log")
+            self._write_record()
 
     def spec(
         self, function: str, backbone: str, adapter_dir: Path | None, *, shared: bool = True,
@@ -186,10 +327,12 @@ class LocalLauncher:
             self.start_zygote()
             handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
         self.instances.append(handle)
+        self._write_record()
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
 
     def close(self) -> None:
+        self._closing.set()  # the supervisor restarts nothing from now on
         for instance in self.instances:
             instance.kill()
         self.instances.clear()
@@ -204,10 +347,7 @@ class LocalLauncher:
         with self._lock:
             daemons = list(self._daemons.values())
             self._daemons.clear()
-        for process, socket_path in daemons:
-            try:
-                stop_daemon(process, socket_path, force=True)
-            except Exception:  # a daemon that will not answer is killed; close() must not leave processes behind
-                log.warning("backbone daemon %d did not stop cleanly; killing it", process.pid, exc_info=True)
-                process.kill()
-                process.wait()
+        for daemon in daemons:  # a daemon that will not answer is killed; close() must not leave processes behind
+            daemon.stop()
+        with self._lock:
+            self._record.remove()

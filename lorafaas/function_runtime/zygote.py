@@ -8,11 +8,15 @@ only in the children), so forking it is safe. It serves a one-request-per-connec
 The pool also holds each backbone's tokenizer once it has been asked to (`Prepare`, or the first `Spawn` for that
 backbone): host-side parts of the backbone artifact, shared with every worker it forks like the libraries.
 
+A forked worker dies with the zygote (PR_SET_PDEATHSIG: SIGTERM, its graceful stop), so stopping the zygote, or the
+next platform stopping a dead platform's zygote, leaves none of its workers behind.
+
     python -m lorafaas.function_runtime.zygote SOCKET_PATH
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -101,13 +105,14 @@ class Zygote:
             self._stop(listener)
 
     def _fork(self, request: m.Spawn, conn: socket.socket, listener: socket.socket) -> int:
+        zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
             code = 1
             try:
                 conn.close()
                 listener.close()
-                _become_worker(request.log_path)
+                _become_worker(request.log_path, zygote_pid)
                 from lorafaas.function_runtime.worker import run_worker
 
                 code = run_worker(request.spec, self.tokenizers.get(request.spec.model_dir))
@@ -149,11 +154,20 @@ class Zygote:
         listener.close()
 
 
-def _become_worker(log_path: str) -> None:
-    """In the forked child: its own session, default signals, stdout and stderr to the instance log."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _become_worker(log_path: str, zygote_pid: int) -> None:
+    """In the forked child: its own session, SIGTERM when the zygote dies, default signals, stdout and stderr to the
+    instance log. (The zygote is single-threaded, so "the parent thread exits" means the zygote exits.)"""
     os.setsid()
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != zygote_pid:  # the zygote died before the death signal was armed
+        os._exit(1)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
