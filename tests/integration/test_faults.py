@@ -1,6 +1,7 @@
 """Faults on a real platform process (tiny backbone), each bounded in time, each checking what the client sees and
-that nothing the platform accepted is lost: an instance, a backbone daemon and the gateway SIGKILLed, Redis restarted
-under load, the disk filling up during a deploy."""
+that nothing the platform accepted is lost: an instance, a backbone daemon (restarted, re-adopting its segment) and
+the gateway (its successor cleans up after it) SIGKILLed, Redis restarted under load, the disk filling up during a
+deploy."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from lorafaas.backbone_daemon.client import DaemonClient
 from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.cuda_ipc.shm import list_segments
+from lorafaas.errors import DaemonUnavailable
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
@@ -87,50 +91,87 @@ def test_an_instance_killed_mid_stream_ends_the_stream_with_an_error_and_request
         assert admin.invoke("alpha", body())["text"] == expected
 
 
-def test_a_killed_backbone_daemon_leaves_attached_instances_serving_and_is_started_again(home, adapter) -> None:
+def test_a_killed_backbone_daemon_is_restarted_and_re_adopts_its_segment_and_the_attached_instances(
+    home, adapter
+) -> None:
+    config = DaemonConfig(home=home, backbone="tiny-dense", device="cpu")
+    prefix = config.paths.segment_prefix
     with PlatformProcess(home) as platform, platform.client() as admin:
         admin.deploy({"name": "alpha", "backbone": "tiny-dense", "max_instances": 2}, adapter)
         expected = admin.invoke("alpha", body())["text"]
-        socket_path = DaemonConfig(home=home, backbone="tiny-dense", device="cpu").paths.socket
-        with DaemonClient.connect(socket_path) as daemon:
-            first = daemon.status()
-        assert [lease.function for lease in first.leases] == ["alpha"]
+        [instance] = admin.describe("alpha")["instances"]
+        first = daemon_status(config)
+        assert [(lease.function, lease.pid) for lease in first.leases] == [("alpha", instance["pid"])]
+        inode = os.stat(Path("/dev/shm", first.segment)).st_ino
         os.kill(first.daemon_pid, signal.SIGKILL)
-        wait_for(
-            lambda: (
-                not Path(f"/proc/{first.daemon_pid}").exists()
-                or "Z" in Path(f"/proc/{first.daemon_pid}/stat").read_text().split()[2]
-            ),
-            10,
-            "the daemon's death",
+        killed_s = time.monotonic()
+        second = wait_for(
+            lambda: (status := daemon_status(config)) and status.daemon_pid != first.daemon_pid and status,
+            60,
+            "the platform restarting the killed daemon",
         )
-        for _ in range(3):  # the attached instance keeps its read-only mapping and serves on
+        print(f"backbone daemon back {time.monotonic() - killed_s:.2f} s after SIGKILL (pid {second.daemon_pid})")
+        # It adopted the segment (the same file, renamed to its new owner: no second copy) and the instance's lease.
+        assert second.adopted_from_pid == first.daemon_pid
+        assert list_segments(prefix) == [second.segment] and os.stat(Path("/dev/shm", second.segment)).st_ino == inode
+        assert [(x.lease_id, x.function, x.pid) for x in second.leases] == [
+            (x.lease_id, x.function, x.pid) for x in first.leases
+        ]
+        for _ in range(3):  # the attached instance serves on, from its mapping
             assert admin.invoke("alpha", body())["text"] == expected
-        # A new instance needs a daemon: the platform starts one, which removes its predecessor's segment.
+        # A new version with two instances (a redeploy: the attached instance drains and stops): new cold starts
+        # bind to the restarted daemon, and the lease of the stopped one goes.
         admin.update("alpha", {"min_instances": 2})
-        wait_for(
-            lambda: len([i for i in admin.describe("alpha")["instances"] if i["state"] == "ready"]) == 2,
-            120,
-            "a second instance after the daemon died",
-        )
-        with DaemonClient.connect(socket_path) as daemon:
-            second = daemon.status()
-        assert second.daemon_pid != first.daemon_pid and second.segment != first.segment
-        assert "alpha" in [lease.function for lease in second.leases]
-        assert not Path("/dev/shm", first.segment).exists(), "the killed daemon's segment was removed"
-        for _ in range(4):  # both instances, the old mapping and the new one, give the same answer
+
+        def new_instances_leased():
+            ready = sorted(i["pid"] for i in admin.describe("alpha")["instances"] if i["state"] == "ready")
+            status = daemon_status(config)
+            leased = sorted(x.pid for x in status.leases) if status else None
+            return len(ready) == 2 and instance["pid"] not in ready and leased == ready and status
+
+        third = wait_for(new_instances_leased, 120, "two new instances leased from the restarted daemon")
+        assert (third.daemon_pid, third.segment) == (second.daemon_pid, second.segment)
+        assert list_segments(prefix) == [second.segment]
+        for _ in range(4):  # both new instances, on the one segment, give the same answer
             assert admin.invoke("alpha", body())["text"] == expected
+    assert list_segments(prefix) == [] and not config.paths.record.exists(), "a clean stop leaves no segment"
+
+
+def daemon_status(config: DaemonConfig):
+    """The daemon's status, None while no daemon answers."""
+    try:
+        with DaemonClient.connect(config.paths.socket, timeout_s=5) as daemon:
+            return daemon.status()
+    except DaemonUnavailable:
+        return None
+
+
+def processes_naming(home: Path) -> dict[int, str]:
+    """Live processes whose command line names `home`: every process a platform on `home` starts does."""
+    found = {}
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = " ".join(process.info["cmdline"] or ())
+        if process.info["status"] != psutil.STATUS_ZOMBIE and str(home) in cmdline:
+            found[process.info["pid"]] = cmdline[:160]
+    return found
 
 
 def test_async_invocations_accepted_before_the_gateway_is_killed_complete_after_restart(home, adapter) -> None:
+    config = DaemonConfig(home=home, backbone="tiny-dense", device="cpu")
     platform = PlatformProcess(home).start()
     try:
         with platform.client() as admin:
             admin.deploy({"name": "alpha", "backbone": "tiny-dense"}, adapter)
             expected = {n: admin.invoke("alpha", body(32, f"question {n}"))["text"] for n in range(6)}
             accepted = {admin.invoke_async("alpha", body(32, f"question {n}"))["invocation_id"]: n for n in range(6)}
+        daemon_pid = daemon_status(config).daemon_pid
+        old_run = set(processes_naming(home)) - {platform.process.pid}  # the zygote, its workers, the daemon
+        assert daemon_pid in old_run and len(old_run) >= 3, old_run
         platform.stop(signal.SIGKILL)  # no shutdown: whatever was queued or running is cut off
+        assert set(processes_naming(home)) == old_run, "they run in their own sessions: nothing stopped them"
         platform.start()
+        # The new platform stopped the dead one's zygote and instances, and adopted its daemon (the same backbone).
+        assert set(processes_naming(home)) & old_run == {daemon_pid}
         with platform.client() as admin:
 
             def all_finished():
@@ -141,8 +182,11 @@ def test_async_invocations_accepted_before_the_gateway_is_killed_complete_after_
         assert [r["status"] for r in records] == ["succeeded"] * len(accepted), records
         for record in records:
             assert record["result_text"] == expected[accepted[record["invocation_id"]]]
+        assert daemon_status(config).daemon_pid == daemon_pid, "the restarted platform re-used the daemon"
     finally:
         platform.stop()
+    assert processes_naming(home) == {}, "a clean stop leaves no process of either run"
+    assert list_segments(config.paths.segment_prefix) == [], "nor a segment"
 
 
 def test_redis_restarted_under_load_the_gateway_reconnects_and_no_function_is_lost(home, adapter, redis_server) -> None:
