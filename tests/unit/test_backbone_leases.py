@@ -101,3 +101,14 @@ def test_daemon_config_refuses_bad_values(tmp_path) -> None:
         DaemonConfig(home=tmp_path, backbone="Bad_Name")
     with pytest.raises(InvalidInput, match="lease TTL"):
         DaemonConfig(home=tmp_path, backbone="b", lease_ttl_s=0.0)
+
+
+def test_a_successor_restores_the_leases_of_live_processes_under_the_same_ids() -> None:
+    predecessor = LeaseTable(clock=FakeClock(), is_alive=lambda pid, ticks: True)
+    kept, gone = predecessor.grant("fn-a", 11), predecessor.grant("fn-b", 12)
+    records = msgspec.msgpack.decode(msgspec.msgpack.encode(predecessor.records()), type=tuple[m.LeaseRecord, ...])
+    successor = LeaseTable(clock=FakeClock(), is_alive=lambda pid, ticks: pid != gone.pid)
+    restored = successor.restore(records)
+    assert [(x.lease_id, x.function, x.pid) for x in restored] == [(kept.lease_id, "fn-a", 11)]
+    assert successor.num_reaped == 1  # the lease of the process that died meanwhile
+    assert successor.release(kept.lease_id).attached_at == kept.attached_at  # its holder detaches as before
