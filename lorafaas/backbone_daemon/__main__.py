@@ -23,14 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reap-interval", type=float, default=0.5)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from lorafaas.backbone_daemon.config import DaemonConfig
     from lorafaas.backbone_daemon.server import serve
 
     try:
-        config = DaemonConfig(home=LorafaasConfig.from_env(args.home).home, backbone=args.backbone,
-                              device=args.device, lease_ttl_s=args.lease_ttl, reap_interval_s=args.reap_interval)
+        config = DaemonConfig(
+            home=LorafaasConfig.from_env(args.home).home,
+            backbone=args.backbone,
+            device=args.device,
+            lease_ttl_s=args.lease_ttl,
+            reap_interval_s=args.reap_interval,
+        )
         serve(config, on_ready=lambda paths: print(paths.socket, flush=True))
     except LorafaasError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

@@ -93,8 +93,10 @@ def refusal(
     if record.device != config.device or config.device != "cpu":
         return f"the segment is on {record.device}; only cpu segments outlive their daemon"
     if record.backbone.name != config.backbone or record.backbone.weights_sha256 != backbone.weights_sha256:
-        return (f"the segment holds {record.backbone.name} {record.backbone.weights_sha256[:12]}, the store has "
-                f"{backbone.name} {backbone.weights_sha256[:12]}")
+        return (
+            f"the segment holds {record.backbone.name} {record.backbone.weights_sha256[:12]}, the store has "
+            f"{backbone.name} {backbone.weights_sha256[:12]}"
+        )
     location = record.manifest.location
     if not isinstance(location, ShmLocation) or paths.segment_owner(location.name) != record.daemon_pid:
         return f"the record's segment {location!r} is not daemon {record.daemon_pid}'s"

@@ -96,8 +96,18 @@ class DaemonClient:
 
 def spawn_daemon(config: DaemonConfig, *, timeout_s: float = 300.0, stderr=None) -> subprocess.Popen:
     """Start a daemon process for `config` and return it once it answers on its socket."""
-    command = [sys.executable, "-m", "lorafaas.backbone_daemon", config.backbone, "--device", config.device,
-               "--home", str(config.home), "--reap-interval", str(config.reap_interval_s)]
+    command = [
+        sys.executable,
+        "-m",
+        "lorafaas.backbone_daemon",
+        config.backbone,
+        "--device",
+        config.device,
+        "--home",
+        str(config.home),
+        "--reap-interval",
+        str(config.reap_interval_s),
+    ]
     if config.lease_ttl_s is not None:
         command += ["--lease-ttl", str(config.lease_ttl_s)]
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)

@@ -23,7 +23,7 @@ def process_start_ticks(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # after the command name, which may contain spaces
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after the command name, which may contain spaces
     if fields[0] in (b"Z", b"X"):  # zombie or dead: exited, not yet reaped by its parent
         return None
     return int(fields[19])
@@ -102,8 +102,16 @@ class LeaseTable:
 
     def records(self) -> tuple[LeaseRecord, ...]:
         """The table as a successor needs it to re-create the leases (see `restore`)."""
-        return tuple(LeaseRecord(lease_id=x.lease_id, function=x.function, pid=x.pid, start_ticks=x.start_ticks,
-                                 attached_at=x.attached_at) for x in self._leases.values())
+        return tuple(
+            LeaseRecord(
+                lease_id=x.lease_id,
+                function=x.function,
+                pid=x.pid,
+                start_ticks=x.start_ticks,
+                attached_at=x.attached_at,
+            )
+            for x in self._leases.values()
+        )
 
     def restore(self, records: tuple[LeaseRecord, ...]) -> list[Lease]:
         """Re-create a killed predecessor's leases whose processes still live, under the same ids (so their holders
@@ -113,8 +121,14 @@ class LeaseTable:
             if not self._is_alive(record.pid, record.start_ticks):
                 self.num_reaped += 1
                 continue
-            lease = Lease(lease_id=record.lease_id, function=record.function, pid=record.pid,
-                          start_ticks=record.start_ticks, attached_at=record.attached_at, renewed_at_s=self._clock())
+            lease = Lease(
+                lease_id=record.lease_id,
+                function=record.function,
+                pid=record.pid,
+                start_ticks=record.start_ticks,
+                attached_at=record.attached_at,
+                renewed_at_s=self._clock(),
+            )
             self._leases[lease.lease_id] = lease
             restored.append(lease)
         return restored
@@ -122,8 +136,13 @@ class LeaseTable:
     def snapshot(self) -> tuple[LeaseInfo, ...]:
         now = self._clock()
         return tuple(
-            LeaseInfo(lease_id=x.lease_id, function=x.function, pid=x.pid, attached_at=x.attached_at,
-                      idle_s=now - x.renewed_at_s)
+            LeaseInfo(
+                lease_id=x.lease_id,
+                function=x.function,
+                pid=x.pid,
+                attached_at=x.attached_at,
+                idle_s=now - x.renewed_at_s,
+            )
             for x in self._leases.values()
         )
 

@@ -82,12 +82,22 @@ class BackboneDaemon:
         self._remove_stale_segments()
         if self.segment is None:
             self.paths.record.unlink(missing_ok=True)  # it describes a segment that is gone now
-            log.info("daemon %d: loading backbone %s (%d bytes) onto %s", os.getpid(), manifest.name, manifest.bytes,
-                     self.config.device)
-            self.segment = load_into_segment(self.store.path(manifest.name), manifest.weight_files,
-                                             self.config.device, name)
-        self.info = m.BackboneInfo(name=manifest.name, model_dir=str(self.store.path(manifest.name)),
-                                   architecture=manifest.architecture, weights_sha256=manifest.weights_sha256)
+            log.info(
+                "daemon %d: loading backbone %s (%d bytes) onto %s",
+                os.getpid(),
+                manifest.name,
+                manifest.bytes,
+                self.config.device,
+            )
+            self.segment = load_into_segment(
+                self.store.path(manifest.name), manifest.weight_files, self.config.device, name
+            )
+        self.info = m.BackboneInfo(
+            name=manifest.name,
+            model_dir=str(self.store.path(manifest.name)),
+            architecture=manifest.architecture,
+            weights_sha256=manifest.weights_sha256,
+        )
         self._save_record()
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
@@ -105,10 +115,17 @@ class BackboneDaemon:
         restored = self.leases.restore(attached)
         self.adopted_from_pid = record.daemon_pid
         self.num_leases_adopted = len(restored)
-        log.info("daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again) as %s; %d lease(s) "
-                 "re-created for functions still attached: %s", os.getpid(), record.manifest.location.name,
-                 record.daemon_pid, record.manifest.size, name, len(restored),
-                 ", ".join(f"{x.function} (pid {x.pid})" for x in restored) or "none")
+        log.info(
+            "daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again) as %s; %d lease(s) "
+            "re-created for functions still attached: %s",
+            os.getpid(),
+            record.manifest.location.name,
+            record.daemon_pid,
+            record.manifest.size,
+            name,
+            len(restored),
+            ", ".join(f"{x.function} (pid {x.pid})" for x in restored) or "none",
+        )
 
     async def serve(self, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
         self._stop = asyncio.Event()
@@ -122,9 +139,15 @@ class BackboneDaemon:
         socket_path.chmod(0o600)  # leases are for the platform's own processes
         self._owns_socket = True
         reaper = asyncio.create_task(self._reap_forever())
-        log.info("daemon %d: serving backbone %s on %s at %s (segment %s, %d bytes)", os.getpid(),
-                 self.config.backbone, self.config.device, socket_path, self._segment_label(),
-                 self.segment.manifest.size)
+        log.info(
+            "daemon %d: serving backbone %s on %s at %s (segment %s, %d bytes)",
+            os.getpid(),
+            self.config.backbone,
+            self.config.device,
+            socket_path,
+            self._segment_label(),
+            self.segment.manifest.size,
+        )
         if on_ready is not None:
             on_ready(self.paths)
         try:
@@ -142,8 +165,12 @@ class BackboneDaemon:
             if self.info is not None:  # this run recorded it; a daemon that failed to start leaves the record be
                 self.paths.record.unlink(missing_ok=True)
             self.segment.destroy()
-            log.info("daemon %d: segment %s removed (%d lease(s) still attached keep their mapping)", os.getpid(),
-                     self._segment_label(), len(self.leases))
+            log.info(
+                "daemon %d: segment %s removed (%d lease(s) still attached keep their mapping)",
+                os.getpid(),
+                self._segment_label(),
+                len(self.leases),
+            )
             self.segment = None
         if self._owns_socket:
             self.paths.socket.unlink(missing_ok=True)
@@ -166,17 +193,31 @@ class BackboneDaemon:
                 raise LeaseRefused(f"the daemon of {self.config.backbone} on {self.config.device} is stopping")
             lease = self.leases.grant(request.function, peer_pid)
             self._save_record()
-            log.info("lease %s granted to function %s (pid %d); %d lease(s)", lease.lease_id, lease.function,
-                     lease.pid, len(self.leases))
-            return m.Attached(lease_id=lease.lease_id, manifest=self.segment.manifest, backbone=self.info,
-                              lease_ttl_s=self.leases.ttl_s)
+            log.info(
+                "lease %s granted to function %s (pid %d); %d lease(s)",
+                lease.lease_id,
+                lease.function,
+                lease.pid,
+                len(self.leases),
+            )
+            return m.Attached(
+                lease_id=lease.lease_id,
+                manifest=self.segment.manifest,
+                backbone=self.info,
+                lease_ttl_s=self.leases.ttl_s,
+            )
         if isinstance(request, m.Heartbeat):
             return m.HeartbeatAck(lease_id=self.leases.renew(request.lease_id).lease_id)
         if isinstance(request, m.Detach):
             lease = self.leases.release(request.lease_id)
             self._save_record()
-            log.info("lease %s of function %s (pid %d) released; %d lease(s)", lease.lease_id, lease.function,
-                     lease.pid, len(self.leases))
+            log.info(
+                "lease %s of function %s (pid %d) released; %d lease(s)",
+                lease.lease_id,
+                lease.function,
+                lease.pid,
+                len(self.leases),
+            )
             return m.Detached(lease_id=lease.lease_id)
         if isinstance(request, m.Status):
             self._reap()
@@ -186,8 +227,9 @@ class BackboneDaemon:
             held = len(self.leases)
             if held and not request.force:
                 functions = sorted({x.function for x in self.leases.snapshot()})
-                raise LeasesHeld(f"{held} lease(s) are held by function(s) {', '.join(functions)}; detach them or "
-                                 "force the shutdown")
+                raise LeasesHeld(
+                    f"{held} lease(s) are held by function(s) {', '.join(functions)}; detach them or force the shutdown"
+                )
             log.info("daemon %d: shutdown requested (%d lease(s) dropped)", os.getpid(), held)
             self._stopping = True
             return m.ShuttingDown(num_leases_dropped=held)
@@ -196,10 +238,17 @@ class BackboneDaemon:
     def _status(self) -> m.DaemonStatus:
         manifest = self.segment.manifest
         return m.DaemonStatus(
-            backbone=self.config.backbone, device=self.config.device, transport=manifest.transport,
-            segment=self._segment_label(), daemon_pid=os.getpid(), bytes=manifest.tensor_bytes,
-            segment_bytes=manifest.size, uptime_s=time.monotonic() - self._started_s, leases=self.leases.snapshot(),
-            num_reaped=self.leases.num_reaped, adopted_from_pid=self.adopted_from_pid,
+            backbone=self.config.backbone,
+            device=self.config.device,
+            transport=manifest.transport,
+            segment=self._segment_label(),
+            daemon_pid=os.getpid(),
+            bytes=manifest.tensor_bytes,
+            segment_bytes=manifest.size,
+            uptime_s=time.monotonic() - self._started_s,
+            leases=self.leases.snapshot(),
+            num_reaped=self.leases.num_reaped,
+            adopted_from_pid=self.adopted_from_pid,
             num_leases_adopted=self.num_leases_adopted,
         )
 
@@ -210,11 +259,23 @@ class BackboneDaemon:
             hello = await _read_request(reader)
             if not isinstance(hello, m.Hello) or hello.protocol_version != m.PROTOCOL_VERSION:
                 got = hello.protocol_version if isinstance(hello, m.Hello) else type(hello).__name__
-                await _send(writer, m.ErrorReply(code=ProtocolError.code, message=(
-                    f"the daemon speaks protocol {m.PROTOCOL_VERSION} and expects Hello first; got {got}")))
+                await _send(
+                    writer,
+                    m.ErrorReply(
+                        code=ProtocolError.code,
+                        message=(f"the daemon speaks protocol {m.PROTOCOL_VERSION} and expects Hello first; got {got}"),
+                    ),
+                )
                 return
-            await _send(writer, m.Welcome(protocol_version=m.PROTOCOL_VERSION, backbone=self.config.backbone,
-                                          device=self.config.device, daemon_pid=os.getpid()))
+            await _send(
+                writer,
+                m.Welcome(
+                    protocol_version=m.PROTOCOL_VERSION,
+                    backbone=self.config.backbone,
+                    device=self.config.device,
+                    daemon_pid=os.getpid(),
+                ),
+            )
             while not self._stop.is_set():
                 request = await _read_request(reader)
                 response = self.handle(request, peer_pid)
@@ -241,8 +302,14 @@ class BackboneDaemon:
     def _reap(self) -> None:
         reaped = self.leases.reap()
         for lease, reason in reaped:
-            log.info("lease %s of function %s (pid %d) reaped: %s; %d lease(s)", lease.lease_id, lease.function,
-                     lease.pid, reason, len(self.leases))
+            log.info(
+                "lease %s of function %s (pid %d) reaped: %s; %d lease(s)",
+                lease.lease_id,
+                lease.function,
+                lease.pid,
+                reason,
+                len(self.leases),
+            )
         if reaped:
             self._save_record()
 
@@ -255,13 +322,26 @@ class BackboneDaemon:
         if identity is None:
             return
         inode, _size, mtime_ns = identity
-        adoption.write_record(self.paths.record, m.SegmentRecord(
-            daemon_pid=os.getpid(), device=self.config.device, backbone=self.info, manifest=self.segment.manifest,
-            inode=inode, mtime_ns=mtime_ns, leases=self.leases.records()))
+        adoption.write_record(
+            self.paths.record,
+            m.SegmentRecord(
+                daemon_pid=os.getpid(),
+                device=self.config.device,
+                backbone=self.info,
+                manifest=self.segment.manifest,
+                inode=inode,
+                mtime_ns=mtime_ns,
+                leases=self.leases.records(),
+            ),
+        )
 
     def _on_signal(self, signum: int) -> None:
-        log.info("daemon %d: %s, stopping (%d lease(s) held keep their mapping)", os.getpid(),
-                 signal.Signals(signum).name, len(self.leases))
+        log.info(
+            "daemon %d: %s, stopping (%d lease(s) held keep their mapping)",
+            os.getpid(),
+            signal.Signals(signum).name,
+            len(self.leases),
+        )
         self._stopping = True
         self._stop.set()
 

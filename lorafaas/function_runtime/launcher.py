@@ -115,8 +115,9 @@ class DaemonProcess:
             with DaemonClient.connect(socket_path) as client:
                 client.shutdown(force=True)
         except LorafaasError as exc:
-            log.warning("adopted backbone daemon %d did not accept a shutdown (%s); terminating it", self.ref.pid,
-                        exc.message)
+            log.warning(
+                "adopted backbone daemon %d did not accept a shutdown (%s); terminating it", self.ref.pid, exc.message
+            )
         if not wait_gone(self.ref, timeout_s):
             terminate(self.ref, f"backbone daemon of {self.config.backbone}")
 
@@ -195,14 +196,19 @@ class LocalLauncher:
         now = time.monotonic()
         recent = [t for t in self._restarted_at.get(backbone, []) if now - t < RESTART_WINDOW_S]
         if len(recent) >= MAX_DAEMON_RESTARTS:
-            log.error("backbone daemon of %s died %d times within %.0f s; not restarting it again", backbone,
-                      len(recent) + 1, RESTART_WINDOW_S)
+            log.error(
+                "backbone daemon of %s died %d times within %.0f s; not restarting it again",
+                backbone,
+                len(recent) + 1,
+                RESTART_WINDOW_S,
+            )
             del self._daemons[backbone]
             self._write_record()
             return
         self._restarted_at[backbone] = [*recent, now]
-        log.warning("backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid,
-                    backbone, code)
+        log.warning(
+            "backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid, backbone, code
+        )
         try:
             self._daemons[backbone] = self._spawn_daemon(daemon.config)
         except (LorafaasError, OSError) as exc:
@@ -250,24 +256,32 @@ class LocalLauncher:
             return
         with self._lock, dead_launchers(self.run_dir) as records:
             for path, record in records:
-                log.info("launcher %d of this home died without cleaning up (%s); recovering what it started",
-                         record.launcher_pid, path.name)
+                log.info(
+                    "launcher %d of this home died without cleaning up (%s); recovering what it started",
+                    record.launcher_pid,
+                    path.name,
+                )
                 num_stopped = terminate_all(list(record.instances), "function instance")
                 if record.zygote is not None and terminate(record.zygote, "library pool (zygote)"):
                     num_stopped += 1
                 for backbone, ref in record.daemons.items():
                     if not ref.alive():
                         continue  # the next daemon started for it adopts its segment
-                    daemon = DaemonProcess(DaemonConfig(home=self.home, backbone=backbone, device=record.device),
-                                           ref, None)
+                    daemon = DaemonProcess(
+                        DaemonConfig(home=self.home, backbone=backbone, device=record.device), ref, None
+                    )
                     if record.device != self.device or backbone in self._daemons:
                         daemon.stop()
                         num_stopped += 1
                         continue
                     self._daemons[backbone] = daemon
                     log.info("adopted the backbone daemon %d of %s on %s", ref.pid, backbone, self.device)
-                log.info("launcher %d: stopped %d process(es) it left; %d daemon(s) adopted", record.launcher_pid,
-                         num_stopped, len(self._daemons))
+                log.info(
+                    "launcher %d: stopped %d process(es) it left; %d daemon(s) adopted",
+                    record.launcher_pid,
+                    num_stopped,
+                    len(self._daemons),
+                )
             if records:
                 self._write_record()
                 if self._daemons:
@@ -281,8 +295,11 @@ class LocalLauncher:
             if zygote is None and not instances and not daemons and not self._record.path.exists():
                 return  # nothing started yet: no file
             private_dir(self.run_dir)
-            self._record.write(LauncherRecord(launcher_pid=os.getpid(), device=self.device, zygote=zygote,
-                                              daemons=daemons, instances=instances))
+            self._record.write(
+                LauncherRecord(
+                    launcher_pid=os.getpid(), device=self.device, zygote=zygote, daemons=daemons, instances=instances
+                )
+            )
 
     def start_zygote(self) -> None:
         with self._lock:
@@ -296,8 +313,14 @@ class LocalLauncher:
             self._write_record()
 
     def spec(
-        self, function: str, backbone: str, adapter_dir: Path | None, *, shared: bool = True,
-        max_batch_size: int = 8, num_threads: int | None = 1,
+        self,
+        function: str,
+        backbone: str,
+        adapter_dir: Path | None,
+        *,
+        shared: bool = True,
+        max_batch_size: int = 8,
+        num_threads: int | None = 1,
     ) -> WorkerSpec:
         """One intra-op thread by default: instances share the node's cores, and oversubscribed OpenMP threads
         spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core

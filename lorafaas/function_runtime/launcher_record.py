@@ -115,6 +115,7 @@ def terminate(ref: ProcessRef, what: str, timeout_s: float = 10.0) -> bool:
     log.warning("%s (pid %d) survived SIGKILL for 5 s", what, ref.pid)
     return True
 
+
 def wait_gone(ref: ProcessRef, timeout_s: float) -> bool:
     """Poll until the process is gone (True) or `timeout_s` passed (False)."""
     deadline = time.monotonic() + timeout_s

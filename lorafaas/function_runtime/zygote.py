@@ -62,8 +62,9 @@ class Zygote:
         listener.listen(64)
         signal.signal(signal.SIGCHLD, lambda *_: self._reap())
         signal.signal(signal.SIGTERM, lambda *_: self._stop(listener))
-        log.info("zygote %d: libraries imported in %.2f s; listening on %s", os.getpid(), self.import_s,
-                 self.socket_path)
+        log.info(
+            "zygote %d: libraries imported in %.2f s; listening on %s", os.getpid(), self.import_s, self.socket_path
+        )
         try:
             while self._running:
                 try:
@@ -81,8 +82,15 @@ class Zygote:
         try:
             hello = recv_message(conn, request_decoder)
             if not isinstance(hello, m.Hello) or hello.version != m.PROTOCOL_VERSION:
-                conn.sendall(encode_frame(m.ErrorReply(request_id=None, code="protocol_error",
-                                                       message=f"expected protocol version {m.PROTOCOL_VERSION}")))
+                conn.sendall(
+                    encode_frame(
+                        m.ErrorReply(
+                            request_id=None,
+                            code="protocol_error",
+                            message=f"expected protocol version {m.PROTOCOL_VERSION}",
+                        )
+                    )
+                )
                 return
             request = recv_message(conn, request_decoder)
         except (OSError, ConnectionError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
@@ -97,10 +105,17 @@ class Zygote:
             conn.sendall(encode_frame(m.Prepared(model_dir=request.model_dir, seconds=seconds)))
         elif isinstance(request, m.ZygoteStatusRequest):
             self._reap()
-            conn.sendall(encode_frame(m.ZygoteStatus(
-                pid=os.getpid(), children=tuple(sorted(self.children)), exit_codes=dict(self.exit_codes),
-                import_s=self.import_s, prepared=tuple(self.tokenizers),
-            )))
+            conn.sendall(
+                encode_frame(
+                    m.ZygoteStatus(
+                        pid=os.getpid(),
+                        children=tuple(sorted(self.children)),
+                        exit_codes=dict(self.exit_codes),
+                        import_s=self.import_s,
+                        prepared=tuple(self.tokenizers),
+                    )
+                )
+            )
         elif isinstance(request, m.Shutdown):
             self._stop(listener)
 
@@ -215,7 +230,10 @@ def start_zygote(socket_path: Path, log_path: Path, timeout_s: float = 120.0) ->
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "lorafaas.function_runtime.zygote", str(socket_path)],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
         )
     wait_for_socket(socket_path, timeout_s, process.pid, lambda: zygote_status(socket_path))
     return process
@@ -226,7 +244,10 @@ def start_fresh_worker(spec: m.WorkerSpec, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "lorafaas.function_runtime.worker", msgspec.json.encode(spec).decode()],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
         )
 
 

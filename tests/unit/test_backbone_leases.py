@@ -72,8 +72,14 @@ def test_process_liveness_sees_pid_reuse() -> None:
 def test_requests_and_responses_round_trip_in_frames() -> None:
     manifest = SegmentManifest(device="cpu", location=ShmLocation(name="s"), size=256, alignment=256, tensors=())
     info = m.BackboneInfo(name="b", model_dir="/x", architecture="LlamaForCausalLM", weights_sha256="0" * 64)
-    for request in (m.Hello(protocol_version=m.PROTOCOL_VERSION), m.Attach(function="f"), m.Heartbeat(lease_id="l"),
-                    m.Detach(lease_id="l"), m.Status(), m.Shutdown(force=True)):
+    for request in (
+        m.Hello(protocol_version=m.PROTOCOL_VERSION),
+        m.Attach(function="f"),
+        m.Heartbeat(lease_id="l"),
+        m.Detach(lease_id="l"),
+        m.Status(),
+        m.Shutdown(force=True),
+    ):
         frame = encode_frame(request)
         assert frame_length(frame[:4]) == len(frame) - 4
         assert m.request_decoder.decode(frame[4:]) == request
