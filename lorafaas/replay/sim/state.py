@@ -31,6 +31,8 @@ class DeviceState:
     cost: float = 0.0
     active_overhead: int = 0  # used_bytes of instances running a batch (KV included)
     instances: set = field(default_factory=set)  # the simulator's instances on this device
+    artifact_bytes: int = 0  # bytes of `resident`, a shared backbone copy once (kept as residencies come and go)
+    backbone_refs: dict[str, int] = field(default_factory=dict)  # backbone name -> residencies of it here
 
 
 class MemoryState:
@@ -58,7 +60,10 @@ class MemoryState:
         self.of_function.setdefault(r.function, set()).add(r)
         self.available_at[r] = available_at_s
         if r.tier == "device" and r.device is not None:
-            self.by_id[r.device].resident.add(r)
+            device = self.by_id[r.device]
+            if r not in device.resident:
+                device.resident.add(r)
+                device.artifact_bytes += self._bytes_added(device, r, +1)
 
     def remove(self, r: Residency) -> None:
         rs = self.of_function.get(r.function)
@@ -68,7 +73,23 @@ class MemoryState:
                 del self.of_function[r.function]
         self.available_at.pop(r, None)
         if r.tier == "device" and r.device is not None:
-            self.by_id[r.device].resident.discard(r)
+            device = self.by_id[r.device]
+            if r in device.resident:
+                device.resident.discard(r)
+                device.artifact_bytes -= self._bytes_added(device, r, -1)
+
+    def _bytes_added(self, device: DeviceState, r: Residency, step: int) -> int:
+        """The bytes one residency adds (+1) or frees (-1): a backbone copy only with its first or last reference."""
+        if r.kind != "backbone":
+            return self.artifact_bytes[r.function, r.kind]
+        name = self.backbone_of[r.function]
+        before = device.backbone_refs.get(name, 0)
+        after = before + step
+        if after:
+            device.backbone_refs[name] = after
+        else:
+            device.backbone_refs.pop(name, None)
+        return self.artifact_bytes[r.function, r.kind] if (before == 0 or after == 0) else 0
 
     def find(self, function: FunctionName, kind: str, tier: str, device: DeviceId | None = None) -> Residency | None:
         for r in self.of_function.get(function, ()):
@@ -88,6 +109,10 @@ class MemoryState:
     # -- memory -------------------------------------------------------------------------------------------------
 
     def artifact_total(self, device: DeviceState) -> int:
+        return device.artifact_bytes
+
+    def artifact_total_recounted(self, device: DeviceState) -> int:
+        """`artifact_total` from scratch (the index's check)."""
         total, copies = 0, set()
         for r in device.resident:
             if r.kind == "backbone":

@@ -173,3 +173,27 @@ def test_cpu_cores_are_shared_with_busy_instances_and_background_threads() -> No
     assert quiet.results[0].ttft_s == busy.results[0].ttft_s
     assert quiet.results[1].ttft_s == pytest.approx(0.211)
     assert busy.results[1].ttft_s == pytest.approx(2 * 0.211)
+
+
+def test_free_memory_index_equals_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-device artifact bytes kept as residencies come and go equal a recount after every change, through
+    pre-loads, shared and private backbones, evictions and offloads (24 functions on 4 small GPUs)."""
+    from lorafaas.replay.sim.state import MemoryState
+
+    checked = []
+    for name in ("add", "remove"):
+        original = getattr(MemoryState, name)
+
+        def checking(self, r, *args, _original=original):
+            _original(self, r, *args)
+            for device in self.devices:
+                assert self.artifact_total(device) == self.artifact_total_recounted(device)
+            checked.append(1)
+
+        monkeypatch.setattr(MemoryState, name, checking)
+    small = replace(PAPER, num_nodes=1, devices_per_node=4)
+    fns = [f"f{i}" for i in range(24)]
+    work = _work(*[(0.5 * i, fns[(i * 7) % 24], 512, 8) for i in range(300)])
+    for policy in ("lorafaas", "no-sharing", "serverlessllm", "instainfer"):
+        simulate(work, small, POLICIES[policy])
+    assert len(checked) > 500
