@@ -17,6 +17,7 @@ import torch
 from lorafaas.backbone_daemon.lora_transport import LoraServerClient
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.messages import SamplingParams, WorkerSpec
+from lorafaas.function_runtime.moe_lora import ExpertLoraForward
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.adapters.expert_adapters import read_expert_adapter_info, write_expert_adapter
 from lorafaas.platform.model_store import ModelStore
@@ -62,20 +63,24 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
-def reference_text(model_dir: Path, adapter_dir: Path | None) -> str:
-    """The same generation in this process, the adapter held locally, no daemon: what every mode must produce."""
+def in_process_instance(model_dir: Path, adapter_dir: Path | None, lora_mode: str = "local", server: str | None = None):
+    """A function instance in this process (no daemon, no worker process) running the same staged loading."""
     spec = WorkerSpec(
         function="ref",
         instance_id="ref-0",
         socket_path="unused",
         model_dir=str(model_dir),
         adapter_dir=str(adapter_dir) if adapter_dir else None,
-        lora_mode="local",
+        lora_mode=lora_mode,
+        lora_server=server,
     )
+    return FunctionInstance(spec)
+
+
+def generate(instance: FunctionInstance) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run: the same summation order
     try:
-        instance = FunctionInstance(spec)
         instance.load_for_request()
         engine = instance.engine
         engine.add("r", engine.encode_text(PROMPT), SamplingParams(max_tokens=MAX_TOKENS))
@@ -85,7 +90,16 @@ def reference_text(model_dir: Path, adapter_dir: Path | None) -> str:
                     return out.full_text
     finally:
         torch.set_num_threads(threads)
-    raise AssertionError("the reference generation did not finish")
+    raise AssertionError("the generation did not finish")
+
+
+def _status(socket_path: str):
+    with LoraServerClient.connect(socket_path, client="test") as client:
+        return client.status()
+
+
+def expert_hooks(model) -> int:
+    return sum(isinstance(m.__dict__.get("forward"), ExpertLoraForward) for m in model.modules())
 
 
 def test_remote_and_local_functions_of_one_adapter_give_the_same_text_through_one_lora_server(
@@ -128,9 +142,9 @@ def test_remote_and_local_functions_of_one_adapter_give_the_same_text_through_on
             with ThreadPoolExecutor(len(names)) as pool:  # all three at once: the server serves two instances
                 texts = dict(zip(names, pool.map(invoke, names), strict=True))
             assert texts["moe-a"] == texts["moe-a-local"], texts
-            expected = reference_text(tiny_moe_dir, expert_adapters["experts"])
+            expected = generate(in_process_instance(tiny_moe_dir, expert_adapters["experts"]))
             assert texts["moe-a"] == expected
-            assert reference_text(tiny_moe_dir, None) != expected, "the expert LoRA must change the text"
+            assert generate(in_process_instance(tiny_moe_dir, None)) != expected, "the expert LoRA must change the text"
             assert texts["moe-b"] != texts["moe-a"]
 
             described = {name: admin.describe(name) for name in names}
@@ -168,6 +182,21 @@ def test_remote_and_local_functions_of_one_adapter_give_the_same_text_through_on
             assert status.server_pid == server.pid
             assert status.num_adapters == 2 and status.num_calls > 0
             assert len(status.cache.resident) == 2
+
+            # Offloading a remote-mode adapter removes its hooks and releases its server connection; reloading
+            # reconnects and gives the same text again.
+            socket_path = str(platform.home / "run" / "lora-tiny-moe.sock")
+            instance = in_process_instance(tiny_moe_dir, expert_adapters["experts"], "remote", socket_path)
+            assert generate(instance) == expected and expert_hooks(instance.model) == 2
+            connections = _status(socket_path).num_connections
+            instance.unload("adapter_offload")
+            assert expert_hooks(instance.model) == 0 and instance.adapter_stats() is None
+            deadline = time.monotonic() + 10  # the server sees the close when its loop reads the end of the stream
+            while _status(socket_path).num_connections != connections - 1:
+                assert time.monotonic() < deadline, "offloading did not close the instance's server connection"
+                time.sleep(0.05)
+            assert generate(instance) == expected and expert_hooks(instance.model) == 2
+            instance.unload("adapter_drop")
 
             memory = {}
             for name in names:
