@@ -56,6 +56,7 @@ class SoakResult(msgspec.Struct, frozen=True, kw_only=True):
     cycles: int
     requests: int
     failed_requests: int
+    errors: list[str]  # the first few failures, verbatim
     cycles_scaled_to_zero: int  # cycles after which no function had an instance left
     platform_rss_mb: list[float]  # after each cycle
     platform_rss_growth: float  # last / first - 1
@@ -186,11 +187,12 @@ def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: 
         main = psutil.Process(platform.process.pid)
         started = time.monotonic()
         progress.stage(f"bursts and scale-to-zero for {duration_s:g} s", int(duration_s))
-        rss, cycles, requests, failed, to_zero, children, shown = [], 0, 0, 0, 0, set(), 0.0
+        rss, cycles, requests, failed, to_zero, children, shown, errors = [], 0, 0, 0, 0, set(), 0.0, []
         with platform.client() as client:
             while time.monotonic() - started < duration_s:
                 tally = asyncio.run(_burst(platform, names, burst, max_tokens))
                 requests, failed = requests + tally.sent, failed + tally.sent - tally.complete
+                errors += tally.errors[: 5 - len(errors)]
                 children |= {(p.pid, " ".join(p.cmdline()[:4])) for p in _children(main)}
                 to_zero += _wait_for_zero(client, names, keep_alive_s * 6)
                 cycles += 1
@@ -203,6 +205,7 @@ def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: 
     leaked_segments = list_segments(DaemonPaths.of(home, "smollm2-135m", "cpu").segment_prefix)
     return SoakResult(
         duration_s=duration_s, keep_alive_s=keep_alive_s, cycles=cycles, requests=requests, failed_requests=failed,
+        errors=errors,
         cycles_scaled_to_zero=to_zero, platform_rss_mb=rss,
         platform_rss_growth=round(rss[-1] / rss[0] - 1, 4) if rss else float("nan"),
         leaked_segments=leaked_segments, leaked_processes=leaked_processes,
