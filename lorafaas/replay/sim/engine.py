@@ -434,11 +434,16 @@ class Simulator:
     def _start_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
         if len(fs.instances) >= self.cluster.max_instances_per_function:
             return None
+        allowed = None
+        if self.policy.agent_admission and fs.instances:  # as the agent: scale out only where compute is to spare
+            allowed = {
+                d for d in self.mem.devices if may_scale_out(len(fs.instances), self._busy(d), self.compute_slots)
+            }
+            if not allowed:
+                return None  # before any view is built: a saturated cluster makes this the common case
         candidates = self.views.candidate_devices(name)
-        if self.policy.agent_admission:  # as the agent: scale out only onto a device with compute to spare
-            candidates = [d for d in candidates if may_scale_out(len(fs.instances), self._busy(d), self.compute_slots)]
-            if not candidates:
-                return None
+        if allowed is not None:
+            candidates = [d for d in candidates if d in allowed]
         for device in candidates:  # where it fits as things are, best first
             if self.views.bytes_to_start(name, device, batch_size) <= self.mem.free_bytes(device):
                 return self._cold_start(name, fs, device)

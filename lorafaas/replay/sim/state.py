@@ -17,7 +17,7 @@ from lorafaas.replay.sim.cluster import PriceSheet
 from lorafaas.scheduler import DeviceId, FunctionName, Residency, SlotId
 
 
-@dataclass
+@dataclass(eq=False)  # identity: devices are kept in sets
 class DeviceState:
     device_id: DeviceId
     node: int
@@ -53,10 +53,12 @@ class MemoryState:
         self.of_function: dict[FunctionName, set[Residency]] = {}
         self.available_at: dict[Residency, float] = {}
         self.running_functions: dict[DeviceId, dict[FunctionName, int]] = {d.device_id: {} for d in devices}
+        self.version = 0  # bumped by every add and remove (views cache what they derive from residencies)
 
     # -- residencies --------------------------------------------------------------------------------------------
 
     def add(self, r: Residency, available_at_s: float) -> None:
+        self.version += 1
         self.of_function.setdefault(r.function, set()).add(r)
         self.available_at[r] = available_at_s
         if r.tier == "device" and r.device is not None:
@@ -66,6 +68,7 @@ class MemoryState:
                 device.artifact_bytes += self._bytes_added(device, r, +1)
 
     def remove(self, r: Residency) -> None:
+        self.version += 1
         rs = self.of_function.get(r.function)
         if rs is not None:
             rs.discard(r)
@@ -141,10 +144,30 @@ class MemoryState:
                 / 1e9
             )
         device.billed_at_s = now_s
+        active = self.active_artifact_bytes(device)
+        device.active_bytes = active + device.active_overhead
+        device.idle_bytes = device.artifact_bytes - active + device.used_bytes - device.active_overhead
+
+    def active_artifact_bytes(self, device: DeviceState) -> int:
+        """Resident bytes of the functions running a batch on `device`: their own artifacts here and each shared
+        backbone copy one of them is bound to (O(running functions), not O(resident))."""
+        running = self.running_functions[device.device_id]
+        active, bound = 0, {}
+        for f in running:
+            bound[self.backbone_of[f]] = f
+            for r in self.of_function.get(f, ()):
+                if r.tier == "device" and r.device == device.device_id and r.kind != "backbone":
+                    active += self.artifact_bytes[f, r.kind]
+        for name, f in bound.items():
+            if device.backbone_refs.get(name):
+                active += self.artifact_bytes[f, "backbone"]
+        return active
+
+    def active_artifact_bytes_recounted(self, device: DeviceState) -> int:
+        """`active_artifact_bytes` from every residency of the device (the check)."""
         running = self.running_functions[device.device_id]
         active_backbones = {self.backbone_of[f] for f in running}
-        active = idle = 0
-        copies = set()
+        active, copies = 0, set()
         for r in device.resident:
             if r.kind == "backbone":
                 name = self.backbone_of[r.function]
@@ -154,13 +177,9 @@ class MemoryState:
                 is_active = name in active_backbones
             else:
                 is_active = r.function in running
-            size = self.artifact_bytes[r.function, r.kind]
             if is_active:
-                active += size
-            else:
-                idle += size
-        device.active_bytes = active + device.active_overhead
-        device.idle_bytes = idle + device.used_bytes - device.active_overhead
+                active += self.artifact_bytes[r.function, r.kind]
+        return active
 
     def total_cost(self, now_s: float) -> float:
         for d in self.devices:

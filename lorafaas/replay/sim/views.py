@@ -54,6 +54,10 @@ class ViewBuilder:
         }
         self.pool_slots = [SlotId(f"p{n}-{k}") for n in range(cluster.num_nodes) for k in range(cluster.slots_per_node)]
         self.pool_set = set(self.pool_slots)
+        self._base_version = -1
+        self._base_resident: list[Residency] = []
+        self._base_owners: dict[SlotId, FunctionName] = {}
+        self._base_slots: tuple[WorkerSlot, ...] = ()
 
     # -- views --------------------------------------------------------------------------------------------------
 
@@ -68,10 +72,19 @@ class ViewBuilder:
         instances) instead of O(everything): every device-tier residency, the host residencies of the functions
         resident on `device` (where offloaded adapters may go), `f`'s instances and every running one."""
         mem, sim = self.mem, self.sim
-        resident = [r for d in mem.devices for r in d.resident]
+        if self._base_version != mem.version:  # the device residencies and their slots, rebuilt only when they change
+            self._base_version = mem.version
+            self._base_resident = [r for d in mem.devices for r in d.resident]
+            self._base_owners = {r.slot: r.function for r in self._base_resident if r.slot is not None}
+            self._base_slots = self._slots(self._base_owners)
+        resident, owners, slots = self._base_resident, self._base_owners, self._base_slots
         if device is not None:
             on_device = {r.function for r in device.resident}
-            resident += [r for g in on_device for r in mem.of_function.get(g, ()) if r.tier == "host"]
+            extra = [r for g in on_device for r in mem.of_function.get(g, ()) if r.tier == "host"]
+            if extra:
+                resident = resident + extra
+                owners = {**owners, **{r.slot: r.function for r in extra if r.slot is not None}}
+                slots = self._slots(owners)
         instances, invoked = [], set()
         for d in mem.devices:
             invoked.update(mem.running_functions[d.device_id])
@@ -96,11 +109,13 @@ class ViewBuilder:
                     1,
                 )
             )
-        owners = {r.slot: r.function for r in resident if r.slot is not None}
+        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
+        return ClusterView(self.profiles, devices, slots, tuple(resident), frozenset(invoked), tuple(instances))
+
+    def _slots(self, owners: dict[SlotId, FunctionName]) -> tuple[WorkerSlot, ...]:
         slots = [WorkerSlot(s, self.cluster.slot_bytes, 0, owners.get(s)) for s in self.pool_slots]
         slots += [WorkerSlot(s, self.cluster.slot_bytes, 0, g) for s, g in owners.items() if s not in self.pool_set]
-        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
-        return ClusterView(self.profiles, devices, tuple(slots), tuple(resident), frozenset(invoked), tuple(instances))
+        return tuple(slots)
 
     def view(self) -> ClusterView:
         mem, sim = self.mem, self.sim

@@ -176,18 +176,20 @@ def test_cpu_cores_are_shared_with_busy_instances_and_background_threads() -> No
 
 
 def test_free_memory_index_equals_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-device artifact bytes kept as residencies come and go equal a recount after every change, through
-    pre-loads, shared and private backbones, evictions and offloads (24 functions on 4 small GPUs)."""
+    """The per-device artifact bytes kept as residencies come and go, and the active part billing reads, equal a
+    recount after every change and bill, through pre-loads, shared and private backbones, evictions and offloads
+    (24 functions on 4 small GPUs)."""
     from lorafaas.replay.sim.state import MemoryState
 
     checked = []
-    for name in ("add", "remove"):
+    for name in ("add", "remove", "bill"):
         original = getattr(MemoryState, name)
 
         def checking(self, r, *args, _original=original):
             _original(self, r, *args)
             for device in self.devices:
                 assert self.artifact_total(device) == self.artifact_total_recounted(device)
+                assert self.active_artifact_bytes(device) == self.active_artifact_bytes_recounted(device)
             checked.append(1)
 
         monkeypatch.setattr(MemoryState, name, checking)
