@@ -329,28 +329,11 @@ class LoraServer:
             raise
         except Exception as exc:
             raise ServerError(f"computing the deltas of adapter {call.adapter_id} failed: {exc}") from exc
-        if inline is None:
-            writer.write(
-                encode_frame(
-                    m.LoraResult(
-                        seq=call.seq,
-                        num_rows=num_rows,
-                        out_features=out_features,
-                        result=m.ShmPayload(offset=call.result_offset),
-                    )
-                )
-            )
-        else:
-            writer.write(
-                encode_frame(
-                    m.LoraResult(
-                        seq=call.seq,
-                        num_rows=num_rows,
-                        out_features=out_features,
-                        result=m.InlinePayload(nbytes=result.nbytes),
-                    )
-                )
-            )
+        payload = m.ShmPayload(offset=call.result_offset) if inline is None else m.InlinePayload(nbytes=result.nbytes)
+        writer.write(
+            encode_frame(m.LoraResult(seq=call.seq, num_rows=num_rows, out_features=out_features, result=payload))
+        )
+        if inline is not None:  # the deltas follow the frame
             writer.write(memoryview(result.view(torch.uint8).numpy()).cast("B"))
 
     def _check_call(self, call: m.LoraCall) -> tuple[int, int]:

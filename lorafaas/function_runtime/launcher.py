@@ -48,6 +48,17 @@ MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the superv
 RESTART_WINDOW_S = 60.0
 
 
+def process_alive(process: subprocess.Popen | None, pid: int) -> bool:
+    """Whether a process runs: polled if we started it (which also reaps it), else probed by pid."""
+    if process is not None:
+        return process.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @dataclass
 class InstanceHandle:
     spec: WorkerSpec
@@ -59,13 +70,7 @@ class InstanceHandle:
         return await WorkerClient.connect(self.spec.socket_path, client="launcher")
 
     def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.poll() is None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return process_alive(self.process, self.pid)
 
     def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):

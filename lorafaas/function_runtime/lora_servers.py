@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from lorafaas.errors import LorafaasError
+from lorafaas.function_runtime.launcher import process_alive
 from lorafaas.function_runtime.messages import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,7 @@ class LoraServerProcess:
     process: subprocess.Popen | None  # None when adopted: not our child
 
     def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.poll() is None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return process_alive(self.process, self.pid)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM (the server closes its sockets and exits), SIGKILL if it does not go within `timeout_s`."""
