@@ -24,7 +24,8 @@ class DeviceState:
     capacity_bytes: int
     used_bytes: int = 0  # instance overheads and KV caches (not resident artifacts)
     num_running: int = 0  # instances running a batch now (contention is between processes)
-    resident: set[Residency] = field(default_factory=set)
+    # insertion-ordered (a dict, not a set): iteration order must not depend on string hashing (PYTHONHASHSEED)
+    resident: dict[Residency, None] = field(default_factory=dict)
     billed_at_s: float = 0.0
     active_bytes: int = 0
     idle_bytes: int = 0
@@ -50,7 +51,7 @@ class MemoryState:
         self.price = price
         self.backbone_of = backbone_of
         self.artifact_bytes = artifact_bytes  # (function, kind) -> device bytes
-        self.of_function: dict[FunctionName, set[Residency]] = {}
+        self.of_function: dict[FunctionName, dict[Residency, None]] = {}  # insertion-ordered, as `resident`
         self.available_at: dict[Residency, float] = {}
         self.running_functions: dict[DeviceId, dict[FunctionName, int]] = {d.device_id: {} for d in devices}
         self.version = 0  # bumped by every add and remove (views cache what they derive from residencies)
@@ -59,26 +60,26 @@ class MemoryState:
 
     def add(self, r: Residency, available_at_s: float) -> None:
         self.version += 1
-        self.of_function.setdefault(r.function, set()).add(r)
+        self.of_function.setdefault(r.function, {})[r] = None
         self.available_at[r] = available_at_s
         if r.tier == "device" and r.device is not None:
             device = self.by_id[r.device]
             if r not in device.resident:
-                device.resident.add(r)
+                device.resident[r] = None
                 device.artifact_bytes += self._bytes_added(device, r, +1)
 
     def remove(self, r: Residency) -> None:
         self.version += 1
         rs = self.of_function.get(r.function)
         if rs is not None:
-            rs.discard(r)
+            rs.pop(r, None)
             if not rs:
                 del self.of_function[r.function]
         self.available_at.pop(r, None)
         if r.tier == "device" and r.device is not None:
             device = self.by_id[r.device]
             if r in device.resident:
-                device.resident.discard(r)
+                del device.resident[r]
                 device.artifact_bytes -= self._bytes_added(device, r, -1)
 
     def _bytes_added(self, device: DeviceState, r: Residency, step: int) -> int:

@@ -79,16 +79,16 @@ class ViewBuilder:
             self._base_slots = self._slots(self._base_owners)
         resident, owners, slots = self._base_resident, self._base_owners, self._base_slots
         if device is not None:
-            on_device = {r.function for r in device.resident}
+            on_device = dict.fromkeys(r.function for r in device.resident)  # ordered: no hash-dependent order
             extra = [r for g in on_device for r in mem.of_function.get(g, ()) if r.tier == "host"]
             if extra:
                 resident = resident + extra
                 owners = {**owners, **{r.slot: r.function for r in extra if r.slot is not None}}
                 slots = self._slots(owners)
-        instances, invoked = [], set()
+        instances, invoked = [], {}
         for d in mem.devices:
-            invoked.update(mem.running_functions[d.device_id])
-        for g in {f, *invoked}:
+            invoked.update(dict.fromkeys(mem.running_functions[d.device_id]))
+        for g in dict.fromkeys([f, *invoked]):
             fs = sim.fns[g]
             for inst in fs.instances:
                 loaded = READY if inst.ready_at_s <= sim.now else frozenset({"libraries"})

@@ -1,6 +1,9 @@
 """The simulator: golden metrics for a fixed seed, cold-start arithmetic from the cost model, batching ablations,
 cluster validation, and the speed of an 8-function 4-hour paper run."""
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -199,3 +202,28 @@ def test_free_memory_index_equals_a_recount(monkeypatch: pytest.MonkeyPatch) -> 
     for policy in ("lorafaas", "no-sharing", "serverlessllm", "instainfer"):
         simulate(work, small, POLICIES[policy])
     assert len(checked) > 500
+
+
+def test_same_metrics_whatever_the_string_hash_seed() -> None:
+    """Golden across processes: nothing the simulator decides may depend on set order, which string hashing
+    (PYTHONHASHSEED) changes from one interpreter to the next."""
+    script = (  # 200 functions on the paper cluster: set order did change these (before residencies were ordered)
+        "import random\n"
+        "from lorafaas.replay.sim.cluster import load_cluster\n"
+        "from lorafaas.replay.sim.policies import POLICIES\n"
+        "from lorafaas.replay.sim.runner import simulate\n"
+        "from lorafaas.replay.workload import Request, Workload\n"
+        "rng = random.Random(4)\n"
+        "fns = [f'f{i}' for i in range(200)]\n"
+        "reqs = [Request(rng.uniform(0, 300), 't', rng.choice(fns), rng.choice((256, 1024, 2048)),\n"
+        "                rng.choice((8, 64, 256))) for _ in range(1500)]\n"
+        "work = Workload(tuple(sorted(reqs, key=lambda r: r.arrival_s)), 300.0)\n"
+        "out, row = simulate(work, load_cluster('paper'), POLICIES['lorafaas'])\n"
+        "print(row.num_cold_starts, repr(row.cost), [repr(r.ttft_s) for r in out.results][::50])\n"
+    )
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].count("\n") == 1
