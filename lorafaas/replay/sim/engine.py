@@ -1,16 +1,19 @@
 """Discrete-event simulation of a serverless LoRA cluster driving the real `lorafaas.scheduler` policies.
 
 The simulator is an executor like the node agent: it feeds the `Scheduler` what happened (`observe_arrival`,
-`observe_prefill`, `observe_idle`), asks it what to do (`decide_batch` on each arrival and recheck, `place` for a new
-instance, `make_room` when a new instance does not fit, `keep_alive` after an invocation, `plan` every
-`plan_interval_s` or when `should_replan`), and applies the decisions to its state with a fake clock and the cost
-model. Baselines that are not lorafaas (ServerlessLLM, InstaInfer, serverful) switch mechanisms off or replace them
-(fast loader, locality placement, LRU eviction, fixed keep-alive, always-on servers); see `policies.py`.
+`observe_prefill` when a first token comes, `observe_idle`), asks it what to do (`batch_policy` for B on each
+dispatch, `decide_batch` only under fill-or-expire, `may_scale_out` and `place` for a new instance, `make_room` when
+a new instance does not fit, `keep_alive` after an invocation, `plan` every `plan_interval_s` or when
+`should_replan`), and applies the decisions to its state with a fake clock and the cost model. The lorafaas
+policies admit as the node agent does (`lorafaas/platform/admission.py`, `node_agent._acquire`). Baselines that
+are not lorafaas (ServerlessLLM, InstaInfer, serverful) switch mechanisms off or replace them (fast loader, locality
+placement, LRU eviction, fixed keep-alive, always-on servers); see `policies.py`.
 
 One request: arrival -> its function's queue -> a batch is dispatched (by the policy's batching) to an instance with
 room (or a new one: cold start = the sum of the delays of its artifacts not yet resident) -> prefill (TTFT) ->
-decode, every request finishing after its own output tokens. Phases are slowed by contention with the batches
-running on the same device when they start. Nothing here reads a clock: the same seed gives the same metrics.
+decode, every request leaving its instance after its own output tokens. Phases are slowed by contention with the
+instances busy on the same device (and, on a CPU, other programs' threads) when they start. Nothing here reads a
+clock or depends on set order: the same seed gives the same metrics in every process.
 """
 
 from __future__ import annotations
