@@ -33,7 +33,7 @@ from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend, InstanceRef
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler, SchedulerConfig, may_scale_out
+from lorafaas.scheduler import Scheduler, SchedulerConfig, in_flight_limit, may_scale_out
 
 log = logging.getLogger(__name__)
 MAX_FAILURES_KEPT = 20  # per function, for describe
@@ -232,7 +232,8 @@ class NodeAgent:
 
     async def _acquire(self, spec: FunctionSpec, cap: int) -> Instance | None:
         """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
-        if the function may grow; None when all are full."""
+        if the function may grow, else one with room in its worker's batch (`in_flight_limit`); None when all are
+        full."""
         pool = self.instances.setdefault(spec.name, [])
         # A ready instance whose connection dropped died a moment ago (its watcher has not run yet): not a choice.
         current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")
@@ -240,9 +241,14 @@ class NodeAgent:
         free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)
-        if len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
-                                                               self.compute_slots):
+        can_grow = len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
+                                                                       self.compute_slots)
+        if can_grow:
             return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
+        limit = in_flight_limit(cap, self.config.max_batch_size, can_grow, self.config.scheduler.adaptive_batching)
+        joinable = [i for i in current if i.state == "ready" and i.in_flight < min(limit, self.config.max_batch_size)]
+        if joinable:
+            return self._least_loaded(joinable)
         starting = [i for i in current if i.state == "starting"]
         if starting:
             await starting[0].ready_event.wait()

@@ -4,7 +4,14 @@ Plain frozen data in (`messages.ClusterView`), decisions out (`messages.Plan` an
 times arrive as `now_s` arguments. `Scheduler` bundles the policies for a node agent or the simulator.
 """
 
-from lorafaas.scheduler.batching import BatchDecision, BatchPolicy, PendingBatch, PrefillModel, order_batches
+from lorafaas.scheduler.batching import (
+    BatchDecision,
+    BatchPolicy,
+    PendingBatch,
+    PrefillModel,
+    in_flight_limit,
+    order_batches,
+)
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
@@ -67,6 +74,7 @@ __all__ = [
     "SlotId",
     "WorkerSlot",
     "batch_memory_bytes",
+    "in_flight_limit",
     "may_scale_out",
     "order_batches",
     "plan_difference",

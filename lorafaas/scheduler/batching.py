@@ -127,6 +127,20 @@ class PendingBatch:
     prefill_s: float  # T(size) of its function
 
 
+def in_flight_limit(slo_batch: int, worker_capacity: int, can_start_instance: bool, adaptive: bool) -> int:
+    """How many requests one instance may hold when every instance of the function holds `slo_batch` (B).
+
+    B keeps a batch's prefill within the SLO while the excess can go elsewhere (a new instance). When none can start
+    (the device has no compute to spare, or the function is at its maximum), the excess would wait in the queue for a
+    running request to finish, a whole generation, which costs its time to first token far more than joining a
+    running batch (continuous batching admits it at the next decode step, after the prefills admitted with it): up to
+    the worker's capacity then. A fixed batch size (adaptive batching off) stays the hard limit it is.
+    """
+    if not adaptive or can_start_instance:
+        return slo_batch
+    return max(slo_batch, worker_capacity)
+
+
 def deadline_margin_s(batch: PendingBatch, num_contending: int) -> float:
     """SLO - (w + M * T(b))."""
     return batch.slo_ttft_s - (batch.oldest_wait_s + num_contending * batch.prefill_s)

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from lorafaas.scheduler import BatchPolicy, PendingBatch, PrefillModel, SchedulerConfig, order_batches
+from lorafaas.scheduler import (
+    BatchPolicy,
+    PendingBatch,
+    PrefillModel,
+    SchedulerConfig,
+    in_flight_limit,
+    order_batches,
+)
 from lorafaas.scheduler.batching import deadline_margin_s
 
 
@@ -99,3 +106,15 @@ def test_contention_order_by_deadline_margin() -> None:
     assert [d.margin_s for d in order] == pytest.approx([0.1, 0.2, 0.3])
     assert (order[1].device, order[1].size) == ("d0", 4)
     assert order_batches([]) == []
+
+
+def test_the_slo_batch_bounds_an_instance_while_the_excess_can_go_to_a_new_instance() -> None:
+    assert in_flight_limit(slo_batch=3, worker_capacity=8, can_start_instance=True, adaptive=True) == 3
+
+
+def test_without_room_for_another_instance_requests_join_a_running_batch_up_to_the_worker_capacity() -> None:
+    assert in_flight_limit(slo_batch=3, worker_capacity=8, can_start_instance=False, adaptive=True) == 8
+
+
+def test_a_fixed_batch_size_stays_a_hard_limit() -> None:
+    assert in_flight_limit(slo_batch=1, worker_capacity=8, can_start_instance=False, adaptive=False) == 1
