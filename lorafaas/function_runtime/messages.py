@@ -137,6 +137,7 @@ class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
     token_id: int
     text: str  # the new text this token completes (may be empty while a multi-byte character is pending)
     prefill_s: float | None = None  # on the first token: the prefill's forward time (feeds the batching model)
+    prefill_batch: int | None = None  # on the first token: how many requests that prefill held
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):

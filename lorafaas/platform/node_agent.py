@@ -211,9 +211,14 @@ class NodeAgent:
 
     def _observe_prefill(self, spec: FunctionSpec, batch_size: int, first: m.Token | m.Finished,
                          waited_s: float) -> None:
-        """T(b) for the batching model: the worker prefills a batch's requests one after another, so a batch of b
-        has its last first token after b prefills (measured by the worker: queueing and contention excluded)."""
+        """T(b) for the batching model: the worker prefills the requests waiting for it together and reports the
+        forward time and how many it held (queueing excluded). A worker that does not say how many (older protocol)
+        prefilled one request at a time: a batch of b then has its last first token after b prefills."""
         prefill_s = getattr(first, "prefill_s", None)
+        together = getattr(first, "prefill_batch", None)
+        if prefill_s is not None and together:
+            self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, together, prefill_s)
+            return
         seconds = prefill_s * batch_size if prefill_s is not None else waited_s
         self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, batch_size, seconds)
 

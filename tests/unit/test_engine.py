@@ -119,3 +119,20 @@ def test_ignore_eos_generates_exactly_max_tokens_with_the_same_prefix(engine: Ge
     assert len(fixed) == 30
     stop = next((i for i, t in enumerate(normal) if t in engine.eos_ids), len(normal))
     assert fixed[:stop] == normal[:stop]
+
+
+def test_requests_waiting_together_are_prefilled_in_one_pass_with_what_they_get_alone(engine: GenerationEngine) -> None:
+    params = SamplingParams(max_tokens=6)
+    prompts = {f"p{i}": (p, params) for i, p in enumerate(PROMPTS[:4])}  # prompts of different lengths: left padding
+    alone = {rid: run(engine, {rid: req})[2][rid] for rid, req in prompts.items()}
+    for rid, (prompt, p) in prompts.items():
+        engine.add(rid, engine.encode_chat([{"role": "user", "content": prompt}]), p)
+    firsts = [out for out in engine.step() if out.prefill_s is not None]
+    assert sorted(out.request_id for out in firsts) == sorted(prompts)
+    assert {out.prefill_batch for out in firsts} == {4} and len({out.prefill_s for out in firsts}) == 1
+    tokens = {out.request_id: [out.token_id] for out in firsts}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens[out.request_id].append(out.token_id)
+    assert tokens == alone
