@@ -56,7 +56,7 @@ class BatchingResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_batching_bench(
-    store: ModelStore, bursts: int = 3, burst_size: int = 12, gap_s: float = 10.0, max_tokens: int = 64,
+    store: ModelStore, bursts: int = 3, burst_size: int = 24, gap_s: float = 10.0, max_tokens: int = 64,
     slo_ttft_ms: int = 2000, progress: ProgressSink | None = None,
 ) -> BatchingResult:
     progress = progress or SilentProgress()

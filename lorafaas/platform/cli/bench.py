@@ -129,7 +129,7 @@ def scheduler(
 def batching(
     ctx: typer.Context,
     bursts: int = typer.Option(3, "--bursts", min=1, max=50),
-    burst_size: int = typer.Option(12, "--burst-size", min=1, max=500, help="Requests per burst, over 3 functions."),
+    burst_size: int = typer.Option(24, "--burst-size", min=1, max=500, help="Requests per burst, over 3 functions."),
     gap_s: float = typer.Option(10.0, "--gap", min=0.0, help="Seconds between bursts."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=512),
     slo_ttft_ms: int = typer.Option(2000, "--slo-ttft-ms", min=1, help="The demo functions' TTFT SLO."),
