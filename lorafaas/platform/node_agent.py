@@ -211,16 +211,15 @@ class NodeAgent:
 
     def _observe_prefill(self, spec: FunctionSpec, batch_size: int, first: m.Token | m.Finished,
                          waited_s: float) -> None:
-        """T(b) for the batching model: the worker prefills the requests waiting for it together and reports the
-        forward time and how many it held (queueing excluded). A worker that does not say how many (older protocol)
-        prefilled one request at a time: a batch of b then has its last first token after b prefills."""
+        """T(b) for the batching model: the worker prefills the requests waiting for it together and reports, on a
+        request's first token, the forward time and how many the pass held (queueing excluded). An event without
+        them (a request that ended before any token) counts as its dispatch batch taking the time it waited."""
         prefill_s = getattr(first, "prefill_s", None)
         together = getattr(first, "prefill_batch", None)
         if prefill_s is not None and together:
             self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, together, prefill_s)
-            return
-        seconds = prefill_s * batch_size if prefill_s is not None else waited_s
-        self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, batch_size, seconds)
+        else:
+            self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, batch_size, waited_s)
 
     def _observe_arrival(self, name: str) -> None:
         now = self.clock()
@@ -246,11 +245,10 @@ class NodeAgent:
         free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)
-        can_grow = len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
-                                                                       self.compute_slots)
-        if can_grow:
+        if len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
+                                                               self.compute_slots):
             return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
-        limit = in_flight_limit(cap, self.config.max_batch_size, can_grow, self.config.scheduler.adaptive_batching)
+        limit = in_flight_limit(cap, self.config.max_batch_size, False, self.config.scheduler.adaptive_batching)
         joinable = [i for i in current if i.state == "ready" and i.in_flight < min(limit, self.config.max_batch_size)]
         if joinable:
             return self._least_loaded(joinable)
