@@ -64,7 +64,7 @@ def run_batching_bench(
     for policy in ("lorafaas", "fixed-batch"):
         progress.stage(f"{policy}: starting a platform with the demo functions (TTFT SLO {slo_ttft_ms} ms)")
         with scratch_platform(store, policy, demo=False) as platform:
-            _deploy_demo(platform, {"slo_ttft_ms": slo_ttft_ms})
+            deploy_demo(platform, {"slo_ttft_ms": slo_ttft_ms})
             progress.stage(f"{policy}: {bursts} bursts of {burst_size} requests")
             results[policy] = asyncio.run(_drive(platform, bursts, burst_size, gap_s, max_tokens, slo_ttft_ms))
     return BatchingResult(
@@ -73,7 +73,7 @@ def run_batching_bench(
     )
 
 
-def _deploy_demo(platform: PlatformProcess, spec: dict) -> list[str]:
+def deploy_demo(platform: PlatformProcess, spec: dict) -> list[str]:
     """Deploy each demo adapter as a function of its name with `spec`; the names."""
     from lorafaas.platform.demo_functions import demo_adapter_dirs
 
@@ -109,7 +109,7 @@ def run_preload_bench(store: ModelStore, rounds: int = 2, keep_alive_s: float = 
     for policy in ("lorafaas", "no-preload"):
         progress.stage(f"{policy}: deploying the demo adapters with a {keep_alive_s:g} s keep-alive")
         with scratch_platform(store, policy, demo=False) as platform, platform.client() as client:
-            names = _deploy_demo(platform, {"keep_alive_s": keep_alive_s})
+            names = deploy_demo(platform, {"keep_alive_s": keep_alive_s})
             time.sleep(SETTLE_S)  # let each policy do what it does ahead of requests (or not)
             progress.stage(f"{policy}: {rounds} rounds of cold invocations", rounds * len(names))
             samples[policy] = []
@@ -126,12 +126,19 @@ def run_preload_bench(store: ModelStore, rounds: int = 2, keep_alive_s: float = 
 
 def _wait_until_scaled_to_zero(client, names: list[str], timeout_s: float = 120.0) -> None:
     """Until no function has an instance: the next invocation is cold, and nothing holds the backbone for it."""
+    if not scaled_to_zero(client, names, timeout_s, poll_s=0.2):
+        raise TimeoutError(f"{names} did not scale to zero within {timeout_s} s")
+    time.sleep(SETTLE_S)  # reconcile ticks: with pre-loading off, the unused backbone is unloaded now
+
+
+def scaled_to_zero(client, names: list[str], timeout_s: float, poll_s: float) -> bool:
+    """Whether every function in `names` had no instance left within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while any(client.describe(name)["instances"] for name in names):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{names} did not scale to zero within {timeout_s} s")
-        time.sleep(0.2)
-    time.sleep(SETTLE_S)  # reconcile ticks: with pre-loading off, the unused backbone is unloaded now
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 async def _cold_ttft(platform: PlatformProcess, name: str) -> float:
@@ -159,16 +166,21 @@ async def _drive(platform: PlatformProcess, bursts: int, burst_size: int, gap_s:
         makespan = time.perf_counter() - started
         described = {name: (await http.get(f"/v1/functions/{name}")).json() for name in DEMO_FUNCTIONS}
     ttfts = [t for t in outcomes if t is not None]
-    ordered = sorted(ttfts)
     return PolicyResult(
         requests=len(outcomes), errors=len(outcomes) - len(ttfts), makespan_s=round(makespan, 2),
         requests_per_s=round(len(ttfts) / makespan, 3),
         ttft_slo_attainment=round(sum(t <= slo_ttft_ms / 1e3 for t in ttfts) / len(outcomes), 3),
         mean_ttft_s=round(statistics.mean(ttfts), 3) if ttfts else float("nan"),
-        p99_ttft_s=round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3) if ordered else float("nan"),
+        p99_ttft_s=round(percentile(ttfts, 0.99), 3),
         most_in_flight={name: d["batching"]["most_in_flight"] for name, d in described.items()},
         instances_started={name: sum(d["cold_starts"].values()) for name, d in described.items()},
     )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank, from below) of `values`; NaN for none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def _one(http: httpx.AsyncClient, name: str, prompt: str, max_tokens: int) -> float | None:

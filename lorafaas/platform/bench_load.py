@@ -29,7 +29,14 @@ import psutil
 
 from lorafaas.backbone_daemon.config import DaemonPaths
 from lorafaas.cuda_ipc.shm import list_segments
-from lorafaas.platform.bench_live import DEMO_FUNCTIONS, PROMPTS, _deploy_demo, scratch_platform
+from lorafaas.platform.bench_live import (
+    DEMO_FUNCTIONS,
+    PROMPTS,
+    deploy_demo,
+    percentile,
+    scaled_to_zero,
+    scratch_platform,
+)
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.testing.platform_process import PlatformProcess
@@ -82,17 +89,16 @@ def run_load_bench(store: ModelStore, clients: int = 20, duration_s: float = 300
     progress = progress or SilentProgress()
     progress.stage("starting a platform with the demo functions")
     with scratch_platform(store, "lorafaas", demo=False) as platform:
-        _deploy_demo(platform, {})
+        deploy_demo(platform, {})
         progress.stage(f"{clients} clients for {duration_s:g} s", int(duration_s))
         tally = asyncio.run(_load(platform, clients, duration_s, max_tokens, progress))
         counted = _invocations_counted(platform) - tally.counted_before
-    ordered = sorted(tally.ttfts) or [float("nan")]
     return LoadResult(
         clients=clients, duration_s=duration_s, max_tokens=max_tokens, requests_sent=tally.sent,
         responses_complete=tally.complete, lost=tally.sent - tally.complete,
         duplicated=max(0, counted - tally.sent), errors=tally.errors, invocations_counted=counted,
-        requests_per_s=round(tally.complete / duration_s, 3), p50_ttft_s=round(_percentile(ordered, 0.5), 3),
-        p99_ttft_s=round(_percentile(ordered, 0.99), 3),
+        requests_per_s=round(tally.complete / duration_s, 3), p50_ttft_s=round(percentile(tally.ttfts, 0.5), 3),
+        p99_ttft_s=round(percentile(tally.ttfts, 0.99), 3),
     )
 
 
@@ -172,10 +178,6 @@ def _invocations_counted(platform: PlatformProcess) -> int:
     return int(sum(float(v) for v in re.findall(r"^lorafaas_invocations_total\{[^}]*\} (\S+)$", text, re.M)))
 
 
-def _percentile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: float = 5.0, burst: int = 6,
                    max_tokens: int = 8, progress: ProgressSink | None = None) -> SoakResult:
     progress = progress or SilentProgress()
@@ -183,7 +185,7 @@ def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: 
     # The fixed keep-alive: the hybrid policy would learn the regular idle gaps and keep the instances warm across
     # them, which is right in production but would stop the scale-to-zero this run exercises.
     with scratch_platform(store, "fixed-keep-alive", demo=False) as platform:
-        names = _deploy_demo(platform, {"keep_alive_s": keep_alive_s})
+        names = deploy_demo(platform, {"keep_alive_s": keep_alive_s})
         main = psutil.Process(platform.process.pid)
         started = time.monotonic()
         progress.stage(f"bursts and scale-to-zero for {duration_s:g} s", int(duration_s))
@@ -194,7 +196,7 @@ def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: 
                 requests, failed = requests + tally.sent, failed + tally.sent - tally.complete
                 errors += tally.errors[: 5 - len(errors)]
                 children |= {(p.pid, " ".join(p.cmdline()[:4])) for p in _children(main)}
-                to_zero += _wait_for_zero(client, names, keep_alive_s * 6)
+                to_zero += scaled_to_zero(client, names, keep_alive_s * 6, poll_s=0.5)
                 cycles += 1
                 rss.append(round(main.memory_info().rss / 2**20, 1))
                 progress.advance(time.monotonic() - started - shown)
@@ -220,15 +222,6 @@ async def _burst(platform: PlatformProcess, names: list[str], burst: int, max_to
         await asyncio.gather(*(_checked_request(http, name, PROMPTS[i % len(PROMPTS)], max_tokens, tally)
                                for i in range(burst) for name in names))
     return tally
-
-
-def _wait_for_zero(client, names: list[str], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(client.describe(name)["instances"] for name in names):
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def _children(process: psutil.Process) -> list[psutil.Process]:
