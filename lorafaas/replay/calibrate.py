@@ -1,22 +1,21 @@
-"""Calibrate the `local` cluster to this machine as it is now, from `lorafaas bench throughput` runs.
+"""Calibrate the `local` cluster's worker model on this machine (the figures `clusters/local.yaml` holds).
 
-    python -m lorafaas.replay.calibrate --home HOME [--out local-now.yaml] [--instances 2,4]
+    python -m lorafaas.replay.calibrate --home HOME [--out local-now.yaml] [--instances 2,3,4] [--repeats 3]
 
-The shipped `local.yaml` holds figures of a quiet machine. The live platform shares the 2 cores with whatever else
-runs, so before comparing the simulator with a live replay the model is measured again in the same conditions
-(`lorafaas bench throughput --json`, each run one fresh one-thread instance of the pirate function; several runs at
-once in separate scratch homes whose model stores are hard links of HOME's):
+Measures the lorafaas generation engine (`function_runtime/engine.py`) on HOME's smollm2-135m with the pirate demo
+adapter attached, one thread per process, as an instance runs it:
 
-    1 run, --max-tokens 1      8 requests one at a time: each is one prefill of a short bench prompt (t_p)
-    1 run, --max-tokens 33     one at a time: t_p + 32 decode steps at batch 1 -> step(1); all 8 at once: 8 prefills
-                               + 32 steps at batch 8 -> step(8) -> per extra sequence (step(8) - step(1)) / 7
-    k runs at once (k = 2, 4)  the mean one-at-a-time throughput against the single run's -> slowdown(k) with k busy
-                               instances; contention c = least squares of slowdown(k) - 1 = c (k - 1)
+    prefill passes      b prompts of w tokens prefilled together (b 1, 2, 4, 8; w 40, 90, 160):
+                        pass = prefill_base + prefill_per_token x b x w (least squares; the engine pads to w)
+    decode steps        rows 1, 4, 8 at 154 tokens of context: step = decode_step + per_extra_seq x (rows - 1)
+    interference        k processes decoding at once (k from --instances): their step against one alone, less the
+                        share of the cores (max(1, k / cores)); the rest is what each busy core beyond the first
+                        costs all: core_interference (shared caches and memory bandwidth)
 
-Prefill keeps the shipped model's shape (base + per prompt token), scaled by t_p over the shipped model's prediction
-for the bench prompts; the CPU work of a cold start (libraries, bind) scales by the same ratio. Every other field is
-the shipped file's. The result is a cluster YAML for `lorafaas replay --simulate --cluster FILE` and
-`python -m lorafaas.replay.compare --cluster FILE`.
+and writes a cluster YAML: the shipped `local.yaml` with these figures (every other field is the shipped file's). Use
+it with `lorafaas replay --simulate --cluster FILE` or `python -m lorafaas.replay.compare --cluster FILE`. Run it on
+an otherwise idle machine: what else runs is the background the live comparison measures separately
+(`lorafaas.replay.cpuload`).
 """
 
 from __future__ import annotations
@@ -24,91 +23,171 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import yaml
 from rich.console import Console
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime.bench_throughput import PROMPTS
 
-BENCH_REQUESTS = 8
-DECODE_STEPS = 32
+PASS_ROWS = (1, 2, 4, 8)
+PASS_WIDTHS = (40, 90, 160)
+DECODE_ROWS = (1, 4, 8)
+DECODE_CONTEXT = 154  # a 128-token replay prompt with the chat template
+DECODE_STEPS = 24
+ADAPTER = Path(__file__).resolve().parents[2] / "examples" / "adapters" / "pirate"
 console = Console(stderr=True)
 
 
-def _bench(home: Path, scratch: Path, max_tokens: int, copies: int) -> list[dict]:
-    """`copies` `lorafaas bench throughput` processes at once, each in its own scratch home; their JSON results."""
-    procs = []
-    for i in range(copies):
-        run_home = scratch / f"k{copies}-{max_tokens}-{i}"
-        if not (run_home / "models").exists():
-            run_home.mkdir(parents=True)
-            shutil.copytree(home / "models", run_home / "models", copy_function=os.link)
-        cmd = [sys.executable, "-m", "lorafaas", "--home", str(run_home), "bench", "throughput", "--json",
-               "--concurrency", str(BENCH_REQUESTS), "--max-tokens", str(max_tokens)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-    out = []
-    for proc in procs:
-        stdout, _ = proc.communicate()
-        if proc.returncode != 0:
-            raise InvalidInput(f"lorafaas bench throughput exited {proc.returncode}: {stdout[-300:]}")
-        out.append(json.loads(stdout))
-    return out
+# -- fits (pure) -----------------------------------------------------------------------------------------------------
+
+def fit_passes(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(base s, s per token) of pass = base + per_token x b x w, from (b, w, seconds)."""
+    x = np.array([[1.0, b * w] for b, w, _ in samples])
+    y = np.array([s for _, _, s in samples])
+    (base, per_token), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return max(0.0, float(base)), float(per_token)
 
 
-def calibrate(home: Path, instances: tuple[int, ...] = (2, 4)) -> dict:
-    if not (home / "models" / "smollm2-135m").is_dir():
+def fit_decode(steps: dict[int, float]) -> tuple[float, float]:
+    """(step at one row s, s per extra row) from the median step at each number of rows."""
+    x = np.array([[1.0, rows - 1] for rows in steps])
+    (step1, per_row), *_ = np.linalg.lstsq(x, np.array(list(steps.values())), rcond=None)
+    return float(step1), max(0.0, float(per_row))
+
+
+def fit_interference(slowdowns: dict[int, float], cores: float) -> float:
+    """i in slowdown(k) = max(1, k / cores) x (1 + i (min(k, cores) - 1)), least squares over k >= 2."""
+    pairs = [(min(k, cores) - 1, s / max(1.0, k / cores) - 1) for k, s in slowdowns.items() if k >= 2]
+    num = sum(a * b for a, b in pairs)
+    den = sum(a * a for a, _ in pairs)
+    return max(0.0, num / den) if den else 0.0
+
+
+# -- measurements (one engine per process, one thread) ---------------------------------------------------------------
+
+def _engine(model_dir: Path):
+    import torch
+
+    torch.set_num_threads(1)
+    from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
+    from lorafaas.function_runtime.lora import attach_adapter, read_host_adapter
+    from lorafaas.function_runtime.reference import load_backbone
+
+    model, tokenizer = load_backbone(model_dir)
+    attach_adapter(model, read_host_adapter(ADAPTER))
+    return GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=max(PASS_ROWS + DECODE_ROWS)))
+
+
+def _add(engine, name: str, rows: int, width: int, tokens: int) -> None:
+    from lorafaas.function_runtime.messages import SamplingParams
+
+    for k in range(rows):
+        engine.add(f"{name}-{k}", list(range(100, 100 + width)), SamplingParams(max_tokens=tokens, ignore_eos=True))
+
+
+def measure_passes(engine, repeats: int) -> list[tuple[int, int, float]]:
+    _add(engine, "warm", 1, 40, 1)
+    engine.step()
+    samples = []
+    for r in range(repeats):
+        for b in PASS_ROWS:
+            for w in PASS_WIDTHS:
+                _add(engine, f"p{r}-{b}-{w}", b, w, 1)
+                samples.append((b, w, engine.step()[0].prefill_s))
+    return samples
+
+
+def measure_steps(engine, rows_list: tuple[int, ...]) -> dict[int, float]:
+    steps: dict[int, float] = {}
+    for rows in rows_list:
+        _add(engine, f"d{rows}", rows, DECODE_CONTEXT, DECODE_STEPS + 1)
+        engine.step()  # the pass
+        times = []
+        while engine.has_work():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        steps[rows] = statistics.median(times)
+    return steps
+
+
+def _steps_together(model_dir: Path, k: int, scratch: Path) -> float:
+    """The median one-row step of k processes decoding at the same time (started together once all are loaded)."""
+    go = scratch / f"go-{k}"
+    cmd = [sys.executable, "-m", "lorafaas.replay.calibrate", "--home", str(model_dir.parents[1]), "--step-worker",
+           str(go)]  # fmt: skip
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(k)]
+    try:
+        for proc in procs:  # each prints "ready" once its model is loaded
+            line = proc.stdout.readline() if proc.stdout else ""
+            if line.strip() != "ready":
+                raise InvalidInput(f"a decode worker failed to start: {proc.communicate()[1][-300:]}")
+        go.touch()
+        results = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise InvalidInput(f"a decode worker exited {proc.returncode}: {stderr[-300:]}")
+            results.append(float(stdout.strip().splitlines()[-1]))
+        return statistics.mean(results)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _step_worker(model_dir: Path, go: Path) -> int:
+    engine = _engine(model_dir)
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+    print(measure_steps(engine, (1,))[1], flush=True)
+    return 0
+
+
+def calibrate(home: Path, instances: tuple[int, ...], repeats: int) -> dict:
+    model_dir = home / "models" / "smollm2-135m"
+    if not model_dir.is_dir():
         raise InvalidInput(f"{home}/models has no smollm2-135m; run `lorafaas --home {home} backbone import` first")
+    with console.status("loading smollm2-135m") as status:
+        engine = _engine(model_dir)
+        status.update(f"prefill passes: rows {PASS_ROWS} x widths {PASS_WIDTHS}, {repeats} times")
+        passes = measure_passes(engine, repeats)
+        status.update(f"decode steps: rows {DECODE_ROWS}")
+        steps = measure_steps(engine, DECODE_ROWS)
+        del engine
+        together = {}
+        with tempfile.TemporaryDirectory(prefix="lorafaas-calibrate-") as tmp:
+            for k in (1, *instances):
+                status.update(f"interference: {k} processes decoding at once")
+                together[k] = _steps_together(model_dir, k, Path(tmp))
+                console.log(f"{k} at once: one-row step {together[k] * 1e3:.1f} ms")
     shipped = yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
-    steps = [("prefill: 1 instance, 1 token", 1, 1), ("decode: 1 instance, 33 tokens", 33, 1)]
-    steps += [(f"contention: {k} instances at once", 33, k) for k in instances]
-    results: dict[tuple[int, int], list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="lorafaas-calibrate-") as tmp, console.status("") as status:
-        for i, (what, max_tokens, copies) in enumerate(steps, 1):
-            status.update(f"[{i}/{len(steps)}] lorafaas bench throughput: {what}")
-            results[max_tokens, copies] = _bench(home, Path(tmp), max_tokens, copies)
-            console.log(
-                f"{what}: tokens/s one at a time {[r['tokens_per_s_at_1'] for r in results[max_tokens, copies]]}"
-            )
-    return derive(results, instances, shipped)
-
-
-def derive(results: dict[tuple[int, int], list[dict]], instances: tuple[int, ...], shipped: dict) -> dict:
-    """The figures from the bench results, keyed by (max tokens, instances at once)."""
-    backbone = shipped["backbones"]["smollm2-135m"]
-    prefill_s = 1.0 / results[1, 1][0]["tokens_per_s_at_1"]
-    single = results[33, 1][0]
-    step1 = (33.0 / single["tokens_per_s_at_1"] - prefill_s) / DECODE_STEPS
-    step8 = (BENCH_REQUESTS * 33.0 / single["tokens_per_s_at_n"] - BENCH_REQUESTS * prefill_s) / DECODE_STEPS
-    slowdowns = {k: single["tokens_per_s_at_1"] / (sum(r["tokens_per_s_at_1"] for r in results[33, k]) / k)
-                 for k in instances}  # fmt: skip
-    contention = max(0.0, sum((s - 1) * (k - 1) for k, s in slowdowns.items()) / sum((k - 1) ** 2 for k in instances))
-    prompt_tokens = sum(len(p.split()) + 1 for p in PROMPTS[:BENCH_REQUESTS]) / BENCH_REQUESTS
-    predicted_s = (backbone["prefill_base_ms"] + backbone["prefill_ms_per_token"] * prompt_tokens) / 1e3
-    ratio = prefill_s / predicted_s
-    return {"prefill_short_s": prefill_s, "prefill_ratio": ratio, "decode_step_1_s": step1, "decode_step_8_s": step8,
-            "slowdowns": slowdowns, "contention": contention, "shipped": shipped}  # fmt: skip
+    cores = float(shipped["device"]["cores"])
+    base, per_token = fit_passes(passes)
+    step1, per_row = fit_decode(steps)
+    slowdowns = {k: s / together[1] for k, s in together.items() if k != 1}
+    return {"prefill_base_s": base, "prefill_s_per_token": per_token, "decode_step_s": step1,
+            "decode_step_per_seq_s": per_row, "slowdowns": slowdowns,
+            "core_interference": fit_interference(slowdowns, cores), "passes": passes, "steps": steps}  # fmt: skip
 
 
 def cluster_yaml(measured: dict) -> dict:
-    data = measured["shipped"]
+    data = yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
     backbone = data["backbones"]["smollm2-135m"]
-    ratio = measured["prefill_ratio"]
-    backbone["prefill_base_ms"] = round(backbone["prefill_base_ms"] * ratio, 1)
-    backbone["prefill_ms_per_token"] = round(backbone["prefill_ms_per_token"] * ratio, 3)
-    backbone["decode_ms_per_step"] = round(measured["decode_step_1_s"] * 1e3, 1)
-    backbone["decode_ms_per_extra_seq"] = round(max(0.0, measured["decode_step_8_s"] - measured["decode_step_1_s"])
-                                                / 7 * 1e3, 2)  # fmt: skip
-    for key in ("libraries_s", "bind_s"):
-        data["loading"][key] = round(data["loading"][key] * ratio, 4)
-    data["contention"] = round(measured["contention"], 3)
-    data["device"].pop("cores", None)  # measured as the machine is now: the linear contention, not processor sharing
+    backbone["prefill_base_ms"] = round(measured["prefill_base_s"] * 1e3, 1)
+    backbone["prefill_ms_per_token"] = round(measured["prefill_s_per_token"] * 1e3, 3)
+    backbone["decode_ms_per_step"] = round(measured["decode_step_s"] * 1e3, 1)
+    backbone["decode_ms_per_extra_seq"] = round(measured["decode_step_per_seq_s"] * 1e3, 2)
+    data["device"]["core_interference"] = round(measured["core_interference"], 3)
     data["name"] = "local-now"
     return data
 
@@ -117,26 +196,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("LORAFAAS_HOME", "~/.lorafaas")).expanduser())
     parser.add_argument("--out", type=Path, default=Path("local-now.yaml"))
-    parser.add_argument("--instances", default="2,4", help="numbers of instances run at once for the contention")
+    parser.add_argument("--instances", default="2,3,4", help="numbers of processes decoding at once")
+    parser.add_argument("--repeats", type=int, default=3, help="times each prefill pass is measured")
+    parser.add_argument("--step-worker", type=Path, help=argparse.SUPPRESS)  # one process of the interference runs
     args = parser.parse_args(argv)
+    if args.step_worker is not None:
+        return _step_worker(args.home / "models" / "smollm2-135m", args.step_worker)
     try:
         instances = tuple(int(k) for k in args.instances.split(","))
-        if not instances or any(k < 2 or k > 8 for k in instances):
+        if not instances or any(k < 2 or k > 8 for k in instances) or not 1 <= args.repeats <= 20:
             raise ValueError
     except ValueError:
-        print(f"error: --instances is {args.instances!r}; expected numbers in [2, 8] such as 2,4", file=sys.stderr)
+        print(f"error: --instances {args.instances!r} must be numbers in [2, 8] such as 2,3,4 and --repeats in "
+              f"[1, 20]", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        measured = calibrate(args.home, instances)
+        measured = calibrate(args.home, instances, args.repeats)
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    data = cluster_yaml(measured)
-    header = "# `local` calibrated now by python -m lorafaas.replay.calibrate: " + json.dumps(
-        {k: v for k, v in measured.items() if k != "shipped"}, default=str
-    )
-    args.out.write_text(header + "\n" + yaml.safe_dump(data, sort_keys=False))
-    print(json.dumps({k: v for k, v in measured.items() if k != "shipped"}, indent=1, default=str))
+    summary = {k: v for k, v in measured.items() if k not in ("passes", "steps")}
+    args.out.write_text("# `local` calibrated by python -m lorafaas.replay.calibrate: " + json.dumps(summary)
+                        + "\n" + yaml.safe_dump(cluster_yaml(measured), sort_keys=False))  # fmt: skip
+    print(json.dumps(summary, indent=1))
     return 0
 
 

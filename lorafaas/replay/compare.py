@@ -3,8 +3,9 @@
     python -m lorafaas.replay.compare LIVE_OUT_DIR [--cluster local] [--policy lorafaas] [--cpu-load FILE] [--json]
 
 Reads the live run's `results.json` (written by `lorafaas replay ... --out LIVE_OUT_DIR`), rebuilds the workload it
-served (each request's function, arrival time and requested prompt length; its output length as served, i.e. the
-completion tokens the model produced, since the simulator cannot know where the model stops), simulates it on the
+served (each request's function, arrival time, and its prompt and output lengths as served: the prompt's tokens with
+the chat template, as the usage reported them, and the completion tokens the model produced, since the simulator
+cannot know where the model stops), simulates it on the
 cluster and prints the live and simulated means of TTFT, TPOT and E2E with the relative differences (sim - live) /
 live. Requests that failed live are left out of both. With `--cpu-load` (sampled by `lorafaas.replay.cpuload` during
 the live run) the simulated CPU device shares its cores with the runnable threads the machine had besides the
@@ -45,7 +46,9 @@ def live_workload(results_json: Path) -> tuple[Workload, list[RequestResult]]:
     if not live:
         raise InvalidInput(f"{results_json}: no request succeeded; nothing to compare")
     requests = tuple(
-        Request(r.arrival_s, r.trace_function, r.function, r.prompt_tokens, r.completion_tokens) for r in live
+        Request(r.arrival_s, r.trace_function, r.function, r.usage_prompt_tokens or r.prompt_tokens,
+                r.completion_tokens)
+        for r in live
     )
     return Workload(requests, duration_s), live
 

@@ -51,6 +51,7 @@ class LoadingSpec:
     fast_dram_bytes_per_s: float  # ServerlessLLM's loader from a checkpoint cached in host memory to the device
     fast_ssd_bytes_per_s: float  # ServerlessLLM's loader from local SSD to the device
     host_cache_bytes: int  # per node: host memory for cached checkpoints (ServerlessLLM) and worker slots
+    spawn_s: float = 0.0  # every instance start, whatever is resident: process, connection, mapping, adapter placing
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,13 @@ class ClusterSpec:
     slot_bytes: int
     max_instances_per_function: int = 64
     min_replan_s: float = 5.0  # a moved arrival rate re-plans at most this often (the node agent: every 5 s)
-    prefill_batched: bool = True  # False: a worker prefills each request of a batch alone (the CPU runtime)
+    prefill_padded: bool = False  # a prefill pass pads every prompt to the longest (True) or packs them (False)
+    request_overhead_s: float = 0.0  # gateway -> agent -> worker and back: added to a request's TTFT
     cores: float | None = None  # CPU device: its cores, shared by busy one-thread instances and background threads
     compute_slots: int | None = None  # instances a device runs at full speed at once (the agent's AgentConfig field;
     # None: the cores on a CPU, 1 on a GPU)
+    core_interference: float = 0.0  # CPU: each busy core beyond the first slows every one by this much (shared
+    # caches and memory bandwidth)
 
     @property
     def num_devices(self) -> int:
@@ -181,6 +185,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         load.number("fast_dram_gbps", low=1e-6) * GB,
         load.number("fast_ssd_gbps", low=1e-6) * GB,
         int(load.number("host_cache_gb") * GB),
+        load.number("spawn_s", 0.0),
     )
     sheet = PriceSheet(
         price.text("name"),
@@ -219,9 +224,11 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         int(top.number("slot_gb", 32, 1e-3) * GB),
         top.integer("max_instances_per_function", 64, 1, 100_000),
         top.number("min_replan_s", 5.0, 0.0),
-        _flag(top, "prefill_batched", True),
+        _flag(top, "prefill_padded", False),
+        top.number("request_overhead_ms", 0.0, 0.0, 60_000.0) / 1e3,
         dev.number("cores", low=1.0, high=4096.0) if "cores" in dev.data else None,
         dev.integer("compute_slots", low=1, high=100_000) if "compute_slots" in dev.data else None,
+        dev.number("core_interference", 0.0, 0.0, 10.0),
     )
 
 

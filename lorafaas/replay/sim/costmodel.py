@@ -1,12 +1,16 @@
 """The simulator's cost model: loading delays per artifact and tier, prefill and decode times, memory, and the
 `ArtifactCosts` the pre-loading knapsack values artifacts by.
 
-    prefill_s(b, tokens)       T0 + per-token x prompt tokens in the batch (compute-bound)
+    prefill_pass_s(prompts)    one forward pass over the prompts a worker prefills together: T0 + per-token x the
+                               tokens it computes (compute-bound): every prompt padded to the longest
+                               (`prefill_padded`, the lorafaas runtime's left padding) or their sum (packed, vLLM)
     decode_step_s(b)           step at batch 1 + per extra sequence (memory-bound: the weights are read once a step)
     contention(n, b)           a phase that starts while n instances run batches on its device takes 1 + c (n - 1)
                                times longer (batches of one instance share its forward passes); on a CPU device
-                               with `cores`: max(1, (n + b) / cores), the one-thread instances and b runnable
-                               threads of other programs sharing the cores equally (processor sharing)
+                               with `cores`: max(1, (n + b) / cores) x (1 + i (min(n + b, cores) - 1)), the
+                               one-thread instances and b runnable threads of other programs sharing the cores
+                               equally (processor sharing), each busy core beyond the first slowing all by i
+                               (`core_interference`: shared caches and memory bandwidth)
     backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
                                bound to a copy already on the device (sharing) in `bind_s`
     backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at
@@ -31,8 +35,9 @@ class CostModel:
 
     # -- compute -----------------------------------------------------------------------------------------------
 
-    def prefill_s(self, backbone: BackboneSpec, prompt_tokens: int) -> float:
-        return backbone.prefill_base_s + backbone.prefill_s_per_token * prompt_tokens
+    def prefill_pass_s(self, backbone: BackboneSpec, prompt_tokens: list[int]) -> float:
+        tokens = len(prompt_tokens) * max(prompt_tokens) if self.cluster.prefill_padded else sum(prompt_tokens)
+        return backbone.prefill_base_s + backbone.prefill_s_per_token * tokens
 
     def decode_step_s(self, backbone: BackboneSpec, batch_size: int) -> float:
         return backbone.decode_step_s + backbone.decode_step_per_seq_s * (batch_size - 1)
@@ -40,7 +45,9 @@ class CostModel:
     def contention(self, num_running: int, background_threads: float = 0.0) -> float:
         cores = self.cluster.cores
         if cores is not None:
-            return max(1.0, (num_running + background_threads) / cores)
+            busy = num_running + background_threads
+            interference = 1.0 + self.cluster.core_interference * max(0.0, min(busy, cores) - 1.0)
+            return max(1.0, busy / cores) * interference
         return 1.0 + self.cluster.contention * max(0, num_running - 1)
 
     def kv_bytes(self, backbone: BackboneSpec, tokens: int) -> int:

@@ -33,38 +33,16 @@ from lorafaas.replay.sim.costmodel import CostModel
 from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState
 from lorafaas.replay.sim.views import ViewBuilder
+from lorafaas.replay.sim.worker import SimInstance, WorkerModel
 from lorafaas.replay.workload import Workload
-from lorafaas.scheduler import DeviceId, FunctionName, Scheduler, SchedulerConfig, may_scale_out
-
-
-@dataclass
-class ActiveRequest:
-    """One request decoding in an instance: it leaves the instance (and frees its slot) when its own output ends,
-    as the node agent releases each request; `batch` counts the unfinished requests of the batch it came in."""
-
-    index: int
-    kv_bytes: int
-    end_s: float
-    batch: list[int]
-    token: int = 0  # bumped when a stall moves its completion (older events are ignored)
-
-
-@dataclass(eq=False)  # identity: instances live in sets and lists
-class SimInstance:
-    instance_id: str
-    function: FunctionName
-    device: DeviceState
-    ready_at_s: float
-    cold_start_s: float
-    overhead_bytes: int
-    running: int = 0  # batches with a request still decoding
-    last_used_s: float = 0.0
-    expire_token: int = 0
-    first_batch: bool = True
-    permanent: bool = False  # serverful servers
-    prefill_free_at_s: float = 0.0  # when the instance's worker has finished the prefills it was given
-    num_seqs: int = 0  # requests in it (prefilling or decoding): the agent's `in_flight`
-    active: list[ActiveRequest] = field(default_factory=list)
+from lorafaas.scheduler import (
+    DeviceId,
+    FunctionName,
+    Scheduler,
+    SchedulerConfig,
+    in_flight_limit,
+    may_scale_out,
+)
 
 
 @dataclass
@@ -131,6 +109,7 @@ class Simulator:
         }
         self.mem = MemoryState(devices, cluster.price, backbone_of, sizes)
         self.views = ViewBuilder(self, cluster, self.costs)
+        self.worker = WorkerModel(self)
         self.now = 0.0
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
@@ -154,7 +133,7 @@ class Simulator:
 
     # -- event loop ---------------------------------------------------------------------------------------------
 
-    def _background(self) -> float:
+    def background_threads_now(self) -> float:
         i = bisect.bisect_right(self.background_at_s, self.now) - 1
         return self.background_threads[i] if i >= 0 else 0.0
 
@@ -167,8 +146,12 @@ class Simulator:
             "done": self._on_done,
             "expire": self._on_expire,
             "plan": self._on_plan,
+            "prefill": self.worker.on_prefill,  # type: ignore[dict-item]
+            "background": lambda _: [self.worker.retime(d) for d in self.mem.devices],
             "observe": lambda p: self.scheduler.observe_prefill(*p),  # type: ignore[misc]
         }
+        for at_s in self.background_at_s:  # the cores' share moves: decoding goes on at the new rate
+            self.push(at_s, "background")
         if self.policy.serverful:
             self._start_servers()
         elif self.policy.preloading:
@@ -255,6 +238,10 @@ class Simulator:
         self._recheck(name, fs, recheck)
         return 0
 
+    def dispatch(self, name: FunctionName) -> None:
+        """Release what `name`'s queue can send now (the agent's dispatcher)."""
+        self._pump(name)
+
     def _pump(self, name: FunctionName) -> None:
         fs = self.fns[name]
         fs.blocked = False
@@ -266,16 +253,18 @@ class Simulator:
             size = self._batch_size(name, fs)
             if size == 0:
                 return
-            instance = self._free_instance(name, fs)
+            instance, room = self._free_instance(name, fs), 0
             if instance is None:
                 instance = self._start_instance(name, fs, size)
-                if instance is None:  # no device can take it now (or the function is at its maximum): wait
-                    fs.blocked = True
-                    self.blocked[name] = None
-                    return
-                if self.policy.agent_admission:
+                if instance is not None and self.policy.agent_admission:
                     fs.dispatch_free_at_s = instance.ready_at_s
-            size = min(size, self._room(name, fs, instance))
+            if instance is None and self.policy.agent_admission:  # none can start: join a running batch
+                instance, room = self._joinable_instance(name, fs)
+            if instance is None:  # no device can take it now (or the function is at its maximum): wait
+                fs.blocked = True
+                self.blocked[name] = None
+                return
+            size = min(size, room or self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
             self._run_batch(instance, batch)
 
@@ -291,21 +280,29 @@ class Simulator:
         return len(fs.queue) if inst.running < self.concurrency else 0  # the batching already sized the batch
 
     def _free_instance(self, name: FunctionName, fs: FunctionState) -> SimInstance | None:
-        best, best_key = None, None
-        for inst in fs.instances:
-            if self._room(name, fs, inst) > 0:
-                key = (inst.num_seqs, inst.ready_at_s)
-                if best_key is None or key < best_key:
-                    best, best_key = inst, key
-        return best
+        return self._least_loaded([inst for inst in fs.instances if self._room(name, fs, inst) > 0])
+
+    def _joinable_instance(self, name: FunctionName, fs: FunctionState) -> tuple[SimInstance | None, int]:
+        """As the agent when every instance holds B and none can start: a ready instance whose worker has room
+        (`in_flight_limit`), and how many it may take."""
+        adaptive = self.policy.batching == "adaptive"
+        cap = self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size if adaptive else 0
+        limit = min(in_flight_limit(cap, self.cluster.max_batch_size, False, adaptive), self.cluster.max_batch_size)
+        ready = [inst for inst in fs.instances if inst.ready_at_s <= self.now + 1e-9 and inst.num_seqs < limit]
+        best = self._least_loaded(ready)
+        return best, (limit - best.num_seqs if best is not None else 0)
+
+    @staticmethod
+    def _least_loaded(instances: list[SimInstance]) -> SimInstance | None:
+        return min(instances, key=lambda inst: (inst.num_seqs, inst.ready_at_s), default=None)
 
     # -- batches ------------------------------------------------------------------------------------------------
 
     def _run_batch(self, inst: SimInstance, batch: list[int]) -> None:
+        """Send `batch` to `inst`'s worker: it holds the requests' memory from now and prefills them in its next
+        pass (`_schedule_pass`)."""
         fs = self.fns[inst.function]
         backbone = self.costs.backbone(fs.spec)
-        # one worker loop per instance: a batch's prefill waits for the instance's earlier prefills
-        start = max(self.now, inst.ready_at_s, inst.prefill_free_at_s)
         device = inst.device
         reqs = [self.workload.requests[i] for i in batch]
         inst.num_seqs += len(reqs)
@@ -322,76 +319,21 @@ class Simulator:
         running[inst.function] = running.get(inst.function, 0) + 1
         device.active_overhead += kv
         self.mem.bill(device, self.now)
-        slow = self.costs.contention(device.num_running, self._background())
-        if self.cluster.prefill_batched:  # one forward pass over the batch
-            firsts = [self.costs.prefill_s(backbone, sum(r.prompt_tokens for r in reqs)) * slow] * len(reqs)
-        else:  # each request prefilled alone, one after the other (the CPU runtime)
-            firsts = list(itertools.accumulate(self.costs.prefill_s(backbone, r.prompt_tokens) * slow for r in reqs))
-        prefill = firsts[-1]
-        inst.prefill_free_at_s = start + prefill
-        # decode steps run over every sequence the instance holds (continuous batching)
-        step = self.costs.decode_step_s(backbone, inst.num_seqs) * slow
-        first_token = start + prefill
-        cold = inst.first_batch and inst.cold_start_s > 0
-        for i, r, first in zip(batch, reqs, firsts, strict=True):
-            res = self.results[i]
-            res.sent_s = self.now
-            res.ttft_s = start + first - r.arrival_s
-            res.e2e_s = first_token + step * (r.output_tokens - 1) - r.arrival_s
-            res.completion_tokens = r.output_tokens
-            res.usage_prompt_tokens = r.prompt_tokens
-            res.cold = cold
-            res.cold_start_s = inst.cold_start_s if cold else None
-        inst.first_batch = False
-        slo = fs.spec.slo_ttft_s
-        # the agent learns a prefill when its first token arrives (not when it is dispatched)
-        if self.cluster.prefill_batched:
-            self.push(start + prefill, "observe", (inst.function, slo, len(reqs), prefill))
-        else:  # as the agent: each request's own (worker-measured) prefill x the size of the batch it came in
-            for first, before in zip(firsts, [0.0, *firsts[:-1]], strict=True):
-                self.push(start + first, "observe", (inst.function, slo, len(reqs), (first - before) * len(reqs)))
-        self._stall(inst, start, prefill)
         group = [len(batch)]
-        for i, r in zip(batch, reqs, strict=True):
-            record = ActiveRequest(i, self.costs.kv_bytes(backbone, r.prompt_tokens + r.output_tokens),
-                                   r.arrival_s + self.results[i].e2e_s, group)  # fmt: skip
-            inst.active.append(record)
-            self.push(record.end_s, "done", (inst, record, record.token))
-
-    def _stall(self, inst: SimInstance, start_s: float, prefill_s: float) -> None:
-        """The worker decodes nothing while it prefills: sequences of the instance still decoding at `start_s`
-        finish `prefill_s` later (their completion events move)."""
-        for record in inst.active:
-            if record.end_s <= start_s:
-                continue
-            self.results[record.index].e2e_s += prefill_s  # type: ignore[operator]
-            record.end_s += prefill_s
-            record.token += 1
-            self.push(record.end_s, "done", (inst, record, record.token))
+        for i in batch:
+            self.results[i].sent_s = self.now
+            inst.waiting.append((i, group))
+        self.worker.schedule_pass(inst)
+        self.worker.retime(device)
 
     def _on_done(self, payload: object) -> None:
-        inst, record, token = payload  # type: ignore[misc]
-        if token != record.token:
-            return  # moved by a stall
-        inst.active.remove(record)
-        kv = record.kv_bytes
-        device = inst.device
-        self.mem.bill(device, self.now)
-        inst.num_seqs -= 1
-        inst.last_used_s = self.now
-        device.used_bytes -= kv
-        device.active_overhead -= kv
-        record.batch[0] -= 1
-        if record.batch[0] == 0:  # the last request of its batch
-            inst.running -= 1
-            if inst.running == 0:
-                device.num_running -= 1
-            running = self.mem.running_functions[device.device_id]
-            running[inst.function] -= 1
-            if running[inst.function] == 0:
-                del running[inst.function]
-                device.active_overhead -= inst.overhead_bytes
-        self.mem.bill(device, self.now)
+        inst: SimInstance = payload[0]  # type: ignore[index]
+        finished = self.worker.on_done(payload)
+        for row in finished:
+            self._release(inst, row.kv_bytes, row.batch)
+        if not finished:
+            return
+        self.worker.retime(inst.device)
         fs = self.fns[inst.function]
         if fs.queue:
             self._pump(inst.function)
@@ -406,6 +348,26 @@ class Simulator:
             )
             self.push(self.now + window, "expire", (inst, inst.expire_token))
         self._retry_blocked()
+
+    def _release(self, inst: SimInstance, kv: int, batch: list[int]) -> None:
+        """A request is over: its memory and slot are free; the last of its batch ends the batch."""
+        device = inst.device
+        self.mem.bill(device, self.now)
+        inst.num_seqs -= 1
+        inst.last_used_s = self.now
+        device.used_bytes -= kv
+        device.active_overhead -= kv
+        batch[0] -= 1
+        if batch[0] == 0:  # the last request of its batch
+            inst.running -= 1
+            if inst.running == 0:
+                device.num_running -= 1
+            running = self.mem.running_functions[device.device_id]
+            running[inst.function] -= 1
+            if running[inst.function] == 0:
+                del running[inst.function]
+                device.active_overhead -= inst.overhead_bytes
+        self.mem.bill(device, self.now)
 
     def _retry_blocked(self) -> None:
         """Waiting functions in the order they blocked; stop at the first that still cannot start (memory freed by
@@ -462,7 +424,7 @@ class Simulator:
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
         if self.cluster.device_kind == "cpu":  # starting a process is CPU work: it shares the cores with the running
-            slow = self.costs.contention(device.num_running + 1, self._background())
+            slow = self.costs.contention(device.num_running + 1, self.background_threads_now())
             breakdown = {stage: seconds * slow for stage, seconds in breakdown.items()}
         cold_s = sum(breakdown.values())
         breakdown["total"] = cold_s

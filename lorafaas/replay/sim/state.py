@@ -32,6 +32,7 @@ class DeviceState:
     cost: float = 0.0
     active_overhead: int = 0  # used_bytes of instances running a batch (KV included)
     instances: set = field(default_factory=set)  # the simulator's instances on this device
+    decoding: dict = field(default_factory=dict)  # its instances with requests decoding, in the order they began
     artifact_bytes: int = 0  # bytes of `resident`, a shared backbone copy once (kept as residencies come and go)
     backbone_refs: dict[str, int] = field(default_factory=dict)  # backbone name -> residencies of it here
 

@@ -307,7 +307,7 @@ class ViewBuilder:
         slot = self.slot_of_function(f)
         now = sim.now
         mem.bill(device, now)
-        out: dict[str, float] = {}
+        out: dict[str, float] = {"spawn": load.spawn_s}
         libs = self._remaining(mem.find(f, "libraries", "host"))
         out["libraries"] = load.libraries_s if libs is None else libs
         if libs is None:

@@ -4,16 +4,14 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from lorafaas.replay.calibrate import cluster_yaml, derive
+from lorafaas.replay.calibrate import cluster_yaml, fit_decode, fit_interference, fit_passes
 from lorafaas.replay.compare import compare, live_workload, main
 from lorafaas.replay.cpuload import background_series, machine_runnable
 from lorafaas.replay.report import write_report
 from lorafaas.replay.results import RequestResult
 from lorafaas.replay.sim.cluster import parse_cluster
-
-SHIPPED = yaml.safe_load((Path(__file__).resolve().parents[3] / "lorafaas/replay/clusters/local.yaml").read_text())
+from lorafaas.replay.sim.costmodel import CostModel
 
 
 def _live_run(out: Path, mode: str = "live") -> None:
@@ -22,7 +20,8 @@ def _live_run(out: Path, mode: str = "live") -> None:
         [(0.0, "pirate", 5), (1.0, "haiku", 3), (2.0, "pirate", 8), (3.0, "french", 4)]
     ):
         r = RequestResult(
-            i, fn, "llm", t, 64, 16, sent_s=t, ttft_s=0.5 + 0.1 * i, e2e_s=2.0 + i, completion_tokens=tokens
+            i, fn, "llm", t, 64, 16, sent_s=t, ttft_s=0.5 + 0.1 * i, e2e_s=2.0 + i, completion_tokens=tokens,
+            usage_prompt_tokens=90 if i == 0 else None,
         )
         rows.append(r)
     rows.append(RequestResult(4, "pirate", "llm", 3.5, 64, 16, error="HTTP 500"))  # failed live: left out of both
@@ -32,8 +31,9 @@ def _live_run(out: Path, mode: str = "live") -> None:
 def test_the_live_workload_is_what_was_served(tmp_path: Path) -> None:
     _live_run(tmp_path)
     work, live = live_workload(tmp_path / "results.json")
+    # prompts as served (the usage's count, chat template included) where the usage came; outputs as produced
     assert [(r.arrival_s, r.function, r.prompt_tokens, r.output_tokens) for r in work.requests] == [
-        (0.0, "pirate", 64, 5), (1.0, "haiku", 64, 3), (2.0, "pirate", 64, 8), (3.0, "french", 64, 4)
+        (0.0, "pirate", 90, 5), (1.0, "haiku", 64, 3), (2.0, "pirate", 64, 8), (3.0, "french", 64, 4)
     ]  # fmt: skip
     assert work.duration_s == 10.0 and len(live) == 4
 
@@ -57,25 +57,23 @@ def test_compare_refuses_what_is_not_a_live_run(tmp_path: Path, capsys) -> None:
     assert "not a live replay's results.json" in capsys.readouterr().err
 
 
-def test_calibration_from_bench_figures() -> None:
-    # one instance: a 1-token request takes 0.4 s (its prefill); 33 tokens one at a time at 6.6 tokens/s = 5 s each,
-    # so 32 decode steps of (5 - 0.4) / 32 = 0.14375 s; all 8 at once at 20 tokens/s = 13.2 s = 8 x 0.4 + 32 x 0.3125
-    # two instances at once: each 5.5 tokens/s (slowdown 1.2); four: 3.3 (slowdown 2.0) -> c = (0.2 + 3) / (1 + 9)
-    results = {(1, 1): [{"tokens_per_s_at_1": 2.5}], (33, 1): [{"tokens_per_s_at_1": 6.6, "tokens_per_s_at_n": 20.0}],
-               (33, 2): [{"tokens_per_s_at_1": 5.5}] * 2, (33, 4): [{"tokens_per_s_at_1": 3.3}] * 4}  # fmt: skip
-    measured = derive(results, (2, 4), json.loads(json.dumps(SHIPPED)))
-    assert measured["decode_step_1_s"] == pytest.approx(0.14375)
-    assert measured["decode_step_8_s"] == pytest.approx(0.3125)
-    assert measured["slowdowns"] == pytest.approx({2: 1.2, 4: 2.0})
-    assert measured["contention"] == pytest.approx(0.32)
+def test_calibration_fits_the_worker_model() -> None:
+    # passes of b prompts padded to w tokens: 30 ms + 4 ms x b x w; steps 60 ms + 8 ms per extra row; k one-thread
+    # processes on 2 cores: 1.2x at 2, 1.8x at 3, 2.4x at 4 -> the cores' share x (1 + 0.2)
+    passes = [(b, w, 0.030 + 0.004 * b * w) for b in (1, 2, 4, 8) for w in (40, 90, 160)]
+    assert fit_passes(passes) == pytest.approx((0.030, 0.004))
+    assert fit_decode({1: 0.060, 4: 0.084, 8: 0.116}) == pytest.approx((0.060, 0.008))
+    assert fit_interference({2: 1.2, 3: 1.8, 4: 2.4}, cores=2.0) == pytest.approx(0.2)
+    assert fit_interference({2: 0.9}, cores=2.0) == 0.0  # never a speed-up
+    measured = {"prefill_base_s": 0.030, "prefill_s_per_token": 0.004, "decode_step_s": 0.060,
+                "decode_step_per_seq_s": 0.008, "core_interference": 0.2}  # fmt: skip
     data = cluster_yaml(measured)
-    backbone = data["backbones"]["smollm2-135m"]
-    assert backbone["decode_ms_per_step"] == pytest.approx(143.8)
-    assert backbone["decode_ms_per_extra_seq"] == pytest.approx((312.5 - 143.75) / 7, abs=0.01)
-    ratio = measured["prefill_ratio"]
-    assert backbone["prefill_base_ms"] == pytest.approx(SHIPPED["backbones"]["smollm2-135m"]["prefill_base_ms"] * ratio,
-                                                        abs=0.1)  # fmt: skip
-    assert parse_cluster(data, "calibrated").contention == pytest.approx(0.32)
+    cluster = parse_cluster(data, "calibrated")
+    backbone = cluster.backbones["smollm2-135m"]
+    assert (backbone.prefill_base_s, backbone.prefill_s_per_token) == pytest.approx((0.030, 0.004))
+    assert (backbone.decode_step_s, backbone.decode_step_per_seq_s) == pytest.approx((0.060, 0.008))
+    assert cluster.core_interference == pytest.approx(0.2) and cluster.prefill_padded
+    assert CostModel(cluster).contention(3) == pytest.approx(1.5 * 1.2)
 
 
 def test_cpu_load_background_is_what_runs_besides_the_workers(tmp_path: Path) -> None:

@@ -1,0 +1,150 @@
+"""One instance's worker as the simulator models it: prefill passes and continuous decoding at a rate that follows the
+device's load.
+
+The lorafaas worker (`lorafaas/function_runtime/engine.py`) loops while it has work: one decode step over its running
+sequences (one token each), then one prefill pass over every request that arrived meanwhile, which then decode with
+the others. Here a pass is an event that takes the instance's waiting requests together (their first tokens come
+when it ends, `CostModel.prefill_pass_s`), and decoding is a step counter that advances at 1 / step_s, paused while
+the instance prefills. step_s is the step at the current number of rows times the device's contention now, so it is
+recomputed (`retime`) whenever either moves: a request joining or leaving, an instance of the device starting or
+ending a batch, the background load changing. A request finishes when the counter reaches the step its last token
+needs; its slot is released then, as the node agent releases each request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lorafaas.replay.sim.state import DeviceState
+from lorafaas.scheduler import FunctionName
+
+if TYPE_CHECKING:
+    from lorafaas.replay.sim.engine import Simulator
+
+STEP_EPSILON = 1e-6  # decode steps: rounding of the counter when an event lands on a row's last step
+
+
+@dataclass
+class DecodeRow:
+    """A request decoding in an instance; `batch` counts the unfinished requests of the batch it was dispatched in
+    (shared by them)."""
+
+    index: int
+    kv_bytes: int
+    finish_step: float  # the instance's step count at which its last token comes
+    batch: list[int]
+
+
+@dataclass(eq=False)  # identity: instances live in sets and lists
+class SimInstance:
+    instance_id: str
+    function: FunctionName
+    device: DeviceState
+    ready_at_s: float
+    cold_start_s: float
+    overhead_bytes: int
+    running: int = 0  # batches with a request not yet finished
+    last_used_s: float = 0.0
+    expire_token: int = 0
+    first_batch: bool = True
+    permanent: bool = False  # serverful servers
+    num_seqs: int = 0  # requests in it (waiting, prefilling or decoding): the agent's `in_flight`
+    waiting: list[tuple[int, list[int]]] = field(default_factory=list)  # sent, not yet prefilled: (request, batch)
+    pass_at_s: float | None = None  # the next prefill pass, when one is scheduled
+    prefill_free_at_s: float = 0.0  # when the last prefill pass ends (decoding is paused until then)
+    rows: list[DecodeRow] = field(default_factory=list)  # decoding
+    steps: float = 0.0  # decode steps done
+    step_s: float = 0.0  # one decode step now
+    updated_s: float = 0.0  # `steps` is as of this time
+    done_token: int = 0  # the current completion event (older ones are ignored)
+
+
+class WorkerModel:
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def schedule_pass(self, inst: SimInstance) -> None:
+        """Requests sent before a pass starts join it. The first pass is when the instance is ready; while it
+        decodes, a pass waits for the step under way (half a step on average), and the pass after a pass waits for
+        the one decode step between them."""
+        sim = self.sim
+        if inst.pass_at_s is not None or not inst.waiting:
+            return
+        step = inst.step_s if inst.rows else 0.0
+        if inst.ready_at_s > sim.now:
+            start = inst.ready_at_s
+        elif inst.prefill_free_at_s > sim.now:
+            start = inst.prefill_free_at_s + step
+        else:
+            start = sim.now + step / 2
+        inst.pass_at_s = start
+        sim.push(start, "prefill", inst)
+
+    def on_prefill(self, inst: SimInstance) -> None:
+        """A pass over the instance's waiting requests: first tokens when it ends, then they decode with the rest."""
+        sim = self.sim
+        fs = sim.fns[inst.function]
+        if fs.queue:  # a dispatcher released at this moment (the instance ready) sends before the worker's pass
+            sim.dispatch(inst.function)
+        inst.pass_at_s = None
+        taken, inst.waiting = inst.waiting, []
+        backbone = sim.costs.backbone(fs.spec)
+        reqs = [sim.workload.requests[i] for i, _ in taken]
+        slow = sim.costs.contention(inst.device.num_running, sim.background_threads_now())
+        pass_s = sim.costs.prefill_pass_s(backbone, [r.prompt_tokens for r in reqs]) * slow
+        self._advance(inst)
+        end = sim.now + pass_s
+        inst.prefill_free_at_s = end
+        cold = inst.first_batch and inst.cold_start_s > 0
+        inst.first_batch = False
+        for (i, batch), r in zip(taken, reqs, strict=True):
+            res = sim.results[i]
+            res.ttft_s = end + sim.cluster.request_overhead_s - r.arrival_s
+            res.completion_tokens = r.output_tokens
+            res.usage_prompt_tokens = r.prompt_tokens
+            res.cold = cold
+            res.cold_start_s = inst.cold_start_s if cold else None
+            kv = sim.costs.kv_bytes(backbone, r.prompt_tokens + r.output_tokens)
+            inst.rows.append(DecodeRow(i, kv, inst.steps + r.output_tokens - 1, batch))
+        inst.device.decoding[inst] = None
+        # the agent learns the pass (its forward time and size) when the first tokens arrive
+        sim.push(end, "observe", (inst.function, fs.spec.slo_ttft_s, len(taken), pass_s))
+        self.retime(inst.device)
+
+    def on_done(self, payload: object) -> list[DecodeRow]:
+        """The rows of the instance whose last token came now (none if the event is stale); removed from it."""
+        inst, token = payload  # type: ignore[misc]
+        if token != inst.done_token:
+            return []
+        self._advance(inst)
+        done = [r for r in inst.rows if r.finish_step <= inst.steps + STEP_EPSILON]
+        inst.rows = [r for r in inst.rows if r.finish_step > inst.steps + STEP_EPSILON]
+        if not inst.rows:
+            inst.device.decoding.pop(inst, None)
+        overhead = self.sim.cluster.request_overhead_s
+        for row in done:
+            res = self.sim.results[row.index]
+            res.e2e_s = max(self.sim.now + overhead - res.arrival_s, res.ttft_s or 0.0)
+        return done
+
+    def retime(self, device: DeviceState) -> None:
+        """The device's load moved: each decoding instance keeps the steps it made at the old rate and goes on at
+        the new one; its next completion event is rescheduled."""
+        sim = self.sim
+        slow = sim.costs.contention(device.num_running, sim.background_threads_now())
+        for inst in device.decoding:
+            self._advance(inst)
+            backbone = sim.costs.backbone(sim.fns[inst.function].spec)
+            inst.step_s = sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
+            inst.done_token += 1
+            left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
+            sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, "done", (inst, inst.done_token))
+
+    def _advance(self, inst: SimInstance) -> None:
+        """Count the decode steps made since the last update, at the step time of that interval, outside passes."""
+        now = self.sim.now
+        since = max(inst.updated_s, inst.prefill_free_at_s)
+        if inst.rows and now > since and inst.step_s > 0:
+            inst.steps += (now - since) / inst.step_s
+        inst.updated_s = max(inst.updated_s, now)

@@ -1,0 +1,73 @@
+"""The simulator's worker model against the lorafaas worker and node agent: requests waiting for a worker are
+prefilled in one padded pass, decoding goes at the rate the device's load allows as it changes, and a request joins a
+running batch when every instance holds B and none can start."""
+
+from dataclasses import replace
+
+import pytest
+
+from lorafaas.replay.sim.cluster import load_cluster
+from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.policies import POLICIES
+from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.workload import Request, Workload
+
+LOCAL = load_cluster("local")
+COSTS = CostModel(LOCAL)
+SMOL = LOCAL.backbones["smollm2-135m"]
+
+
+def _work(*items: tuple[float, str, int, int]) -> Workload:
+    reqs = tuple(Request(t, "t", fn, p, o) for t, fn, p, o in items)
+    return Workload(reqs, max(r.arrival_s for r in reqs) + 1)
+
+
+def _step(rows: int) -> float:
+    return COSTS.decode_step_s(SMOL, rows)
+
+
+def test_requests_waiting_for_a_worker_share_one_padded_pass() -> None:
+    # pirate warm from its first request; two arrive at once at 30 s (one pass, padded to 40 tokens), a third during
+    # that pass waits for it and for the one decode step of the two before the next pass
+    work = _work((0.0, "pirate", 10, 2), (30.0, "pirate", 10, 2), (30.0, "pirate", 40, 2), (30.1, "pirate", 10, 2))
+    out, _ = simulate(work, LOCAL, POLICIES["fixed-keep-alive"])
+    first, second, third = out.results[1:]
+    together = COSTS.prefill_pass_s(SMOL, [10, 40])
+    assert together == pytest.approx(SMOL.prefill_base_s + SMOL.prefill_s_per_token * 2 * 40)
+    assert first.ttft_s == second.ttft_s == pytest.approx(together + LOCAL.request_overhead_s)
+    alone = COSTS.prefill_pass_s(SMOL, [10])
+    assert third.ttft_s == pytest.approx(30.0 + together + _step(2) + alone + LOCAL.request_overhead_s - 30.1)
+    assert out.num_cold_starts == 1
+
+
+def test_decoding_slows_while_another_instance_of_the_device_runs() -> None:
+    # pirate decodes 40 steps from 30 s; haiku (warm) runs one short request from 31 s: two busy one-thread
+    # instances on two cores step 1 + core_interference times slower, only while both run
+    assert COSTS.contention(2) == pytest.approx(1 + LOCAL.core_interference) and LOCAL.core_interference > 0
+    warm = ((0.0, "pirate", 10, 2), (0.0, "haiku", 10, 2))
+    alone, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41)), LOCAL, POLICIES["fixed-keep-alive"])
+    shared, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41), (31.0, "haiku", 10, 2)), LOCAL,
+                         POLICIES["fixed-keep-alive"])  # fmt: skip
+    pass_s = COSTS.prefill_pass_s(SMOL, [10])
+    assert alone.results[2].e2e_s == pytest.approx(pass_s + 40 * _step(1) + LOCAL.request_overhead_s)
+    slow = COSTS.contention(2)
+    haiku = shared.results[3]
+    busy_s = (pass_s + _step(1)) * slow  # haiku's instance runs its pass and one step, both slowed
+    assert haiku.e2e_s == pytest.approx(busy_s + LOCAL.request_overhead_s)
+    # pirate made busy_s / slow steps' worth of progress in busy_s: it ends busy_s (1 - 1 / slow) later
+    assert shared.results[2].e2e_s - alone.results[2].e2e_s == pytest.approx(busy_s * (1 - 1 / slow))
+
+
+def test_a_request_joins_a_running_batch_when_no_instance_can_start() -> None:
+    # 300-token prompts: T(1) > the 1 s SLO, so B = 1; one instance at most: the second request does not wait for
+    # the first to finish (a whole generation) but joins its worker's batch (`in_flight_limit`), as the agent does
+    one = replace(LOCAL, max_instances_per_function=1)
+    work = _work((0.0, "pirate", 300, 2), (30.0, "pirate", 300, 30), (30.5, "pirate", 300, 2))
+    out, _ = simulate(work, one, POLICIES["fixed-keep-alive"])
+    long, joined = out.results[1], out.results[2]
+    assert COSTS.prefill_pass_s(SMOL, [300]) > LOCAL.default_slo_ttft_s
+    assert joined.sent_s == 30.5
+    assert 30.5 + joined.ttft_s < 30.0 + long.e2e_s - 1.0
+    # the fixed batch of one stays the hard limit it is: there the second waits for the first to end
+    fixed, _ = simulate(work, one, POLICIES["fixed-batch-1"])
+    assert fixed.results[2].sent_s == pytest.approx(30.0 + fixed.results[1].e2e_s - LOCAL.request_overhead_s)
