@@ -10,10 +10,10 @@ are not lorafaas (ServerlessLLM, InstaInfer, serverful) switch mechanisms off or
 placement, LRU eviction, fixed keep-alive, always-on servers); see `policies.py`.
 
 One request: arrival -> its function's queue -> a batch is dispatched (by the policy's batching) to an instance with
-room (or a new one: cold start = the sum of the delays of its artifacts not yet resident) -> prefill (TTFT) ->
-decode, every request leaving its instance after its own output tokens. Phases are slowed by contention with the
-instances busy on the same device (and, on a CPU, other programs' threads) when they start. Nothing here reads a
-clock or depends on set order: the same seed gives the same metrics in every process.
+room (or a new one: cold start = the sum of the delays of its artifacts not yet resident; or, when none can start,
+a running batch it may join) -> the instance's worker (`worker.py`): its next prefill pass (TTFT) -> decoding at
+the rate the device's load allows as it changes, every request leaving its instance after its own output tokens.
+Nothing here reads a clock or depends on set order: the same seed gives the same metrics in every process.
 """
 
 from __future__ import annotations
