@@ -33,7 +33,7 @@ from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend, InstanceRef
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler, SchedulerConfig, in_flight_limit, may_scale_out
+from lorafaas.scheduler import Scheduler, SchedulerConfig, in_flight_limit, may_scale_out, start_beats_joining
 
 log = logging.getLogger(__name__)
 MAX_FAILURES_KEPT = 20  # per function, for describe
@@ -237,7 +237,8 @@ class NodeAgent:
     async def _acquire(self, spec: FunctionSpec, cap: int) -> Instance | None:
         """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
         if the function may grow, else one with room in its worker's batch (`in_flight_limit`); None when all are
-        full."""
+        full. A start expected to outlast the SLO (its last one did) gives way to a running batch with room
+        (`start_beats_joining`)."""
         pool = self.instances.setdefault(spec.name, [])
         # A ready instance whose connection dropped died a moment ago (its watcher has not run yet): not a choice.
         current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")
@@ -245,11 +246,13 @@ class NodeAgent:
         free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
         if free:
             return self._least_loaded(free)
-        if len(current) < spec.max_instances and may_scale_out(len(current), self._busy_instances(),
-                                                               self.compute_slots):
-            return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
         limit = in_flight_limit(cap, self.config.max_batch_size, False, self.config.scheduler.adaptive_batching)
         joinable = [i for i in current if i.state == "ready" and i.in_flight < min(limit, self.config.max_batch_size)]
+        if (len(current) < spec.max_instances
+                and may_scale_out(len(current), self._busy_instances(), self.compute_slots)
+                and (not joinable or start_beats_joining(self.last_cold_start.get(spec.name, {}).get("total"),
+                                                         spec.slo_ttft_ms / 1e3))):
+            return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
         if joinable:
             return self._least_loaded(joinable)
         starting = [i for i in current if i.state == "starting"]

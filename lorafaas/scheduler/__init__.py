@@ -35,7 +35,7 @@ from lorafaas.scheduler.messages import (
     WorkerSlot,
 )
 from lorafaas.scheduler.offload import OffloadDecision, batch_memory_bytes, plan_offload
-from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy, may_scale_out
+from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy, may_scale_out, start_beats_joining
 from lorafaas.scheduler.preload import PreloadPlan, PreloadPlanner, plan_difference
 from lorafaas.scheduler.rates import RateTracker
 from lorafaas.scheduler.scheduler import Scheduler
@@ -79,4 +79,5 @@ __all__ = [
     "order_batches",
     "plan_difference",
     "plan_offload",
+    "start_beats_joining",
 ]

@@ -119,6 +119,20 @@ def may_scale_out(num_instances: int, busy_on_device: int, compute_slots: int) -
     return num_instances == 0 or busy_on_device < compute_slots
 
 
+def start_beats_joining(start_s: float | None, slo_ttft_s: float) -> bool:
+    """Whether a function whose instances are all full should start another rather than let the request join a
+    running batch that still has room in its worker (`in_flight_limit`).
+
+    A start that alone outlasts the TTFT SLO (a backbone to load onto the device, say, rather than a 50 ms bind to the
+    copy already there) serves its first requests later than a running batch would: they join it instead, and the
+    instance starts only when no running batch has room. `start_s` is the expected start (None: not known yet, so
+    the start is tried).
+    """
+    if not slo_ttft_s > 0:
+        raise ValueError(f"slo_ttft_s is {slo_ttft_s}; must be > 0")
+    return start_s is None or start_s <= slo_ttft_s
+
+
 def _device_memory(view: ClusterView) -> tuple[dict[DeviceId, int], dict[DeviceId, set[str]]]:
     """Free bytes per device (capacity - used - resident artifacts, a backbone once) and the backbones on each."""
     free = {d.device_id: d.capacity_bytes - d.used_bytes for d in view.devices}

@@ -1,9 +1,12 @@
-"""The scheduler acting on a live platform: a burst that does not fit the device budget offloads idle functions."""
+"""The scheduler acting on a live platform: a burst that does not fit the device budget offloads idle functions; a
+burst joins a running batch rather than wait for a start slower than its SLO."""
 
 import asyncio
+import os
 import time
 
 import httpx
+import pytest
 
 from lorafaas.platform.agent_scheduler import INSTANCE_OVERHEAD_BYTES
 from lorafaas.platform.model_store import ModelStore
@@ -65,3 +68,32 @@ def test_a_burst_offloads_idle_functions_artifacts_and_is_served(tmp_path, tiny_
                 time.sleep(0.1)
         # an offloaded function still answers: it loads again on demand
         assert admin.invoke("idle-a", chat("back again", 4))["usage"]["completion_tokens"] >= 1
+
+
+def test_a_start_slower_than_the_slo_gives_way_to_a_running_batch(tmp_path, tiny_dense_dir) -> None:
+    """A TTFT SLO of 1 ms: every start outlasts it (its last one took ~0.1 s), so a burst joins the running instance
+    (`start_beats_joining`) instead of starting a second one, though the function may have two and the device has a
+    compute slot free."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores: with one, no second instance may start anyway (may_scale_out)")
+    store = ModelStore(tmp_path / "models")
+    store.import_dir("tiny-dense", tiny_dense_dir)
+    adapter = save_tiny_adapter(tmp_path / "a", tiny_dense_dir, base_model_name="tiny-dense")
+    with PlatformProcess(tmp_path) as platform, platform.client() as admin:
+        admin.deploy({"name": "strict", "backbone": "tiny-dense", "slo_ttft_ms": 1, "max_instances": 2}, adapter)
+        admin.invoke("strict", chat("warm up", 4))
+        assert admin.describe("strict")["last_cold_start"]["total"] > 0.001
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=platform.url, timeout=120,
+                                         headers={"Authorization": f"Bearer {platform.admin_key}"}) as http:
+                return await asyncio.gather(*(
+                    http.post("/v1/functions/strict/invoke", json=chat(f"Burst request {i}", 100)) for i in range(4)
+                ))
+
+        replies = asyncio.run(burst())
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        described = admin.describe("strict")
+        assert sum(described["cold_starts"].values()) == 1, described["cold_starts"]
+        assert len(described["instances"]) == 1
+        assert described["batching"]["most_in_flight"] >= 2  # the burst joined the one instance's batch

@@ -42,6 +42,7 @@ from lorafaas.scheduler import (
     SchedulerConfig,
     in_flight_limit,
     may_scale_out,
+    start_beats_joining,
 )
 
 
@@ -404,6 +405,9 @@ class Simulator:
             allowed = {
                 d for d in self.mem.devices if may_scale_out(len(fs.instances), self._busy(d), self.compute_slots)
             }
+            if allowed and self._joinable_instance(name, fs)[0] is not None:  # and where it starts within the SLO
+                allowed = {d for d in allowed if start_beats_joining(sum(self.views.start_delays(name, d).values()),
+                                                                     fs.spec.slo_ttft_s)}  # fmt: skip
             if not allowed:
                 return None  # before any view is built: a saturated cluster makes this the common case
         candidates = self.views.candidate_devices(name)

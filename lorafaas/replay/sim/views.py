@@ -299,41 +299,54 @@ class ViewBuilder:
             return None
         return max(0.0, self.mem.available_at.get(r, 0.0) - self.sim.now)
 
-    def load_artifacts(self, f: FunctionName, device: DeviceState) -> dict[str, float]:
-        """A cold start of `f` on `device`: per stage, the delay of loading what is not resident; the artifacts
-        become resident (libraries in the function's slot, the rest on the device)."""
+    def start_delays(self, f: FunctionName, device: DeviceState) -> dict[str, float]:
+        """Per stage, what a start of `f` on `device` would wait for now: `spawn_s`, and the loading of what is not
+        resident (or the rest of what is still loading). Changes nothing."""
         mem, sim, load = self.mem, self.sim, self.cluster.loading
         spec = sim.fns[f].spec
-        slot = self.slot_of_function(f)
-        now = sim.now
-        mem.bill(device, now)
         out: dict[str, float] = {"spawn": load.spawn_s}
         libs = self._remaining(mem.find(f, "libraries", "host"))
         out["libraries"] = load.libraries_s if libs is None else libs
-        if libs is None:
-            mem.add(Residency(f, "libraries", "host", None, slot), now)
+        cached = spec.backbone in sim.host_cache[device.node]
         for kind in ("backbone", "adapter"):
             mine = self._remaining(mem.find(f, kind, "device", device.device_id))
             if mine is not None:
                 out[kind] = mine
+            elif sim.policy.loader == "fast":
+                out[kind] = self.costs.fast_backbone_load_s(self.costs.device_bytes(kind, spec), cached)
+                cached = True  # the backbone's load goes through the node's host cache
+            else:
+                out[kind] = self._device_load_s(f, kind, device)
+        warm = self._remaining(mem.find(f, "warmup", "device", device.device_id))
+        out["warmup"] = load.warmup_s if warm is None else warm
+        return out
+
+    def load_artifacts(self, f: FunctionName, device: DeviceState) -> dict[str, float]:
+        """A cold start of `f` on `device`: per stage, the delay of loading what is not resident (`start_delays`);
+        the artifacts become resident (libraries in the function's slot, the rest on the device)."""
+        mem, sim = self.mem, self.sim
+        spec = sim.fns[f].spec
+        slot = self.slot_of_function(f)
+        now = sim.now
+        mem.bill(device, now)
+        out = self.start_delays(f, device)
+        if mem.find(f, "libraries", "host") is None:
+            mem.add(Residency(f, "libraries", "host", None, slot), now)
+        for kind in ("backbone", "adapter"):
+            if mem.find(f, kind, "device", device.device_id) is not None:
                 continue
             if sim.policy.loader == "fast":
-                size = self.costs.device_bytes(kind, spec)
-                cache = sim.host_cache[device.node]
-                out[kind] = self.costs.fast_backbone_load_s(size, spec.backbone in cache)
                 if kind == "backbone":
+                    cache = sim.host_cache[device.node]
                     cache.pop(spec.backbone, None)
                     cache[spec.backbone] = None
                     self._trim_cache(device.node)
             else:
-                out[kind] = self._device_load_s(f, kind, device)
                 host = mem.find(f, kind, "host")
                 if host is not None:
                     mem.remove(host)
             mem.add(Residency(f, kind, "device", device.device_id, slot), now)
-        warm = self._remaining(mem.find(f, "warmup", "device", device.device_id))
-        out["warmup"] = load.warmup_s if warm is None else warm
-        if warm is None:
+        if mem.find(f, "warmup", "device", device.device_id) is None:
             mem.add(Residency(f, "warmup", "device", device.device_id, slot), now)
         mem.bill(device, now)
         return out

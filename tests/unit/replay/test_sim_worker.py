@@ -71,3 +71,21 @@ def test_a_request_joins_a_running_batch_when_no_instance_can_start() -> None:
     # the fixed batch of one stays the hard limit it is: there the second waits for the first to end
     fixed, _ = simulate(work, one, POLICIES["fixed-batch-1"])
     assert fixed.results[2].sent_s == pytest.approx(30.0 + fixed.results[1].e2e_s - LOCAL.request_overhead_s)
+
+
+def test_a_scale_out_slower_than_the_slo_gives_way_to_a_running_batch() -> None:
+    # two GPUs of the paper cluster, no pre-loading: f's instance on one holds B = 1 (a 16k-token prefill outlasts the
+    # 1.5 s SLO) and its GPU is busy (one compute slot); a start on the other GPU would load the 13.5 GB backbone
+    # (9 s), so the third request joins the running batch; with no room in that worker (batches of 1) it starts there
+    paper = load_cluster("paper")
+    two_gpus = replace(paper, num_nodes=1, devices_per_node=2)
+    name = "llama2-7b-a"
+    assert paper.functions[name].backbone == "llama2-7b"
+    work = _work((0.0, name, 16_000, 2), (60.0, name, 16_000, 400), (61.0, name, 16_000, 2))
+    out, _ = simulate(work, two_gpus, POLICIES["no-preload"])
+    assert out.num_cold_starts == 1
+    assert out.results[2].sent_s == 61.0 and not out.results[2].cold
+    assert out.results[2].ttft_s < out.results[1].e2e_s - 1.0  # long before the running request ends
+    full, _ = simulate(work, replace(two_gpus, max_batch_size=1), POLICIES["no-preload"])
+    assert full.num_cold_starts == 2 and full.results[2].cold
+    assert full.results[2].cold_start_s > two_gpus.backbones["llama2-7b"].size_bytes / two_gpus.loading.disk_bytes_per_s

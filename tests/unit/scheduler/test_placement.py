@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from scheduler_builders import fn, res, view
 
-from lorafaas.scheduler import InstanceView, PlacementPolicy, SchedulerConfig, may_scale_out
+from lorafaas.scheduler import InstanceView, PlacementPolicy, SchedulerConfig, may_scale_out, start_beats_joining
 
 READY = frozenset({"libraries", "backbone", "adapter"})
 DEVICES = [("d0", 100, 0), ("d1", 100, 0), ("d2", 100, 0)]
@@ -91,3 +91,12 @@ def test_scale_out_only_while_the_device_has_compute_to_spare() -> None:
 def test_scale_out_needs_at_least_one_compute_slot() -> None:
     with pytest.raises(ValueError, match="compute_slots"):
         may_scale_out(1, 0, 0)
+
+
+def test_a_start_slower_than_the_slo_gives_way_to_a_running_batch() -> None:
+    assert start_beats_joining(0.05, slo_ttft_s=1.5)  # a bind to the backbone already on the device
+    assert start_beats_joining(1.5, slo_ttft_s=1.5)
+    assert not start_beats_joining(9.0, slo_ttft_s=1.5)  # a 13.5 GB backbone from disk
+    assert start_beats_joining(None, slo_ttft_s=0.001)  # not known yet: tried
+    with pytest.raises(ValueError, match="slo_ttft_s"):
+        start_beats_joining(0.1, 0.0)
