@@ -301,7 +301,7 @@ class Simulator:
 
     def _run_batch(self, inst: SimInstance, batch: list[int]) -> None:
         """Send `batch` to `inst`'s worker: it holds the requests' memory from now and prefills them in its next
-        pass (`_schedule_pass`)."""
+        pass (`WorkerModel.schedule_pass`)."""
         fs = self.fns[inst.function]
         backbone = self.costs.backbone(fs.spec)
         device = inst.device
