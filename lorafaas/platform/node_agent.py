@@ -100,6 +100,7 @@ class NodeAgent:
         self.specs: dict[str, FunctionSpec] = {}
         self.instances: dict[str, list[Instance]] = {}
         self.last_cold_start: dict[str, dict[str, float]] = {}
+        self.last_scale_out_s: dict[str, float] = {}  # a start beside a running instance: what the next one expects
         self.num_cold_starts: dict[tuple[str, str], int] = {}  # (function, kind) -> count
         self.num_restarts: dict[str, int] = {}
         self.most_in_flight: dict[str, int] = {}  # function -> most requests one instance has held at once
@@ -237,8 +238,8 @@ class NodeAgent:
     async def _acquire(self, spec: FunctionSpec, cap: int) -> Instance | None:
         """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
         if the function may grow, else one with room in its worker's batch (`in_flight_limit`); None when all are
-        full. A start expected to outlast the SLO (its last one did) gives way to a running batch with room
-        (`start_beats_joining`)."""
+        full. A start expected to outlast the SLO (the function's last scale-out did) gives way to a running batch
+        with room (`start_beats_joining`)."""
         pool = self.instances.setdefault(spec.name, [])
         # A ready instance whose connection dropped died a moment ago (its watcher has not run yet): not a choice.
         current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")
@@ -250,7 +251,7 @@ class NodeAgent:
         joinable = [i for i in current if i.state == "ready" and i.in_flight < min(limit, self.config.max_batch_size)]
         if (len(current) < spec.max_instances
                 and may_scale_out(len(current), self._busy_instances(), self.compute_slots)
-                and (not joinable or start_beats_joining(self.last_cold_start.get(spec.name, {}).get("total"),
+                and (not joinable or start_beats_joining(self.last_scale_out_s.get(spec.name),
                                                          spec.slo_ttft_ms / 1e3))):
             return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
         if joinable:
@@ -281,6 +282,7 @@ class NodeAgent:
 
     async def _start_instance(self, spec: FunctionSpec, stages: tuple[m.StageName, ...], kind: str) -> Instance:
         instance = Instance("(starting)", spec.name, spec.version, self.config.device)
+        scale_out = any(i.state == "ready" for i in self.instances.get(spec.name, []))
         self.instances.setdefault(spec.name, []).append(instance)  # counted at once, so bursts respect max
         started = time.perf_counter()
         try:
@@ -312,6 +314,8 @@ class NodeAgent:
         instance.last_used_s = self.clock()
         instance.ready_event.set()
         self.last_cold_start[spec.name] = dict(instance.cold_start)
+        if scale_out:  # a first start may also start the backbone's daemon; a scale-out binds to it
+            self.last_scale_out_s[spec.name] = instance.cold_start["total"]
         self.policy.record_cold_start(spec, instance.cold_start)
         self.num_cold_starts[spec.name, kind] = self.num_cold_starts.get((spec.name, kind), 0) + 1
         self._spawn(self._watch(instance))

@@ -24,6 +24,10 @@ def up(
                                     "fixed-batch (batch size 1), fixed-keep-alive (no idle-time histogram)."),
     backend: str = typer.Option("local", "--backend",
                                 help="local (processes here) or kubernetes (pods; the Helm chart's controller)."),
+    compute_slots: int | None = typer.Option(None, "--compute-slots", min=1,
+                                             help="Instances the device runs at full speed at once; a function "
+                                                  "scales out only while fewer are busy (default: cores on a CPU, "
+                                                  "1 on a GPU)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, run_server
@@ -33,6 +37,7 @@ def up(
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy, backend=backend,
+        compute_slots=compute_slots,
     )
     url = f"http://{host}:{port}"
     if demo:  # the one long step of a first start, with its progress bar, before the server starts
