@@ -36,6 +36,7 @@ import yaml
 from rich.console import Console
 
 from lorafaas.errors import InvalidInput
+from lorafaas.replay.sim.cluster import load_cluster
 
 PASS_ROWS = (1, 2, 4, 8)
 PASS_WIDTHS = (40, 90, 160)
@@ -119,10 +120,10 @@ def measure_steps(engine, rows_list: tuple[int, ...]) -> dict[int, float]:
     return steps
 
 
-def _steps_together(model_dir: Path, k: int, scratch: Path) -> float:
+def _steps_together(home: Path, k: int, scratch: Path) -> float:
     """The median one-row step of k processes decoding at the same time (started together once all are loaded)."""
     go = scratch / f"go-{k}"
-    cmd = [sys.executable, "-m", "lorafaas.replay.calibrate", "--home", str(model_dir.parents[1]), "--step-worker",
+    cmd = [sys.executable, "-m", "lorafaas.replay.calibrate", "--home", str(home), "--step-worker",
            str(go)]  # fmt: skip
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(k)]
     try:
@@ -168,10 +169,9 @@ def calibrate(home: Path, instances: tuple[int, ...], repeats: int) -> dict:
         with tempfile.TemporaryDirectory(prefix="lorafaas-calibrate-") as tmp:
             for k in (1, *instances):
                 status.update(f"interference: {k} processes decoding at once")
-                together[k] = _steps_together(model_dir, k, Path(tmp))
+                together[k] = _steps_together(home, k, Path(tmp))
                 console.log(f"{k} at once: one-row step {together[k] * 1e3:.1f} ms")
-    shipped = yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
-    cores = float(shipped["device"]["cores"])
+    cores = load_cluster("local").cores or 1.0
     base, per_token = fit_passes(passes)
     step1, per_row = fit_decode(steps)
     slowdowns = {k: s / together[1] for k, s in together.items() if k != 1}

@@ -138,6 +138,15 @@ class Simulator:
         i = bisect.bisect_right(self.background_at_s, self.now) - 1
         return self.background_threads[i] if i >= 0 else 0.0
 
+    def slowdown(self, device: DeviceState, starting: int = 0) -> float:
+        """How much slower work on `device` runs now: its running instances (and `starting` more) and, on a CPU,
+        the other programs' runnable threads."""
+        return self.costs.contention(device.num_running + starting, self.background_threads_now())
+
+    def _on_background(self, payload: object) -> None:
+        for device in self.mem.devices:  # the cores' share moved: decoding goes on at the new rate
+            self.worker.retime(device)
+
     def push(self, at_s: float, kind: str, payload: object = None) -> None:
         heapq.heappush(self.events, (at_s, next(self.seq), kind, payload))
 
@@ -148,10 +157,10 @@ class Simulator:
             "expire": self._on_expire,
             "plan": self._on_plan,
             "prefill": self.worker.on_prefill,  # type: ignore[dict-item]
-            "background": lambda _: [self.worker.retime(d) for d in self.mem.devices],
+            "background": self._on_background,
             "observe": lambda p: self.scheduler.observe_prefill(*p),  # type: ignore[misc]
         }
-        for at_s in self.background_at_s:  # the cores' share moves: decoding goes on at the new rate
+        for at_s in self.background_at_s:
             self.push(at_s, "background")
         if self.policy.serverful:
             self._start_servers()
@@ -309,7 +318,8 @@ class Simulator:
         inst.num_seqs += len(reqs)
         kv = self.costs.kv_bytes(backbone, sum(r.prompt_tokens + r.output_tokens for r in reqs))
         self.mem.bill(device, self.now)
-        if inst.running == 0:  # contention is between processes: an instance's batches share its forward passes
+        starts_running = inst.running == 0
+        if starts_running:  # contention is between processes: an instance's batches share its forward passes
             device.num_running += 1
         inst.running += 1
         inst.expire_token += 1
@@ -325,7 +335,8 @@ class Simulator:
             self.results[i].sent_s = self.now
             inst.waiting.append((i, group))
         self.worker.schedule_pass(inst)
-        self.worker.retime(device)
+        if starts_running:  # the device's load moved: its decoding instances go on at the new rate
+            self.worker.retime(device)
 
     def _on_done(self, payload: object) -> None:
         inst: SimInstance = payload[0]  # type: ignore[index]
@@ -428,7 +439,7 @@ class Simulator:
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
         if self.cluster.device_kind == "cpu":  # starting a process is CPU work: it shares the cores with the running
-            slow = self.costs.contention(device.num_running + 1, self.background_threads_now())
+            slow = self.slowdown(device, starting=1)
             breakdown = {stage: seconds * slow for stage, seconds in breakdown.items()}
         cold_s = sum(breakdown.values())
         breakdown["total"] = cold_s

@@ -91,7 +91,7 @@ class WorkerModel:
         taken, inst.waiting = inst.waiting, []
         backbone = sim.costs.backbone(fs.spec)
         reqs = [sim.workload.requests[i] for i, _ in taken]
-        slow = sim.costs.contention(inst.device.num_running, sim.background_threads_now())
+        slow = sim.slowdown(inst.device)
         pass_s = sim.costs.prefill_pass_s(backbone, [r.prompt_tokens for r in reqs]) * slow
         self._advance(inst)
         end = sim.now + pass_s
@@ -125,14 +125,14 @@ class WorkerModel:
         overhead = self.sim.cluster.request_overhead_s
         for row in done:
             res = self.sim.results[row.index]
-            res.e2e_s = max(self.sim.now + overhead - res.arrival_s, res.ttft_s or 0.0)
+            res.e2e_s = self.sim.now + overhead - res.arrival_s
         return done
 
     def retime(self, device: DeviceState) -> None:
         """The device's load moved: each decoding instance keeps the steps it made at the old rate and goes on at
         the new one; its next completion event is rescheduled."""
         sim = self.sim
-        slow = sim.costs.contention(device.num_running, sim.background_threads_now())
+        slow = sim.slowdown(device)
         for inst in device.decoding:
             self._advance(inst)
             backbone = sim.costs.backbone(sim.fns[inst.function].spec)
