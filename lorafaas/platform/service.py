@@ -69,7 +69,7 @@ class FunctionService:
         tenant = fields.get("tenant") if caller.is_admin and fields.get("tenant") else caller.tenant
         now = time.time()
         spec = FunctionSpec(name=name, tenant=tenant, backbone=fields.get("backbone", ""), adapter_digest="0" * 64,
-                            created_at=now, updated_at=now, **_spec_values(fields)).check()
+                            uid=secrets.token_hex(8), created_at=now, updated_at=now, **_spec_values(fields)).check()
         self.models.get(spec.backbone)  # BackboneNotFound before any work
         self._check_lora_mode(spec)
         if self._exists(spec.name):

@@ -6,6 +6,7 @@ fields it does not know, so a newer writer's records stay readable by an older r
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from typing import Literal
@@ -57,8 +58,22 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
     # instance holds them); None: remote. Refused on dense backbones at deploy.
     lora_mode: str | None = None
     version: int = 1  # bumped by each update
+    # One deployment of the name: set at deploy, kept by updates, never reused by a redeploy under the same name, so
+    # an instance, a log file or a queued request of a deleted function can never be taken for its successor's.
+    # A record written before uids existed gets one derived from its name and creation time (stable across reads).
+    uid: str = ""
     created_at: float
     updated_at: float
+
+    def __post_init__(self) -> None:
+        if not self.uid:
+            derived = hashlib.sha256(f"{self.name}:{self.created_at!r}".encode()).hexdigest()[:16]
+            msgspec.structs.force_setattr(self, "uid", derived)
+
+    @property
+    def identity(self) -> tuple[str, str, str, int, str]:
+        """What an instance must match to serve this spec: tenant, name, deployment, version, adapter."""
+        return (self.tenant, self.name, self.uid, self.version, self.adapter_digest)
 
     def check(self) -> FunctionSpec:
         """Raise InvalidInput (or InvalidName) naming the first field out of bounds; return self."""
