@@ -4,13 +4,18 @@ Plain frozen data in (`messages.ClusterView`), decisions out (`messages.Plan` an
 times arrive as `now_s` arguments. `Scheduler` bundles the policies for a node agent or the simulator.
 """
 
+from lorafaas.scheduler.admission import (
+    AdmissionDecision,
+    AdmissionView,
+    InstanceLoad,
+    StartOption,
+    decide_admission,
+)
 from lorafaas.scheduler.batching import (
     BatchDecision,
     BatchPolicy,
-    PendingBatch,
     PrefillModel,
     in_flight_limit,
-    order_batches,
 )
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
@@ -21,7 +26,6 @@ from lorafaas.scheduler.messages import (
     ClusterView,
     DeviceId,
     DeviceView,
-    Dispatch,
     FunctionName,
     FunctionProfile,
     InstanceId,
@@ -29,7 +33,6 @@ from lorafaas.scheduler.messages import (
     Offload,
     Plan,
     Preload,
-    QueueView,
     Residency,
     SlotId,
     WorkerSlot,
@@ -41,6 +44,8 @@ from lorafaas.scheduler.rates import RateTracker
 from lorafaas.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "AdmissionDecision",
+    "AdmissionView",
     "ArtifactCost",
     "ArtifactCosts",
     "BackboneName",
@@ -49,16 +54,15 @@ __all__ = [
     "ClusterView",
     "DeviceId",
     "DeviceView",
-    "Dispatch",
     "FunctionName",
     "FunctionProfile",
     "InstanceId",
+    "InstanceLoad",
     "InstanceView",
     "KeepAliveDecision",
     "KeepAlivePolicy",
     "Offload",
     "OffloadDecision",
-    "PendingBatch",
     "PlacementDecision",
     "PlacementPolicy",
     "Plan",
@@ -66,17 +70,17 @@ __all__ = [
     "Preload",
     "PreloadPlan",
     "PreloadPlanner",
-    "QueueView",
     "RateTracker",
     "Residency",
     "Scheduler",
     "SchedulerConfig",
     "SlotId",
+    "StartOption",
     "WorkerSlot",
     "batch_memory_bytes",
+    "decide_admission",
     "in_flight_limit",
     "may_scale_out",
-    "order_batches",
     "plan_difference",
     "plan_offload",
     "start_beats_joining",

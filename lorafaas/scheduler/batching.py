@@ -5,8 +5,7 @@
     d    = SLO - T(N)               how long the oldest of N queued requests may wait for the batch to fill
     dispatch when N >= B (full) or when the oldest request has waited d (expired)
 
-Under contention of M batches ready for one device, the one with the smallest deadline margin goes first:
-    margin = SLO - (w + M * T(b))   w: the oldest request's wait; M * T(b): its prefill if the device is shared M ways
+Which instance a dispatched batch goes to, and whether one starts, is the admission policy's (`admission.py`).
 
 The fit keeps exponentially weighted sums (x = b - 1): until two distinct batch sizes have been seen, the slope is
 the prior `prior_per_request_s` and T0 the weighted mean of T(b) - a x (the prior `prior_t0_s` before any sample).
@@ -15,11 +14,9 @@ the prior `prior_per_request_s` and T0 the weighted mean of T(b) - a x (the prio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafaas.scheduler.config import SchedulerConfig
-from lorafaas.scheduler.messages import DeviceId, Dispatch, FunctionName
 
 
 class PrefillModel:
@@ -117,16 +114,6 @@ class BatchPolicy:
         return BatchDecision(False, queue_len, remaining, now_s + remaining)
 
 
-@dataclass(frozen=True, slots=True)
-class PendingBatch:
-    function: FunctionName
-    device: DeviceId
-    size: int
-    oldest_wait_s: float
-    slo_ttft_s: float
-    prefill_s: float  # T(size) of its function
-
-
 def in_flight_limit(slo_batch: int, worker_capacity: int, can_start_instance: bool, adaptive: bool) -> int:
     """How many requests one instance may hold when every instance of the function holds `slo_batch` (B).
 
@@ -139,18 +126,3 @@ def in_flight_limit(slo_batch: int, worker_capacity: int, can_start_instance: bo
     if not adaptive or can_start_instance:
         return slo_batch
     return max(slo_batch, worker_capacity)
-
-
-def deadline_margin_s(batch: PendingBatch, num_contending: int) -> float:
-    """SLO - (w + M * T(b))."""
-    return batch.slo_ttft_s - (batch.oldest_wait_s + num_contending * batch.prefill_s)
-
-
-def order_batches(batches: Sequence[PendingBatch]) -> list[Dispatch]:
-    """Dispatch order per device: smallest margin first, M counted per device; devices interleaved by margin."""
-    per_device: dict[DeviceId, int] = {}
-    for b in batches:
-        per_device[b.device] = per_device.get(b.device, 0) + 1
-    ranked = sorted(((deadline_margin_s(b, per_device[b.device]), b.function, b) for b in batches),
-                    key=lambda t: (t[0], t[1]))
-    return [Dispatch(b.function, b.device, b.size, margin) for margin, _, b in ranked]

@@ -8,14 +8,13 @@ The views describe one node as its agent sees it at an instant:
     ├── slots:     WorkerSlot per idle worker slot (host memory a function's host-side artifacts may use)
     ├── resident:  Residency per artifact loaded now (function, kind, tier, device or slot)
     ├── invoked:   functions serving requests now (their artifacts are pinned: never moved, never offloaded)
-    ├── instances: InstanceView per function instance (for placement)
-    └── queues:    QueueView per function with queued requests (for batching)
+    └── instances: InstanceView per function instance (for placement)
 
 Memory accounting: `DeviceView.used_bytes` and `WorkerSlot.used_bytes` are the bytes NOT attributable to the
 resident artifacts listed in `resident` (KV caches, activations, process overhead). The policies add artifact bytes
 themselves from the profiles, counting a shared backbone once per device.
 
-Decisions: `Preload`, `Offload` (artifact actions, in the order to apply them), `Dispatch` (a batch to run now).
+Decisions: `Preload`, `Offload` (artifact actions, in the order to apply them).
 """
 
 from __future__ import annotations
@@ -131,14 +130,6 @@ class InstanceView:
         return {"libraries", "backbone", "adapter"} <= self.loaded and self.num_running < self.max_running
 
 
-@dataclass(frozen=True, slots=True)
-class QueueView:
-    function: FunctionName
-    device: DeviceId
-    queue_len: int
-    oldest_wait_s: float
-
-
 @dataclass(frozen=True)
 class ClusterView:
     functions: Mapping[FunctionName, FunctionProfile]
@@ -147,7 +138,6 @@ class ClusterView:
     resident: tuple[Residency, ...] = ()
     invoked: frozenset[FunctionName] = frozenset()
     instances: tuple[InstanceView, ...] = ()
-    queues: tuple[QueueView, ...] = ()
 
 
 # -- decisions ----------------------------------------------------------------------------------------------------
@@ -175,18 +165,10 @@ class Offload(NamedTuple):
     slot: SlotId | None = None
 
 
-class Dispatch(NamedTuple):
-    function: FunctionName
-    device: DeviceId
-    size: int
-    margin_s: float  # SLO - (w + M*T(b)) when it was ordered; smaller goes first
-
-
 @dataclass(frozen=True)
 class Plan:
     """Everything one `Scheduler.plan` call decided, each tuple in the order to apply it."""
 
     offloads: tuple[Offload, ...] = ()
     preloads: tuple[Preload, ...] = ()
-    dispatches: tuple[Dispatch, ...] = ()
     target: tuple[Residency, ...] = field(default=(), repr=False)  # the pre-load target the actions lead to

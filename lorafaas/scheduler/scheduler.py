@@ -1,22 +1,23 @@
 """`Scheduler`: the one object a node agent (or the simulator) drives; it owns the policies' learned state.
 
     observe_arrival / observe_prefill / observe_idle   feed what happened (times from the caller's clock)
-    plan(view, now_s) -> Plan                          periodic: pre-load actions and the batches to dispatch now
+    plan(view, now_s) -> Plan                          periodic: pre-load and offload actions
     should_replan(now_s)                               an arrival rate moved beyond tolerance since the last plan
     decide_batch(...)                                  one function's fill-or-expire decision, on each arrival
     make_room(view, device, needed_bytes)              offloading for an arriving batch
     place(function, view)                              which instance or device a request or instance goes to
     keep_alive(function)                               pre-warm and keep-alive windows after an invocation
 
-The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.offloads`, `plan.preloads`, `plan.dispatches`
-in order, then feed what it observed. Nothing here performs I/O or reads a clock.
+The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.preloads` (and `plan.offloads`) in order, then
+feed what it observed; each queued request goes where `admission.decide_admission` says. Nothing here performs
+I/O or reads a clock.
 """
 
 from __future__ import annotations
 
 import random
 
-from lorafaas.scheduler.batching import BatchDecision, BatchPolicy, PendingBatch, order_batches
+from lorafaas.scheduler.batching import BatchDecision, BatchPolicy
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import ClusterView, DeviceId, FunctionName, Plan
@@ -56,22 +57,11 @@ class Scheduler:
 
     def plan(self, view: ClusterView, now_s: float) -> Plan:
         """Pre-load actions from `view.resident` to the knapsack's target (rates: the online estimates where a
-        function has had arrivals, the profile's otherwise) and the queued batches to dispatch now, by margin."""
+        function has had arrivals, the profile's otherwise)."""
         rated = self.rates.apply(view, now_s)
         preload = self.preloader.plan(rated, now_s)
         self.rates.mark_planned(now_s)
-        pending: list[PendingBatch] = []
-        for queue in view.queues:
-            profile = view.functions.get(queue.function)
-            if profile is None:
-                continue
-            policy = self.batch_policy(queue.function, profile.slo_ttft_s)
-            decision = policy.decide(queue.queue_len, queue.oldest_wait_s, now_s)
-            if decision.dispatch:
-                pending.append(PendingBatch(queue.function, queue.device, decision.size, queue.oldest_wait_s,
-                                            profile.slo_ttft_s, policy.model.predict_s(decision.size)))
-        return Plan(offloads=preload.offloads, preloads=preload.preloads, dispatches=tuple(order_batches(pending)),
-                    target=preload.target)
+        return Plan(offloads=preload.offloads, preloads=preload.preloads, target=preload.target)
 
     def should_replan(self, now_s: float) -> bool:
         return self.rates.changed_since_plan(now_s)

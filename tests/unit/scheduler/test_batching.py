@@ -8,13 +8,10 @@ import pytest
 
 from lorafaas.scheduler import (
     BatchPolicy,
-    PendingBatch,
     PrefillModel,
     SchedulerConfig,
     in_flight_limit,
-    order_batches,
 )
-from lorafaas.scheduler.batching import deadline_margin_s
 
 
 def fitted(points, slo_s: float = 0.5, **config) -> BatchPolicy:
@@ -93,19 +90,6 @@ def test_batching_switched_off_dispatches_at_once() -> None:
     decision = policy.decide(queue_len=3, oldest_wait_s=0.0, now_s=0.0)
     assert decision.dispatch and decision.size == 3
     assert policy.decide(queue_len=9, oldest_wait_s=0.0, now_s=0.0).size == 4
-
-
-def test_contention_order_by_deadline_margin() -> None:
-    a = PendingBatch("a", "d0", 4, oldest_wait_s=0.2, slo_ttft_s=1.0, prefill_s=0.3)
-    b = PendingBatch("b", "d0", 2, oldest_wait_s=0.0, slo_ttft_s=0.5, prefill_s=0.1)
-    c = PendingBatch("c", "d1", 1, oldest_wait_s=0.1, slo_ttft_s=0.4, prefill_s=0.2)
-    # M = 2 on d0: a: 1.0 - (0.2 + 2 * 0.3) = 0.2, b: 0.5 - (0.0 + 2 * 0.1) = 0.3; M = 1 on d1: c: 0.4 - 0.3 = 0.1
-    assert deadline_margin_s(a, 2) == pytest.approx(0.2)
-    order = order_batches([b, a, c])
-    assert [d.function for d in order] == ["c", "a", "b"]
-    assert [d.margin_s for d in order] == pytest.approx([0.1, 0.2, 0.3])
-    assert (order[1].device, order[1].size) == ("d0", 4)
-    assert order_batches([]) == []
 
 
 def test_the_slo_batch_bounds_an_instance_while_the_excess_can_go_to_a_new_instance() -> None:

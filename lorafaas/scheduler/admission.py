@@ -1,0 +1,124 @@
+"""Admission: what a function's queue does now. Send requests to an instance with room, start an instance, wait for
+one that is starting, or wait.
+
+One policy for every executor: the node agent (`lorafaas/platform/node_agent.py`) and the simulator
+(`lorafaas/replay/sim/engine.py`) each describe the function as an `AdmissionView` and carry out the
+`AdmissionDecision`, so a decision seen in simulation is the decision the agent makes.
+
+The rule, in order:
+1. An instance that is ready and holds fewer than min(B, worker capacity) requests takes up to that many (least
+   loaded first, then the oldest): B keeps a batch's prefill within the SLO.
+2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
+   where it helps: its first instance anywhere; another only where the device has compute to spare
+   (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
+   the SLO (`start_beats_joining`).
+3. Otherwise a ready instance whose worker still has room (`in_flight_limit`) takes them: joining a running batch
+   costs a request less than waiting a whole generation for a place in B.
+4. Otherwise the queue waits for an instance that is starting, or for a request to finish; the reason is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lorafaas.scheduler.batching import in_flight_limit
+from lorafaas.scheduler.messages import DeviceId, FunctionName, InstanceId
+from lorafaas.scheduler.placement import may_scale_out, start_beats_joining
+
+AdmissionAction = Literal["dispatch", "start", "await_start", "wait"]
+# Why requests were sent where they were, or why they wait (shown by `describe` and the simulator's report).
+AdmissionReason = Literal[
+    "room",  # an instance had room within B
+    "join",  # joined a running batch beyond B: no instance could start
+    "first_instance",  # the function had no instance
+    "scale_out",  # every instance held B and the device had compute to spare
+    "cold_start",  # waiting for an instance that is starting
+    "batch_bound",  # every instance holds as many requests as its worker takes
+    "max_instances",  # the function is at its maximum number of instances
+    "no_compute",  # no device offered has compute to spare for another instance
+    "empty",  # nothing queued
+]
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One instance of the function (of the identity the queue serves), as admission sees it."""
+
+    instance_id: InstanceId
+    ready: bool  # False: still starting
+    in_flight: int  # requests it holds
+    started_s: float  # when it began starting (the older instance wins a tie)
+
+
+@dataclass(frozen=True)
+class StartOption:
+    """A device where an instance of the function could start, in the executor's order of preference."""
+
+    device: DeviceId
+    busy_instances: int  # instances on the device (of every function) running a request or starting
+    compute_slots: int  # how many can run at full speed at once
+    expected_start_s: float | None = None  # how long a start there is expected to take; None: not known
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    function: FunctionName
+    queue_length: int
+    slo_ttft_s: float
+    slo_batch: int  # B: the batch policy's largest batch within the SLO (or the fixed batch size)
+    worker_capacity: int  # the most requests one worker batches
+    adaptive: bool  # adaptive batching on (off: B is a hard limit, nothing joins beyond it)
+    max_instances: int
+    instances: tuple[InstanceLoad, ...]  # starting or ready, of the identity the queue serves
+    start_options: tuple[StartOption, ...] = ()  # empty: no instance may start (e.g. a superseded version)
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    action: AdmissionAction
+    reason: AdmissionReason
+    instance_id: InstanceId | None = None  # dispatch, await_start
+    device: DeviceId | None = None  # start
+    size: int = 0  # dispatch: how many of the queue's requests go now
+
+
+def decide_admission(view: AdmissionView) -> AdmissionDecision:
+    if view.queue_length <= 0:
+        return AdmissionDecision("wait", "empty")
+    capacity = max(1, view.worker_capacity)
+    cap = max(1, min(view.slo_batch, capacity))
+    ready = [i for i in view.instances if i.ready]
+    with_room = [i for i in ready if i.in_flight < cap]
+    if with_room:
+        best = _least_loaded(with_room)
+        size = min(view.queue_length, cap - best.in_flight)
+        return AdmissionDecision("dispatch", "room", best.instance_id, size=size)
+    limit = min(in_flight_limit(view.slo_batch, capacity, False, view.adaptive), capacity)
+    joinable = [i for i in ready if i.in_flight < limit]
+    can_grow = len(view.instances) < view.max_instances
+    if can_grow:
+        for option in view.start_options:
+            if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
+                continue
+            if joinable and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
+                continue
+            reason: AdmissionReason = "scale_out" if view.instances else "first_instance"
+            return AdmissionDecision("start", reason, device=option.device)
+    if joinable:
+        best = _least_loaded(joinable)
+        size = min(view.queue_length, limit - best.in_flight)
+        return AdmissionDecision("dispatch", "join", best.instance_id, size=size)
+    starting = [i for i in view.instances if not i.ready]
+    if starting:
+        oldest = min(starting, key=lambda i: (i.started_s, i.instance_id))
+        return AdmissionDecision("await_start", "cold_start", oldest.instance_id)
+    if not can_grow:
+        return AdmissionDecision("wait", "max_instances")
+    if ready:
+        return AdmissionDecision("wait", "batch_bound")
+    return AdmissionDecision("wait", "no_compute")
+
+
+def _least_loaded(instances: list[InstanceLoad]) -> InstanceLoad:
+    return min(instances, key=lambda i: (i.in_flight, i.started_s, i.instance_id))

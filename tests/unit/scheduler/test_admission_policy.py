@@ -1,0 +1,83 @@
+"""The one admission policy the node agent and the simulator both carry out (`decide_admission`)."""
+
+import pytest
+
+from lorafaas.scheduler import AdmissionView, InstanceLoad, StartOption, decide_admission
+
+CPU = StartOption("cpu", busy_instances=0, compute_slots=2, expected_start_s=0.1)
+
+
+def view(*instances: InstanceLoad, queue: int = 1, slo_batch: int = 4, capacity: int = 8, adaptive: bool = True,
+         max_instances: int = 4, options: tuple[StartOption, ...] = (CPU,), slo_s: float = 1.0) -> AdmissionView:
+    return AdmissionView("fn", queue, slo_s, slo_batch, capacity, adaptive, max_instances, instances, options)
+
+
+def ready(name: str, in_flight: int, started_s: float = 0.0) -> InstanceLoad:
+    return InstanceLoad(name, True, in_flight, started_s)
+
+
+def starting(name: str, started_s: float = 0.0) -> InstanceLoad:
+    return InstanceLoad(name, False, 0, started_s)
+
+
+def test_an_empty_queue_waits() -> None:
+    assert decide_admission(view(queue=0)).action == "wait"
+
+
+def test_the_first_request_starts_the_first_instance() -> None:
+    decision = decide_admission(view())
+    assert (decision.action, decision.reason, decision.device) == ("start", "first_instance", "cpu")
+
+
+def test_room_within_b_goes_to_the_least_loaded_then_oldest_instance() -> None:
+    decision = decide_admission(view(ready("b", 1, started_s=2.0), ready("a", 1, started_s=1.0), ready("c", 3),
+                                     queue=10))
+    assert (decision.action, decision.reason, decision.instance_id, decision.size) == ("dispatch", "room", "a", 3)
+
+
+def test_full_instances_scale_out_where_compute_is_spare() -> None:
+    decision = decide_admission(view(ready("a", 4), options=(StartOption("cpu", 1, 2, 0.1),)))
+    assert (decision.action, decision.reason) == ("start", "scale_out")
+
+
+def test_a_saturated_device_makes_requests_join_a_running_batch_up_to_the_worker_capacity() -> None:
+    decision = decide_admission(view(ready("a", 4), queue=10, options=(StartOption("cpu", 2, 2, 0.1),)))
+    assert (decision.action, decision.reason, decision.instance_id, decision.size) == ("dispatch", "join", "a", 4)
+
+
+def test_a_start_slower_than_the_slo_gives_way_to_a_running_batch_with_room() -> None:
+    slow = StartOption("cpu", 1, 2, expected_start_s=5.0)
+    decision = decide_admission(view(ready("a", 4), options=(slow,)))
+    assert (decision.action, decision.reason) == ("dispatch", "join")
+    assert decide_admission(view(ready("a", 8), options=(slow,))).action == "start", "no batch has room: start"
+
+
+def test_the_first_start_that_helps_is_taken_in_the_executors_order() -> None:
+    options = (StartOption("d0", 1, 1, 0.1), StartOption("d1", 0, 1, 0.1), StartOption("d2", 0, 1, 0.1))
+    assert decide_admission(view(ready("a", 4), options=options)).device == "d1"
+
+
+def test_at_max_instances_with_every_worker_full_the_queue_waits_and_says_why() -> None:
+    decision = decide_admission(view(ready("a", 8), max_instances=1))
+    assert (decision.action, decision.reason) == ("wait", "max_instances")
+    decision = decide_admission(view(ready("a", 8), options=(StartOption("cpu", 2, 2, 0.1),)))
+    assert (decision.action, decision.reason) == ("wait", "batch_bound")
+
+
+def test_a_starting_instance_is_awaited_when_nothing_else_can_take_the_request() -> None:
+    decision = decide_admission(view(starting("new", 3.0), starting("old", 1.0), max_instances=2))
+    assert (decision.action, decision.reason, decision.instance_id) == ("await_start", "cold_start", "old")
+
+
+def test_no_start_option_means_no_start() -> None:
+    decision = decide_admission(view(options=()))
+    assert (decision.action, decision.reason) == ("wait", "no_compute")
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_fixed_batch_size_is_a_hard_limit(adaptive: bool) -> None:
+    decision = decide_admission(view(ready("a", 1), slo_batch=1, adaptive=adaptive, max_instances=1, queue=5))
+    if adaptive:
+        assert (decision.action, decision.reason, decision.size) == ("dispatch", "join", 5)
+    else:
+        assert (decision.action, decision.reason) == ("wait", "max_instances")
