@@ -31,6 +31,7 @@
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease
         ├── InstanceUnavailable       503: a function worker does not answer, or went away mid-request
+        │   └── InstanceHung          503: a worker held requests without progress or heartbeat; it was replaced
         ├── PlatformUnavailable       503: the CLI cannot reach the gateway
         ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
         ├── StorageFull               507: a write failed for lack of space (disk full, quota, file size limit)
@@ -145,6 +146,11 @@ class LeaseRefused(ServerError):
 
 class InstanceUnavailable(ServerError):
     code = "instance_unavailable"
+    http_status = 503
+
+
+class InstanceHung(InstanceUnavailable):
+    code = "instance_hung"
     http_status = 503
 
 

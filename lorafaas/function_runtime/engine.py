@@ -46,6 +46,7 @@ class StepOutput:
     completion_tokens: int = 0
     prefill_s: float | None = None  # on a request's first token: the forward time of the prefill it was in
     prefill_batch: int | None = None  # how many requests that prefill held
+    error: str | None = None  # this request failed alone (its batch-mates go on); finish_reason is "error"
 
 
 @dataclass
@@ -160,7 +161,7 @@ class GenerationEngine:
         logits = out.logits[:, -1, :]
         outputs, done = [], set()
         for row, seq in enumerate(self._running):
-            output = self._emit(seq, next_token(logits[row], seq.params, seq.generator))
+            output = self._sample(seq, logits[row])
             outputs.append(output)
             if output.finish_reason is not None:
                 done.add(row)
@@ -182,14 +183,24 @@ class GenerationEngine:
         prefill_s = self.clock() - started
         outputs, joining = [], []
         for row, seq in enumerate(seqs):
-            output = dataclasses.replace(self._emit(seq, next_token(out.logits[row, -1, :], seq.params, seq.generator)),
-                                         prefill_s=prefill_s, prefill_batch=len(seqs))
+            output = dataclasses.replace(self._sample(seq, out.logits[row, -1, :]), prefill_s=prefill_s,
+                                         prefill_batch=len(seqs))
             outputs.append(output)
             if output.finish_reason is None:
                 joining.append((row, seq, output.token_id))
         if joining:
             self._join(joining, out.past_key_values, mask)
         return outputs
+
+    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput:
+        """The sequence's next token, or its failure alone: one request's sampling parameters must never fail the
+        requests batched with it."""
+        try:
+            token_id = next_token(logits, seq.params, seq.generator)
+        except (RuntimeError, ValueError) as exc:
+            failed = self._finished(seq, None, "", "error")
+            return dataclasses.replace(failed, error=f"sampling failed for this request: {exc}")
+        return self._emit(seq, token_id)
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
         if token_id in self.eos_ids and not seq.params.ignore_eos:

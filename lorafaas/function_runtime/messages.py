@@ -38,6 +38,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput(f"temperature is {self.temperature}; it must be between 0 and 100")
         if not 0 < self.top_p <= 1:
             raise InvalidInput(f"top_p is {self.top_p}; it must be in (0, 1]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidInput(f"seed is {self.seed}; it must be a signed 64-bit integer")
         if len(self.stop) > 8 or any(not s for s in self.stop):
             raise InvalidInput("stop takes at most 8 non-empty strings")
 
@@ -167,6 +169,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     num_waiting: int
     num_served: int
     adapter: AdapterStats | None = None
+    num_steps: int = 0  # engine steps run so far: the node agent's liveness check watches it advance
 
 
 Reply = HelloReply | StageDone | Token | Finished | ErrorReply | Stats

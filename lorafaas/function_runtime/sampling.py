@@ -7,11 +7,18 @@ import torch
 from lorafaas.function_runtime.messages import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode() yields for an incomplete multi-byte character
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 overflows to inf and
+# the distribution would be NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < MIN_TEMPERATURE
 
 
 def new_generator(params: SamplingParams) -> torch.Generator | None:
     """A private generator per request, so a seeded request samples the same tokens whatever it is batched with."""
-    if params.temperature == 0:
+    if is_greedy(params):
         return None
     generator = torch.Generator()
     if params.seed is not None:
@@ -22,13 +29,15 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy for temperature 0; otherwise temperature + nucleus (top_p) sampling. `logits` is [vocab]."""
-    if params.temperature == 0:
+    """Greedy below MIN_TEMPERATURE; otherwise temperature + nucleus (top_p) sampling. `logits` is [vocab].
+    The nucleus always holds the most likely token, however small top_p is (1e-300 is 0 in float32)."""
+    if is_greedy(params):
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p  # keeps at least the top token
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        outside[0] = False
         sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

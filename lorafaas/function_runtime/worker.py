@@ -63,6 +63,7 @@ class WorkerServer:
         self._work = asyncio.Event()
         self._stopped = asyncio.Event()
         self._num_served = 0
+        self._num_steps = 0
 
     async def serve(self) -> None:
         tcp = tcp_address(self.spec.socket_path)
@@ -174,6 +175,7 @@ class WorkerServer:
                 continue
             try:
                 outputs = await self._run(engine.step)
+                self._num_steps += 1
             except Exception as exc:  # a failed forward pass must fail its requests, not the worker
                 log.exception("%s/%s: engine step failed", self.spec.function, self.spec.instance_id)
                 self._fail_all(engine, ServerError(f"generation failed: {exc}"))
@@ -182,6 +184,12 @@ class WorkerServer:
             for out in outputs:
                 route = self._routes.get(out.request_id)
                 if route is None:  # warm-up or a request whose client left
+                    continue
+                if out.error is not None:  # this request alone failed
+                    del self._routes[out.request_id]
+                    route.connection.request_ids.discard(out.request_id)
+                    self._send(route.writer, m.ErrorReply(request_id=out.request_id, code=InvalidInput.code,
+                                                          message=out.error))
                     continue
                 if out.token_id is not None:
                     route.first_token_s = route.first_token_s or now
@@ -215,7 +223,7 @@ class WorkerServer:
             stages=tuple(self.instance.loaded), stage_seconds=dict(self.instance.stage_seconds),
             memory=read_memory(), num_running=engine.num_running if engine else 0,
             num_waiting=engine.num_waiting if engine else 0, num_served=self._num_served,
-            adapter=self.instance.adapter_stats(),
+            adapter=self.instance.adapter_stats(), num_steps=self._num_steps,
         )
 
 

@@ -84,9 +84,9 @@ class AgentScheduler:
         device = agent.config.device
         functions, slots, resident, instances_used = {}, [], [], 0
         running_backbones = set(agent.launcher.running_backbones())
-        invoked = frozenset(name for name, pool in agent.instances.items() if any(i.in_flight for i in pool))
+        invoked = frozenset(i.function for i in agent.table.all() if i.in_flight)
         for name, spec in agent.specs.items():
-            pool = [i for i in agent.instances.get(name, []) if i.state == "ready"]
+            pool = [i for i in agent.table.current(spec) if i.state == "ready"]
             functions[name] = self.profile(spec, with_instance=bool(pool))
             fn_slots = [f"{i.instance_id}" for i in pool] or [f"pool:{name}"]
             for instance in pool:
@@ -176,7 +176,7 @@ class AgentScheduler:
 
     async def apply_offload(self, action: Offload, reason: str) -> None:
         agent = self.agent
-        idle = [i for i in agent.instances.get(action.function, []) if i.state == "ready" and not i.in_flight]
+        idle = [i for i in agent.table.of_function(action.function) if i.state == "ready" and not i.in_flight]
         if action.kind == "adapter":
             stage = "adapter_offload" if action.to_tier == "host" else "adapter_drop"
             for instance in idle:
@@ -189,12 +189,11 @@ class AgentScheduler:
             spec = agent.specs.get(action.function)
             if spec is None:
                 return
-            bound = [i for name, s in agent.specs.items() if s.backbone == spec.backbone
-                     for i in agent.instances.get(name, []) if i.state in ("ready", "starting")]
-            if any(i.in_flight or i.state == "starting" for i in bound):
-                return  # someone is using it after all: keep it
+            bound = [i for i in agent.table.all() if i.backbone == spec.backbone]
+            if any(i.in_flight or i.state not in ("ready", "draining") for i in bound):
+                return  # someone is using it after all (or an instance is starting or stopping): keep it
             for instance in bound:
-                await agent.stop_instance(instance)
+                await agent.stop_instance(instance, "its backbone was offloaded")
             await asyncio.to_thread(agent.launcher.stop_daemon, spec.backbone)
         else:
             return
@@ -209,7 +208,7 @@ class AgentScheduler:
         if action.kind == "backbone":
             await agent.prepare_backbone(spec.backbone)
             return
-        instance = next((i for i in agent.instances.get(action.function, [])
+        instance = next((i for i in agent.table.of_function(action.function)
                          if i.instance_id == action.slot and i.state == "ready" and not i.in_flight), None)
         if instance is None:
             return

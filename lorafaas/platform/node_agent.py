@@ -1,12 +1,15 @@
 """The node agent: function instances on this machine, from cold start to scale-to-zero.
 
-It owns the instance table (all mutations happen on the event loop, between awaits, so no locks), and for each
-function: routes requests to the least-loaded ready instance, starts a new one (a cold start from the library pool)
-when all are busy and the function may grow, keeps `min_instances` ready, retires instances idle past their
-keep-alive, restarts crashed ones, and on redeploy starts the new version before draining the old (atomic switch).
+Instances live in one `InstanceTable` (explicit states, every transition in one place; see instance_table.py) and
+serve exactly one identity: tenant, function, deployment uid, version and adapter. For each function the agent
+routes queued requests as the scheduler's admission policy decides (`lorafaas.scheduler.admission`), keeps
+`min_instances` ready, retires instances idle past their keep-alive, replaces crashed and hung ones, and on update
+either relabels its instances (settings only) or starts the new adapter's instance before draining the old ones.
+Deleting a function drains it: queued requests fail at once, nothing starts for it, its instances stop once the
+requests they hold are done.
 
-Instances are started by a `Backend` (local processes or Kubernetes pods); every call to a worker goes through its
-`WorkerClient`.
+All mutations happen on the event loop, between awaits, so no locks. Instances are started by a `Backend` (local
+processes or Kubernetes pods); every call to a worker goes through its `WorkerClient`.
 """
 
 from __future__ import annotations
@@ -20,26 +23,35 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
-from lorafaas.errors import InstanceUnavailable, LorafaasError
+from lorafaas.errors import FunctionNotFound, InstanceHung, InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
-from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.lora_servers import LoraServers, with_lora_mode
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
-from lorafaas.platform.backends.base import Backend, InstanceRef
+from lorafaas.platform.backends.base import Backend
+from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler, SchedulerConfig, in_flight_limit, may_scale_out, start_beats_joining
+from lorafaas.scheduler import (
+    AdmissionDecision,
+    AdmissionView,
+    InstanceLoad,
+    Scheduler,
+    SchedulerConfig,
+    StartOption,
+    can_join,
+    decide_admission,
+    worth_offering,
+)
 
 log = logging.getLogger(__name__)
 MAX_FAILURES_KEPT = 20  # per function, for describe
 
-InstanceState = Literal["starting", "ready", "draining", "stopped", "crashed"]
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
+WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode")  # what an instance was started with
 
 
 @dataclass(frozen=True)
@@ -54,33 +66,21 @@ class AgentConfig:
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
     stop_timeout_s: float = 10.0
+    # Liveness: an instance holding requests that sent nothing for `heartbeat_after_s` is asked for a heartbeat; no
+    # answer within `hang_timeout_s`, or no engine step for `hang_after_steps_s`, and it is declared hung.
+    heartbeat_after_s: float = 2.0
+    hang_timeout_s: float = 10.0
+    hang_after_steps_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_after_s", "hang_timeout_s", "hang_after_steps_s", "reconcile_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} is {getattr(self, name)}; it must be > 0")
 
 
-@dataclass
-class Instance:
-    instance_id: str
-    function: str
-    version: int
-    device: str
-    state: InstanceState = "starting"
-    handle: InstanceRef | None = None
-    client: WorkerClient | None = None
-    in_flight: int = 0
-    started_at: float = field(default_factory=time.time)
-    last_used_s: float = 0.0  # agent clock
-    cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
-    loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
-    adapter: dict | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held): AdapterStats
-    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def pid(self) -> int | None:
-        return self.handle.pid if self.handle else None
-
-    def describe(self) -> dict:
-        return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
-                "version": self.version, "in_flight": self.in_flight, "started_at": self.started_at,
-                "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start), "adapter": self.adapter}
+def same_worker(a: FunctionSpec, b: FunctionSpec) -> bool:
+    """Whether an instance started for `a` answers exactly as one started for `b` (a settings-only change)."""
+    return a.uid == b.uid and all(getattr(a, f) == getattr(b, f) for f in WORKER_FIELDS)
 
 
 class NodeAgent:
@@ -97,17 +97,18 @@ class NodeAgent:
         self.adapter_path = adapter_path
         self.config = config or AgentConfig()
         self.clock = clock
-        self.specs: dict[str, FunctionSpec] = {}
-        self.instances: dict[str, list[Instance]] = {}
+        self.specs: dict[str, FunctionSpec] = {}  # the current spec of every function deployed here
+        self.table = InstanceTable()
         self.last_cold_start: dict[str, dict[str, float]] = {}
         self.last_scale_out_s: dict[str, float] = {}  # a start beside a running instance: what the next one expects
         self.num_cold_starts: dict[tuple[str, str], int] = {}  # (function, kind) -> count
         self.num_restarts: dict[str, int] = {}
         self.most_in_flight: dict[str, int] = {}  # function -> most requests one instance has held at once
-        self.crashes: dict[str, list[dict]] = {}  # function -> its instances that exited unexpectedly (recent last)
+        self.crashes: dict[str, list[dict]] = {}  # function -> its instances that failed (recent last)
+        self.last_admission: dict[str, AdmissionDecision] = {}  # function -> the admission policy's last word
         self._tasks: set[asyncio.Task] = set()
+        self._probes: dict[Instance, asyncio.Task] = {}
         self._reconciler: asyncio.Task | None = None
-        self._random = random.Random(0)
         self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
         self.admission = Admission(self.scheduler, self.clock, self._acquire, self.config.fill_or_expire)
         self.policy = AgentScheduler(self)
@@ -128,24 +129,32 @@ class NodeAgent:
     async def stop(self) -> None:
         if self._reconciler:
             self._reconciler.cancel()
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._probes.values()]:
             task.cancel()
-        for instances in self.instances.values():
-            for instance in list(instances):
-                await self.stop_instance(instance)
+        for instance in self.table.all():
+            await self.stop_instance(instance, "the node agent is stopping")
         await asyncio.to_thread(self.launcher.close)
         if self.lora_servers is not None:
             await asyncio.to_thread(self.lora_servers.close)
 
     def apply(self, spec: FunctionSpec) -> None:
-        """Adopt a (new version of a) function spec; the reconciler starts, drains and retires instances."""
+        """Adopt a function's spec: a new function, or a new version of one. A settings-only version keeps its
+        instances (they answer alike); a new adapter or LoRA mode rolls (the new version's instance is ready before
+        the old ones drain). The reconciler starts, drains and retires instances."""
         if self.config.scheduler.preloading and not any(s.backbone == spec.backbone for s in self.specs.values()):
             self._spawn(self.prepare_backbone(spec.backbone))
         previous = self.specs.get(spec.name)
         self.specs[spec.name] = spec
-        self.instances.setdefault(spec.name, [])
-        if previous is not None and previous.version != spec.version:
-            self._spawn(self._roll(spec))
+        if previous is not None and previous.uid != spec.uid:  # a new deployment under the name: the old one goes
+            self._drain_deployment(previous, f"function {spec.name} was deployed again")
+        elif previous is not None and previous.version != spec.version:
+            if same_worker(previous, spec):
+                moved = self.table.relabel(Identity.of(previous), Identity.of(spec))
+                log.info("%s: version %d changes settings only: %d instance(s) serve it as they are", spec.name,
+                         spec.version, moved)
+                self.admission.wake(spec.name)
+            else:
+                self._spawn(self._roll(previous, spec))
         self._spawn(self._reconcile(spec.name))
 
     async def prepare_backbone(self, backbone: str) -> None:
@@ -159,23 +168,46 @@ class NodeAgent:
             await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
 
     async def remove(self, name: str) -> None:
+        """Delete a function: its queued requests fail at once, nothing new starts or is dispatched for it, and its
+        instances stop once the requests they hold are done."""
         spec = self.specs.pop(name, None)
+        if spec is None:
+            return
         self.scheduler.forget(name)
-        for instance in self.instances.pop(name, []):
-            await self.stop_instance(instance)
-        if spec is not None and self.lora_servers is not None and all(
-                s.backbone != spec.backbone for s in self.specs.values()):  # the backbone's last function went
-            await asyncio.to_thread(self.lora_servers.stop, spec.backbone)
+        self._drain_deployment(spec, f"function {name} was deleted")
+        if self.lora_servers is not None and all(s.backbone != spec.backbone for s in self.specs.values()):
+            await asyncio.to_thread(self.lora_servers.stop, spec.backbone)  # the backbone's last function went
+
+    def _drain_deployment(self, spec: FunctionSpec, reason: str) -> None:
+        failed = self.admission.fail(lambda identity: identity.function == spec.name and identity.uid == spec.uid,
+                                     FunctionNotFound(f"{reason} while this request waited"))
+        if failed:
+            log.info("%s: %d queued request(s) failed: %s", spec.name, failed, reason)
+        for instance in self.table.of_function(spec.name):
+            if instance.identity.uid == spec.uid:
+                self._drain(instance, reason)
+
+    def _drain(self, instance: Instance, reason: str) -> None:
+        if instance.state in ("starting", "ready"):
+            self.table.transition(instance, "draining", reason)
+        self._finish_drain(instance)
+
+    def _finish_drain(self, instance: Instance) -> None:
+        """A draining instance stops once it holds no request and none is queued for its identity."""
+        if (instance.state == "draining" and not instance.in_flight and instance.client is not None
+                and not self.admission.queue_length(instance.identity)):
+            self._spawn(self.stop_instance(instance, "drained"))
 
     # -- invocation ------------------------------------------------------------------------------------------------
 
     async def invoke(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
-        """Stream one request's events. It waits in the function's queue until the batch policy dispatches it; a
-        request that fails before its first token is retried once elsewhere."""
+        """Stream one request's events. It waits in its identity's queue until the admission policy dispatches it;
+        a request that fails before its first token is retried once elsewhere (never on another identity)."""
         self._observe_arrival(spec.name)
         for attempt in (1, 2):
             admitted = await self.admission.admit(spec)
             instance, dispatched = admitted.instance, self.clock()
+            instance.last_progress_s = dispatched
             self.most_in_flight[spec.name] = max(self.most_in_flight.get(spec.name, 0), instance.in_flight)
             produced = False
             tokens = self.policy.request_tokens(request)
@@ -183,32 +215,39 @@ class NodeAgent:
                 try:
                     await self.policy.make_room(spec, tokens)
                 except BaseException:
-                    self._release(spec.name, instance)
+                    self._release(instance)
                     raise
             self.in_flight_tokens[spec.name] = self.in_flight_tokens.get(spec.name, 0) + tokens
             try:
                 async for event in instance.client.generate(request):
+                    instance.last_progress_s = self.clock()
                     if not produced:
                         produced = True
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         self._observe_prefill(spec, admitted.batch_size, event, self.clock() - dispatched)
                     yield event
                 return
-            except InstanceUnavailable:
+            except InstanceUnavailable as exc:
+                failure = exc
+                if instance.hung:
+                    failure = InstanceHung(f"function {spec.name}: instance {instance.instance_id} {instance.hung}; "
+                                           "it was killed and is replaced")
                 if produced or attempt == 2:
-                    raise
-                log.warning("%s: instance %s failed before the first token; retrying", spec.name,
-                            instance.instance_id)
+                    raise failure from exc
+                log.warning("%s: instance %s failed before the first token (%s); retrying", spec.name,
+                            instance.instance_id, failure.message)
             finally:
                 self.in_flight_tokens[spec.name] = max(0, self.in_flight_tokens.get(spec.name, 0) - tokens)
-                self._release(spec.name, instance)
+                self._release(instance)
 
-    def _release(self, name: str, instance: Instance) -> None:
+    def _release(self, instance: Instance) -> None:
         """A request admitted to `instance` is over."""
         instance.in_flight -= 1
         instance.last_used_s = self.clock()
-        self._observe_end(name)
-        self.admission.wake(name)
+        self._observe_end(instance.function)
+        self.admission.wake(instance.function)
+        if instance.state == "draining":
+            self._finish_drain(instance)
 
     def _observe_prefill(self, spec: FunctionSpec, batch_size: int, first: m.Token | m.Finished,
                          waited_s: float) -> None:
@@ -233,38 +272,74 @@ class NodeAgent:
             self._last_end[name] = self.clock()
 
     def _in_flight(self, name: str) -> int:
-        return sum(i.in_flight for i in self.instances.get(name, []))
+        return sum(i.in_flight for i in self.table.of_function(name))
 
-    async def _acquire(self, spec: FunctionSpec, cap: int) -> Instance | None:
-        """An instance of the current version with fewer than `cap` requests in flight, starting one (a cold start)
-        if the function may grow, else one with room in its worker's batch (`in_flight_limit`); None when all are
-        full. A start expected to outlast the SLO (the function's last scale-out did) gives way to a running batch
-        with room (`start_beats_joining`)."""
-        pool = self.instances.setdefault(spec.name, [])
-        # A ready instance whose connection dropped died a moment ago (its watcher has not run yet): not a choice.
-        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")
-                   and (i.state == "starting" or i.client.connected)]
-        free = [i for i in current if i.state == "ready" and i.in_flight < min(cap, self.config.max_batch_size)]
-        if free:
-            return self._least_loaded(free)
-        limit = in_flight_limit(cap, self.config.max_batch_size, False, self.config.scheduler.adaptive_batching)
-        joinable = [i for i in current if i.state == "ready" and i.in_flight < min(limit, self.config.max_batch_size)]
-        if (len(current) < spec.max_instances
-                and may_scale_out(len(current), self._busy_instances(), self.compute_slots)
-                and (not joinable or start_beats_joining(self.last_scale_out_s.get(spec.name),
-                                                         spec.slo_ttft_ms / 1e3))):
-            return await self._start_instance(spec, stages=REQUEST_STAGES, kind="libraries_preloaded")
-        if joinable:
-            return self._least_loaded(joinable)
-        starting = [i for i in current if i.state == "starting"]
-        if starting:
-            await starting[0].ready_event.wait()
-            if starting[0].state == "ready" and starting[0].in_flight < cap:
-                return starting[0]
+    # -- admission -------------------------------------------------------------------------------------------------
+
+    def serving_spec(self, spec: FunctionSpec) -> FunctionSpec:
+        """The spec whose instances may answer a request accepted with `spec`: the current one when it answers
+        alike, else `spec` itself (an older adapter: only its draining instances). FunctionNotFound when the
+        deployment is gone."""
+        current = self.specs.get(spec.name)
+        if current is None or current.uid != spec.uid:
+            raise FunctionNotFound(f"function {spec.name} was deleted while this request waited")
+        if current.version == spec.version or same_worker(current, spec):
+            return current
+        return spec
+
+    def admission_view(self, spec: FunctionSpec, queue_length: int) -> AdmissionView:
+        """The function as the admission policy sees it: the instances of exactly this spec's identity and, for
+        the current spec only, this device as a place to start one."""
+        identity = Identity.of(spec)
+        instances = [i for i in self.table.of_identity(identity)
+                     if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
+        loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s)
+                      for i in instances)
+        current = self.specs.get(spec.name) == spec
+        max_instances = spec.max_instances if current else len(loads)  # nothing starts for a superseded version
+        slo_s = spec.slo_ttft_ms / 1e3
+        slo_batch = self.scheduler.batch_policy(spec.name, slo_s).max_batch_size
+        adaptive = self.config.scheduler.adaptive_batching
+        busy = self.table.busy_on_device(self.config.device)
+        options = ()
+        if worth_offering(len(loads), max_instances, busy, self.compute_slots):
+            joinable = can_join(loads, slo_batch, self.config.max_batch_size, adaptive)
+            options = (StartOption(self.config.device, busy, self.compute_slots,
+                                   self.last_scale_out_s.get(spec.name) if joinable else None),)
+        return AdmissionView(
+            function=spec.name, queue_length=queue_length, slo_ttft_s=slo_s, slo_batch=slo_batch,
+            worker_capacity=self.config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
+            instances=loads, start_options=options,
+        )
+
+    async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
+        """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many
+        it takes now), or None to wait. Raises FunctionNotFound for a deleted function, InstanceUnavailable for
+        requests of a superseded adapter that no instance is left to serve, or a failed start."""
+        serving = self.serving_spec(spec)
+        view = self.admission_view(serving, queue_length)
+        decision = decide_admission(view)
+        self.last_admission[spec.name] = decision
+        by_id = {i.instance_id: i for i in self.table.of_identity(Identity.of(serving))}
+        if decision.action == "dispatch":
+            return by_id[decision.instance_id], decision.size
+        if decision.action == "start":
+            instance = await self._start_instance(serving, stages=REQUEST_STAGES, kind="libraries_preloaded")
+            if instance.state != "ready":  # drained while it started (the function was deleted or updated)
+                return None
+            return instance, max(1, min(view.slo_batch, view.worker_capacity) - instance.in_flight)
+        if decision.action == "await_start":
+            await by_id[decision.instance_id].ready_event.wait()
+            return None
+        if not view.instances and not view.start_options:
+            current = self.specs[spec.name]
+            raise InstanceUnavailable(
+                f"function {spec.name} was updated to version {current.version} while this request waited, and no "
+                f"instance of version {spec.version} is left to answer it as accepted; send it again")
         return None
 
     def _busy_instances(self) -> int:
-        return sum(1 for pool in self.instances.values() for i in pool if i.in_flight or i.state == "starting")
+        return self.table.busy_on_device(self.config.device)
 
     @property
     def compute_slots(self) -> int:
@@ -274,16 +349,14 @@ class NodeAgent:
             return max(1, (os.cpu_count() or 1) // max(1, self.config.num_threads))
         return 1  # a GPU runs one instance's kernels at a time; batching, not more instances, fills it
 
-    def _least_loaded(self, instances: list[Instance]) -> Instance:
-        lowest = min(i.in_flight for i in instances)
-        return self._random.choice([i for i in instances if i.in_flight == lowest])
-
     # -- instances -------------------------------------------------------------------------------------------------
 
     async def _start_instance(self, spec: FunctionSpec, stages: tuple[m.StageName, ...], kind: str) -> Instance:
-        instance = Instance("(starting)", spec.name, spec.version, self.config.device)
-        scale_out = any(i.state == "ready" for i in self.instances.get(spec.name, []))
-        self.instances.setdefault(spec.name, []).append(instance)  # counted at once, so bursts respect max
+        now = self.clock()
+        instance = self.table.add(Instance("(starting)", Identity.of(spec), self.config.device, started_s=now,
+                                           last_used_s=now))
+        instance.backbone = spec.backbone
+        scale_out = any(i.state == "ready" for i in self.table.current(spec))
         started = time.perf_counter()
         try:
             worker_spec = await asyncio.to_thread(  # may start the backbone daemon: off the event loop
@@ -303,67 +376,119 @@ class NodeAgent:
                 if stage == "adapter" and done.adapter is not None:
                     instance.adapter = msgspec.to_builtins(done.adapter)
         except (LorafaasError, OSError) as exc:
-            instance.state = "crashed"
-            instance.ready_event.set()
-            self.instances[spec.name].remove(instance)
-            if instance.handle:
-                await asyncio.to_thread(instance.handle.kill)
+            self._record_failure(instance, f"start failed: {exc}")
+            self.table.transition(instance, "crashed", "start failed")
+            await self._kill(instance)
             raise InstanceUnavailable(f"function {spec.name}: starting an instance failed: {exc}") from exc
+        except BaseException:  # cancelled (the agent is stopping): leave no process behind
+            self.table.transition(instance, "crashed", "start cancelled")
+            await asyncio.shield(self._kill(instance))
+            raise
         instance.cold_start["total"] = time.perf_counter() - started
-        instance.state = "ready"
-        instance.last_used_s = self.clock()
-        instance.ready_event.set()
+        instance.last_used_s = instance.last_progress_s = self.clock()
+        self._spawn(self._watch(instance))
+        if not self.table.transition(instance, "ready") and instance.state == "draining":
+            self._finish_drain(instance)  # deleted or updated while it started: it serves only what waits for it
         self.last_cold_start[spec.name] = dict(instance.cold_start)
         if scale_out:  # a first start may also start the backbone's daemon; a scale-out binds to it
             self.last_scale_out_s[spec.name] = instance.cold_start["total"]
         self.policy.record_cold_start(spec, instance.cold_start)
         self.num_cold_starts[spec.name, kind] = self.num_cold_starts.get((spec.name, kind), 0) + 1
-        self._spawn(self._watch(instance))
-        log.info("%s: instance %s (pid %s) ready in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
+        self.admission.wake(spec.name)
+        log.info("%s: instance %s (pid %s) started in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
                  instance.cold_start["total"] * 1e3, kind)
         return instance
 
     async def _watch(self, instance: Instance) -> None:
         await instance.client.wait_closed()
-        if instance.state in ("ready", "starting"):
-            instance.state = "crashed"
+        if instance.state in ("ready", "draining"):
             self.num_restarts[instance.function] = self.num_restarts.get(instance.function, 0) + 1
-            log.warning("%s: instance %s (pid %s) exited unexpectedly", instance.function, instance.instance_id,
-                        instance.pid)
-            crashes = self.crashes.setdefault(instance.function, [])
-            crashes.append({"instance_id": instance.instance_id, "pid": instance.pid, "reason": "exited unexpectedly",
-                            "at": time.time()})
-            del crashes[:-MAX_FAILURES_KEPT]
-            pool = self.instances.get(instance.function, [])
-            if instance in pool:
-                pool.remove(instance)
-            if instance.handle:
-                await asyncio.to_thread(instance.handle.kill)
+            self._record_failure(instance, "exited unexpectedly")
+            self.table.transition(instance, "crashed", "exited unexpectedly")
+            await self._kill(instance)
+            self.admission.wake(instance.function)
             if instance.function in self.specs:
                 self._spawn(self._reconcile(instance.function))
 
-    async def stop_instance(self, instance: Instance) -> None:
-        if instance.state in ("stopped", "crashed"):
+    def _record_failure(self, instance: Instance, reason: str) -> None:
+        log.warning("%s: instance %s (pid %s) %s", instance.function, instance.instance_id, instance.pid, reason)
+        crashes = self.crashes.setdefault(instance.function, [])
+        crashes.append({"instance_id": instance.instance_id, "pid": instance.pid, "reason": reason,
+                        "version": instance.version, "at": time.time()})
+        del crashes[:-MAX_FAILURES_KEPT]
+
+    async def _kill(self, instance: Instance, sig: int = 9) -> None:
+        if instance.client is not None:
+            await instance.client.close()
+        if instance.handle is not None:
+            await asyncio.to_thread(instance.handle.kill, sig, self.config.stop_timeout_s)
+            with contextlib.suppress(ValueError):
+                self.launcher.instances.remove(instance.handle)
+
+    async def stop_instance(self, instance: Instance, reason: str = "") -> None:
+        if instance.state in ("stopping", "stopped", "crashed"):
             return
-        instance.state = "stopped"
-        pool = self.instances.get(instance.function, [])
-        if instance in pool:
-            pool.remove(instance)
+        self.table.transition(instance, "stopping", reason)
         if instance.client is not None:
             with contextlib.suppress(LorafaasError, OSError):
                 await instance.client.shutdown()
-            await instance.client.close()
-        if instance.handle is not None:
-            await asyncio.to_thread(instance.handle.kill, 15, self.config.stop_timeout_s)
-            with contextlib.suppress(ValueError):
-                self.launcher.instances.remove(instance.handle)
-        log.info("%s: instance %s stopped", instance.function, instance.instance_id)
+        await self._kill(instance, 15)
+        self.table.transition(instance, "stopped")
+        self.admission.wake(instance.function)
+
+    # -- liveness --------------------------------------------------------------------------------------------------
+
+    def _check_liveness(self) -> None:
+        """Ask every instance that holds requests and has sent nothing for a while for a heartbeat."""
+        now = self.clock()
+        for instance in self.table.all():
+            if (instance.state in ("ready", "draining") and instance.in_flight and instance.client is not None
+                    and now - instance.last_progress_s >= self.config.heartbeat_after_s
+                    and instance not in self._probes):
+                task = asyncio.create_task(self._probe(instance))
+                self._probes[instance] = task
+                task.add_done_callback(lambda _t, i=instance: self._probes.pop(i, None))
+
+    async def _probe(self, instance: Instance) -> None:
+        try:
+            stats = await asyncio.wait_for(instance.client.stats(), self.config.hang_timeout_s)
+        except TimeoutError:
+            await self._hung(instance, f"answered no heartbeat within {self.config.hang_timeout_s:g} s while "
+                                       f"holding {instance.in_flight} request(s)")
+            return
+        except (LorafaasError, OSError):
+            return  # it went away: its watcher reports the crash
+        now = self.clock()
+        if stats.num_steps != instance.num_steps:
+            instance.num_steps = stats.num_steps
+            instance.last_progress_s = now
+        elif instance.in_flight and now - instance.last_progress_s >= self.config.hang_after_steps_s:
+            await self._hung(instance, f"made no progress for {now - instance.last_progress_s:.0f} s while holding "
+                                       f"{instance.in_flight} request(s)")
+
+    async def _hung(self, instance: Instance, reason: str) -> None:
+        """Fail or retry its requests (closing the connection ends their streams), kill it, replace it."""
+        if not self.table.transition(instance, "hung", reason):
+            return
+        instance.hung = reason
+        self._record_failure(instance, f"hung: {reason}")
+        self.num_restarts[instance.function] = self.num_restarts.get(instance.function, 0) + 1
+        self.table.transition(instance, "stopping", "hung")
+        await self._kill(instance)
+        self.table.transition(instance, "stopped")
+        self.admission.wake(instance.function)
+        if instance.function in self.specs:
+            self._spawn(self._reconcile(instance.function))
 
     # -- reconciliation --------------------------------------------------------------------------------------------
 
     async def _reconcile_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.reconcile_interval_s)
+            self._check_liveness()
+            for instance in self.table.all():
+                if instance.state == "draining":
+                    self._finish_drain(instance)
             for name in list(self.specs):
                 try:
                     await self._reconcile(name)
@@ -383,7 +508,7 @@ class NodeAgent:
                 self._last_plan_s = now
                 await self.policy.apply_plan(now)
             return
-        in_use = {self.specs[n].backbone for n, pool in self.instances.items() if pool and n in self.specs}
+        in_use = {i.backbone for i in self.table.all()}
         for backbone in self.launcher.running_backbones():
             if backbone not in in_use:
                 await asyncio.to_thread(self.launcher.stop_daemon, backbone)
@@ -393,17 +518,18 @@ class NodeAgent:
         spec = self.specs.get(name)
         if spec is None:
             return
-        pool = self.instances.setdefault(name, [])
-        current = [i for i in pool if i.version == spec.version and i.state in ("starting", "ready")]
+        current = self.table.current(spec)
         for _ in range(spec.min_instances - len(current)):
+            if self.specs.get(name) != spec:
+                return  # changed while an instance started: the next round reconciles the new spec
             await self._start_instance(spec, stages=m.STAGES, kind="prewarm")
         now, keep_alive_s = self.clock(), self.keep_alive_s(spec)
+        current = self.table.current(spec)
         idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0
                        and now - i.last_used_s >= keep_alive_s), key=lambda i: i.last_used_s)
         for instance in idle[: max(0, len(current) - spec.min_instances)]:
-            log.info("%s: instance %s idle for %.1f s (keep-alive %.1f s): retiring", name, instance.instance_id,
-                     now - instance.last_used_s, keep_alive_s)
-            await self.stop_instance(instance)
+            await self.stop_instance(instance, f"idle for {now - instance.last_used_s:.1f} s "
+                                               f"(keep-alive {keep_alive_s:.1f} s)")
 
     def keep_alive_s(self, spec: FunctionSpec) -> float:
         """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""
@@ -413,18 +539,19 @@ class NodeAgent:
                 return decision.prewarm_s + decision.keep_alive_s
         return spec.keep_alive_s
 
-    async def _roll(self, spec: FunctionSpec) -> None:
-        """Redeploy: the new version's instance is ready before the old ones drain."""
-        pool = self.instances.get(spec.name, [])
-        old = [i for i in pool if i.version != spec.version]
+    async def _roll(self, previous: FunctionSpec, spec: FunctionSpec) -> None:
+        """A new adapter (or LoRA mode): the new version's instance is ready before the old ones drain. Instances
+        of the old version serve only the requests accepted for it; none starts for it again."""
+        old = [i for i in self.table.of_function(spec.name)
+               if i.identity.uid == spec.uid and i.identity != Identity.of(spec)
+               and i.state in ("starting", "ready")]
         if any(i.state == "ready" for i in old):
-            await self._start_instance(spec, stages=m.STAGES, kind="redeploy")
+            try:
+                await self._start_instance(spec, stages=m.STAGES, kind="redeploy")
+            except LorafaasError as exc:  # the old version still drains: requests now see the new one's error
+                log.warning("%s: version %d did not start: %s", spec.name, spec.version, exc.message)
         for instance in old:
-            instance.state = "draining"
-        while any(i.in_flight for i in old):
-            await asyncio.sleep(0.05)
-        for instance in old:
-            await self.stop_instance(instance)
+            self._drain(instance, f"updated to version {spec.version}")
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -435,14 +562,21 @@ class NodeAgent:
     # -- views -------------------------------------------------------------------------------------------------------
 
     def describe(self, name: str) -> list[dict]:
-        return [i.describe() for i in self.instances.get(name, [])]
+        return [i.describe() for i in self.table.of_function(name)]
+
+    def admission_state(self, spec: FunctionSpec) -> dict:
+        """What the admission policy last decided for the function and why (e.g. why a request waited)."""
+        decision = self.last_admission.get(spec.name)
+        return {"queued": self.admission.queued(spec.name),
+                "last_decision": decision.action if decision else None,
+                "reason": decision.reason if decision else None}
 
     def offloaded(self, name: str) -> list[dict]:
         return self.policy.describe(name)
 
     def failures(self, name: str) -> list[dict]:
-        """Instances of the function that failed: crashed processes seen here, and what the backend saw (a pod that
-        could not be scheduled, pull its image or stay alive)."""
+        """Instances of the function that failed: crashed, hung or failed to start here, and what the backend saw
+        (a pod that could not be scheduled, pull its image or stay alive)."""
         from_backend = getattr(self.launcher, "describe_failures", None)  # only backends with a control plane
         return [*self.crashes.get(name, []), *(from_backend(name) if from_backend else [])]
 
@@ -456,11 +590,7 @@ class NodeAgent:
                 "most_in_flight": self.most_in_flight.get(spec.name, 0)}
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
-        for name, pool in self.instances.items():
-            for instance in pool:
-                counts[name, instance.state] = counts.get((name, instance.state), 0) + 1
-        return counts
+        return self.table.count_by_state()
 
 
 def _log_failure(task: asyncio.Task) -> None:

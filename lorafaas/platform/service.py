@@ -120,6 +120,7 @@ class FunctionService:
         return {"function": msgspec.to_builtins(spec), "instances": self.agent.describe(spec.name),
                 "last_cold_start": self.agent.last_cold_start.get(spec.name),
                 "offloaded": self.agent.offloaded(spec.name), "batching": self.agent.batching(spec),
+                "admission": self.agent.admission_state(spec),
                 "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name},
                 "failures": self.agent.failures(spec.name)}
 
@@ -178,7 +179,8 @@ class FunctionService:
         request.check(spec.max_tokens_limit)
         now = time.time()
         record = InvocationRecord(
-            invocation_id=secrets.token_hex(12), function=spec.name, tenant=spec.tenant, status="queued",
+            invocation_id=secrets.token_hex(12), function=spec.name, tenant=spec.tenant, deployment=spec.uid,
+            status="queued",
             request=request, created_at=now, updated_at=now, expires_at=now + INVOCATION_RETENTION_S,
         )
         self.store.put_invocation(record)
@@ -200,6 +202,8 @@ class FunctionService:
         self.store.put_invocation(msgspec.structs.replace(record, status="running", updated_at=time.time()))
         try:
             spec = self.store.get_function(record.function)
+            if (record.deployment and spec.uid != record.deployment) or spec.tenant != record.tenant:
+                raise FunctionNotFound(f"function {record.function!r} was deleted before this invocation ran")
             finished = None
             events = self.agent.invoke(spec, to_generate(record.request, record.invocation_id))
             async for event in within_wall_time(events, spec):
@@ -215,6 +219,13 @@ class FunctionService:
         except LorafaasError as exc:
             done = msgspec.structs.replace(record, status="failed", error_code=exc.code, error_message=exc.message,
                                            updated_at=time.time())
+        except asyncio.CancelledError:  # the platform is stopping: the record stays running and resumes at restart
+            raise
+        except Exception as exc:  # an accepted invocation always ends: a bug fails it, with its reason
+            log.exception("invocation %s of %s failed", record.invocation_id, record.function)
+            done = msgspec.structs.replace(record, status="failed", error_code=ServerError.code,
+                                           error_message=f"the invocation failed inside lorafaas "
+                                                         f"({type(exc).__name__}: {exc})", updated_at=time.time())
         self.store.put_invocation(done)
 
     def expire_invocations(self) -> int:
@@ -226,6 +237,7 @@ async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIt
     generation behind it is cancelled (the instance drops the request) either way."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + spec.max_request_s
+    started = False
     try:
         while True:
             try:
@@ -233,10 +245,15 @@ async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIt
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if started:
+                    advice = "ask for fewer tokens or raise the limit"
+                else:  # no token came: the request waited for an instance, or its prefill did not end in time
+                    advice = "no token was generated in that time (the function was busy or its instance stalled)"
                 raise InvocationTimedOut(
                     f"function {spec.name}: the request ran past its wall-time limit of {spec.max_request_s:g} s "
-                    "(max_request_s); ask for fewer tokens or raise the limit"
+                    f"(max_request_s); {advice}"
                 ) from None
+            started = True
             yield event
     finally:
         await events.aclose()

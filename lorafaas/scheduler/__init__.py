@@ -9,7 +9,9 @@ from lorafaas.scheduler.admission import (
     AdmissionView,
     InstanceLoad,
     StartOption,
+    can_join,
     decide_admission,
+    worth_offering,
 )
 from lorafaas.scheduler.batching import (
     BatchDecision,
@@ -78,10 +80,12 @@ __all__ = [
     "StartOption",
     "WorkerSlot",
     "batch_memory_bytes",
+    "can_join",
     "decide_admission",
     "in_flight_limit",
     "may_scale_out",
     "plan_difference",
     "plan_offload",
     "start_beats_joining",
+    "worth_offering",
 ]

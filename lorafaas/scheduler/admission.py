@@ -83,6 +83,23 @@ class AdmissionDecision:
     size: int = 0  # dispatch: how many of the queue's requests go now
 
 
+def worth_offering(num_instances: int, max_instances: int, busy_instances: int, compute_slots: int) -> bool:
+    """Whether an executor should describe a device as a `StartOption` at all: the policy skips it otherwise."""
+    return num_instances < max_instances and may_scale_out(num_instances, busy_instances, compute_slots)
+
+
+def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
+    """How many requests a ready instance may hold when a request joins it because no instance can start."""
+    capacity = max(1, worker_capacity)
+    return min(in_flight_limit(slo_batch, capacity, False, adaptive), capacity)
+
+
+def can_join(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int, adaptive: bool) -> bool:
+    """Whether a running batch could take a request instead of a start (then a start's expected time matters)."""
+    limit = join_limit(slo_batch, worker_capacity, adaptive)
+    return any(i.ready and i.in_flight < limit for i in instances)
+
+
 def decide_admission(view: AdmissionView) -> AdmissionDecision:
     if view.queue_length <= 0:
         return AdmissionDecision("wait", "empty")
@@ -94,7 +111,7 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
         best = _least_loaded(with_room)
         size = min(view.queue_length, cap - best.in_flight)
         return AdmissionDecision("dispatch", "room", best.instance_id, size=size)
-    limit = min(in_flight_limit(view.slo_batch, capacity, False, view.adaptive), capacity)
+    limit = join_limit(view.slo_batch, capacity, view.adaptive)
     joinable = [i for i in ready if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     if can_grow:

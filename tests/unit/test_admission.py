@@ -4,6 +4,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from lorafaas.errors import FunctionNotFound, ServerError
 from lorafaas.platform.admission import Admission
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import Scheduler, SchedulerConfig
@@ -22,10 +23,13 @@ def spec(slo_ttft_ms: int = 1000) -> FunctionSpec:
 
 
 def admission(config: SchedulerConfig, slot: Slot, fill_or_expire: bool = False) -> Admission:
-    async def acquire(_spec: FunctionSpec, cap: int):
-        return slot if slot.in_flight < cap else None
+    scheduler = Scheduler(config)
 
-    return Admission(Scheduler(config), time.monotonic, acquire, fill_or_expire)
+    async def acquire(spec: FunctionSpec, wanted: int):
+        cap = scheduler.batch_policy(spec.name, spec.slo_ttft_ms / 1e3).max_batch_size
+        return (slot, cap - slot.in_flight) if slot.in_flight < cap else None
+
+    return Admission(scheduler, time.monotonic, acquire, fill_or_expire)
 
 
 def test_a_full_batch_is_released_at_once_to_one_instance() -> None:
@@ -111,3 +115,34 @@ def test_a_cancelled_caller_leaves_the_queue_without_taking_a_place() -> None:
 
     admitted = asyncio.run(scenario())
     assert admitted.batch_size == 1 and slot.in_flight == 1
+
+
+def test_a_failed_queue_fails_its_waiting_requests_at_once_and_later_arrivals_queue_anew() -> None:
+    slot = Slot(in_flight=1)
+
+    async def scenario():
+        gate = admission(SchedulerConfig(max_batch_size=1, adaptive_batching=False), slot)
+        waiting = [asyncio.create_task(gate.admit(spec())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        failed = gate.fail(lambda identity: identity.function == "fn", FunctionNotFound("fn was deleted"))
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        slot.in_flight = 0
+        later = await asyncio.wait_for(gate.admit(spec()), 5)
+        return failed, results, later
+
+    failed, results, later = asyncio.run(scenario())
+    assert failed == 3 and all(isinstance(r, FunctionNotFound) for r in results)
+    assert later.instance is slot
+
+
+def test_a_bug_in_acquire_fails_the_queue_instead_of_hanging_it() -> None:
+    async def scenario():
+        async def broken(_spec: FunctionSpec, _wanted: int):
+            raise ValueError("list.remove(x): x not in list")
+
+        gate = Admission(Scheduler(SchedulerConfig()), time.monotonic, broken)
+        return await asyncio.wait_for(asyncio.gather(gate.admit(spec()), gate.admit(spec()),
+                                                     return_exceptions=True), 5)
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(r, ServerError) and "admission failed" in r.message for r in results)

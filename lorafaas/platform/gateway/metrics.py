@@ -47,14 +47,13 @@ class _AgentCollector:
         memory = GaugeMetricFamily("lorafaas_instance_memory_bytes", "PSS of the function instances by device",
                                    labels=["device"])
         per_device: dict[str, int] = {}
-        for pool in self.agent.instances.values():
-            for instance in pool:
-                if instance.pid is not None and instance.state == "ready":
-                    try:
-                        per_device[instance.device] = per_device.get(instance.device, 0) + \
-                            read_memory(instance.pid).pss_bytes
-                    except OSError:  # exited between listing and reading
-                        continue
+        for instance in self.agent.table.all():
+            if instance.pid is not None and instance.state in ("ready", "draining"):
+                try:
+                    per_device[instance.device] = per_device.get(instance.device, 0) + \
+                        read_memory(instance.pid).pss_bytes
+                except OSError:  # exited between listing and reading
+                    continue
         for device, pss in sorted(per_device.items()):
             memory.add_metric([device], pss)
         return [cold, instances, memory]

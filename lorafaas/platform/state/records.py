@@ -28,6 +28,14 @@ INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "faile
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as the wire and torch's generators take it
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise InvalidInput(f"seed is {seed}; it must be a signed 64-bit integer (between {SEED_MIN} and {SEED_MAX})")
+
+
 def check_digest(digest: str, what: str = "adapter digest") -> str:
     if not isinstance(digest, str) or not DIGEST_PATTERN.match(digest):
         raise InvalidInput(f"{what} {digest!r} is invalid: expected 64 lowercase hex characters (a sha256)")
@@ -127,6 +135,7 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("temperature", self.temperature, 0.0, 2.0)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInput(f"top_p is {self.top_p:g}; it must be greater than 0 and at most 1")
+        check_seed(self.seed)
         return self
 
 
@@ -136,6 +145,7 @@ class InvocationRecord(msgspec.Struct, frozen=True, kw_only=True):
     invocation_id: str
     function: str
     tenant: str
+    deployment: str = ""  # the function's uid when it was accepted: a redeploy under the name never runs it
     status: InvocationStatus
     request: InvocationRequest
     result_text: str | None = None

@@ -2,10 +2,11 @@
 
 The simulator is an executor like the node agent: it feeds the `Scheduler` what happened (`observe_arrival`,
 `observe_prefill` when a first token comes, `observe_idle`), asks it what to do (`batch_policy` for B on each
-dispatch, `decide_batch` only under fill-or-expire, `may_scale_out` and `place` for a new instance, `make_room` when
+dispatch, `decide_batch` only under fill-or-expire, `decide_admission` for where a queue's requests go
+(admission.py: the same policy and the same view as the node agent's), `place` for a new instance, `make_room` when
 a new instance does not fit, `keep_alive` after an invocation, `plan` every `plan_interval_s` or when
-`should_replan`), and applies the decisions to its state with a fake clock and the cost model. The lorafaas
-policies admit as the node agent does (`lorafaas/platform/admission.py`, `node_agent._acquire`). Baselines that
+`should_replan`), and
+applies the decisions to its state with a fake clock and the cost model. Baselines that
 are not lorafaas (ServerlessLLM, InstaInfer, serverful) switch mechanisms off or replace them (fast loader, locality
 placement, LRU eviction, fixed keep-alive, always-on servers); see `policies.py`.
 
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lorafaas.replay.results import RequestResult
+from lorafaas.replay.sim.admission import SimAdmission
 from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
 from lorafaas.replay.sim.costmodel import CostModel
 from lorafaas.replay.sim.policies import PolicySpec
@@ -40,9 +42,6 @@ from lorafaas.scheduler import (
     FunctionName,
     Scheduler,
     SchedulerConfig,
-    in_flight_limit,
-    may_scale_out,
-    start_beats_joining,
 )
 
 
@@ -110,6 +109,7 @@ class Simulator:
         }
         self.mem = MemoryState(devices, cluster.price, backbone_of, sizes)
         self.views = ViewBuilder(self, cluster, self.costs)
+        self.admission = SimAdmission(self)
         self.worker = WorkerModel(self)
         self.now = 0.0
         self.events: list[tuple[float, int, str, object]] = []
@@ -220,7 +220,7 @@ class Simulator:
             fs.recheck_at_s = math.inf
             self._pump(name)
 
-    def _recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None:
+    def recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None:
         if at_s < fs.recheck_at_s - 1e-9:
             fs.recheck_at_s = at_s
             self.push(at_s, "recheck", name)
@@ -245,7 +245,7 @@ class Simulator:
             if decision.dispatch or decision.recheck_at_s <= self.now + 1e-9:  # expired up to rounding
                 return max(1, min(n, decision.size))
             recheck = decision.recheck_at_s
-        self._recheck(name, fs, recheck)
+        self.recheck(name, fs, recheck)
         return 0
 
     def dispatch(self, name: FunctionName) -> None:
@@ -258,57 +258,36 @@ class Simulator:
         self.blocked.pop(name, None)
         while fs.queue:
             if self.now < fs.dispatch_free_at_s - 1e-9:  # the dispatcher is still awaiting a cold start
-                self._recheck(name, fs, fs.dispatch_free_at_s)
+                self.recheck(name, fs, fs.dispatch_free_at_s)
                 return
             size = self._batch_size(name, fs)
             if size == 0:
                 return
-            instance, room = self._free_instance(name, fs), 0
-            if instance is None:
-                instance = self._start_instance(name, fs, size)
-                if instance is not None and self.policy.agent_admission:
-                    fs.dispatch_free_at_s = instance.ready_at_s
-            if instance is None and self.policy.agent_admission:  # none can start: join a running batch
-                instance, room = self._joinable_instance(name, fs)
+            if self.policy.agent_admission:  # lorafaas and its ablations: the agent's admission policy
+                if not self.admission.admit(name, fs, size):
+                    return
+                continue
+            instance = self._free_instance(name, fs) or self._start_baseline_instance(name, fs, size)
             if instance is None:  # no device can take it now (or the function is at its maximum): wait
                 fs.blocked = True
                 self.blocked[name] = None
                 return
-            size = min(size, room or self._room(name, fs, instance))
+            size = min(size, self._room(name, fs, instance))
             batch = [fs.queue.popleft() for _ in range(size)]
-            self._run_batch(instance, batch)
+            self.run_batch(instance, batch)
 
     def _room(self, name: FunctionName, fs: FunctionState, inst: SimInstance) -> int:
-        """Requests `inst` may take now. Adaptive batching (as the node agent's admission): fewer than
-        min(B, max_batch_size) in flight, B the policy's largest batch within the SLO; otherwise `concurrency`
-        batches of any size (the baselines' continuous batching)."""
-        if self.policy.batching == "adaptive":
-            cap = min(self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size, self.cluster.max_batch_size)
-            return cap - inst.num_seqs
-        if self.policy.batching == "fixed":  # the agent's fixed batch: B = the fixed size, not adapted
-            return self.policy.fixed_batch_size - inst.num_seqs
-        return len(fs.queue) if inst.running < self.concurrency else 0  # the batching already sized the batch
+        """Requests a baseline's `inst` may take now: `concurrency` batches of any size (their continuous
+        batching; the batching already sized the batch)."""
+        return len(fs.queue) if inst.running < self.concurrency else 0
 
     def _free_instance(self, name: FunctionName, fs: FunctionState) -> SimInstance | None:
-        return self._least_loaded([inst for inst in fs.instances if self._room(name, fs, inst) > 0])
-
-    def _joinable_instance(self, name: FunctionName, fs: FunctionState) -> tuple[SimInstance | None, int]:
-        """As the agent when every instance holds B and none can start: a ready instance whose worker has room
-        (`in_flight_limit`), and how many it may take."""
-        adaptive = self.policy.batching == "adaptive"
-        cap = self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size if adaptive else 0
-        limit = min(in_flight_limit(cap, self.cluster.max_batch_size, False, adaptive), self.cluster.max_batch_size)
-        ready = [inst for inst in fs.instances if inst.ready_at_s <= self.now + 1e-9 and inst.num_seqs < limit]
-        best = self._least_loaded(ready)
-        return best, (limit - best.num_seqs if best is not None else 0)
-
-    @staticmethod
-    def _least_loaded(instances: list[SimInstance]) -> SimInstance | None:
-        return min(instances, key=lambda inst: (inst.num_seqs, inst.ready_at_s), default=None)
+        with_room = [inst for inst in fs.instances if self._room(name, fs, inst) > 0]
+        return min(with_room, key=lambda inst: (inst.num_seqs, inst.ready_at_s), default=None)
 
     # -- batches ------------------------------------------------------------------------------------------------
 
-    def _run_batch(self, inst: SimInstance, batch: list[int]) -> None:
+    def run_batch(self, inst: SimInstance, batch: list[int]) -> None:
         """Send `batch` to `inst`'s worker: it holds the requests' memory from now and prefills them in its next
         pass (`WorkerModel.schedule_pass`)."""
         fs = self.fns[inst.function]
@@ -408,32 +387,26 @@ class Simulator:
 
     # -- instances ----------------------------------------------------------------------------------------------
 
-    def _start_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
+    def _start_baseline_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
+        """A baseline's start: on the first device in its placement order where it fits, else where it made room."""
         if len(fs.instances) >= self.cluster.max_instances_per_function:
             return None
-        allowed = None
-        if self.policy.agent_admission and fs.instances:  # as the agent: scale out only where compute is to spare
-            allowed = {
-                d for d in self.mem.devices if may_scale_out(len(fs.instances), self._busy(d), self.compute_slots)
-            }
-            if allowed and self._joinable_instance(name, fs)[0] is not None:  # and where it starts within the SLO
-                allowed = {d for d in allowed if start_beats_joining(sum(self.views.start_delays(name, d).values()),
-                                                                     fs.spec.slo_ttft_s)}  # fmt: skip
-            if not allowed:
-                return None  # before any view is built: a saturated cluster makes this the common case
         candidates = self.views.candidate_devices(name)
-        if allowed is not None:
-            candidates = [d for d in candidates if d in allowed]
         for device in candidates:  # where it fits as things are, best first
             if self.views.bytes_to_start(name, device, batch_size) <= self.mem.free_bytes(device):
                 return self._cold_start(name, fs, device)
-        first = candidates[0]  # else make room where the placement wanted it
-        if self.views.make_room(name, first, self.views.bytes_to_start(name, first, batch_size)):
-            return self._cold_start(name, fs, first)
+        return self.start_on(name, fs, candidates[0], batch_size)
+
+    def start_on(self, name: FunctionName, fs: FunctionState, device: DeviceState, batch_size: int
+                 ) -> SimInstance | None:
+        """Start an instance of `name` on `device` if it fits there, making room if needed; None if it cannot."""
+        need = self.views.bytes_to_start(name, device, batch_size)
+        if need <= self.mem.free_bytes(device) or self.views.make_room(name, device, need):
+            return self._cold_start(name, fs, device)
         return None
 
-    def _busy(self, device: DeviceState) -> int:
-        """Instances on `device` running a batch or starting (the agent's `_busy_instances`)."""
+    def busy(self, device: DeviceState) -> int:
+        """Instances on `device` running a batch or starting (the agent's `InstanceTable.busy_on_device`)."""
         return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)  # type: ignore[attr-defined]
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:

@@ -85,7 +85,7 @@ def test_no_sharing_costs_more() -> None:
 
 def test_fixed_batch_waits_for_its_timeout_or_a_full_batch() -> None:
     work = _work(*[(0.01 * i, "pirate", 10, 2) for i in range(12)])
-    out, _ = simulate(work, LOCAL, POLICIES["fixed-batch-10"])
+    out, _ = simulate(work, replace(LOCAL, max_batch_size=16), POLICIES["fixed-batch-10"])  # workers hold 10
     sent = sorted({r.sent_s for r in out.results})
     assert sent[0] == pytest.approx(0.09)  # the tenth arrival fills the first batch
     assert sent[1] == pytest.approx(0.10 + 0.5)  # the other two wait for the 500 ms timeout of the 11th

@@ -1,0 +1,184 @@
+"""The node agent's instances: one table, explicit states, every transition in one place.
+
+    starting ──> ready ──> draining ──> stopping ──> stopped
+       │           │          │   ^         ^
+       │           ├──> hung ─┼───┼─────────┤
+       └───────────┴──────────┴───┴──> crashed
+
+- starting: being spawned and staged; counted against `max_instances` at once.
+- ready: serves requests of exactly its identity (tenant, function, deployment uid, version, adapter digest).
+- draining: its function was deleted, redeployed or updated to another adapter: nothing new starts for it and only
+  requests accepted for its own identity before the change may still go to it; it stops when it holds none.
+- hung: it holds requests but made no progress (its worker answered no heartbeat) within the liveness bound: its
+  requests fail or are retried elsewhere, and it is killed.
+- stopping -> stopped: asked to exit (keep-alive, drain, shutdown); crashed: its process went away unasked.
+
+An instance in stopped or crashed has left the table. The table is owned by the node agent's event loop: callers
+mutate it only through `transition`, between awaits, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.platform.backends.base import InstanceRef
+from lorafaas.platform.state.records import FunctionSpec
+
+log = logging.getLogger(__name__)
+
+InstanceState = Literal["starting", "ready", "draining", "hung", "stopping", "stopped", "crashed"]
+INSTANCE_STATES: tuple[InstanceState, ...] = ("starting", "ready", "draining", "hung", "stopping", "stopped",
+                                              "crashed")
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "starting": frozenset({"ready", "draining", "stopping", "crashed"}),
+    "ready": frozenset({"draining", "hung", "stopping", "crashed"}),
+    "draining": frozenset({"hung", "stopping", "crashed"}),
+    "hung": frozenset({"stopping", "crashed"}),
+    "stopping": frozenset({"stopped", "crashed"}),
+    "stopped": frozenset(),
+    "crashed": frozenset(),
+}
+LIVE_STATES = frozenset({"starting", "ready", "draining", "hung", "stopping"})
+
+
+class InvalidTransition(RuntimeError):
+    """A bug: a transition the lifecycle does not have (e.g. stopping an instance twice)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What an instance serves; a request goes only to an instance whose identity equals its own."""
+
+    tenant: str
+    function: str
+    uid: str  # the deployment: a redeploy under the same name has another
+    version: int
+    adapter_digest: str
+
+    @classmethod
+    def of(cls, spec: FunctionSpec) -> Identity:
+        return cls(spec.tenant, spec.name, spec.uid, spec.version, spec.adapter_digest)
+
+    def describe(self) -> dict:
+        return {"tenant": self.tenant, "deployment": self.uid, "version": self.version,
+                "adapter_digest": self.adapter_digest}
+
+
+@dataclass(eq=False)
+class Instance:
+    instance_id: str
+    identity: Identity
+    device: str
+    backbone: str = ""
+    state: InstanceState = "starting"
+    handle: InstanceRef | None = None
+    client: WorkerClient | None = None
+    in_flight: int = 0
+    started_at: float = field(default_factory=time.time)
+    started_s: float = 0.0  # agent clock, for tie-breaks
+    last_used_s: float = 0.0  # agent clock
+    last_progress_s: float = 0.0  # agent clock: the last token, heartbeat or dispatch while it held requests
+    num_steps: int = -1  # the worker's engine steps at the last heartbeat (-1: none yet)
+    cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
+    loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
+    adapter: dict | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held): AdapterStats
+    reason: str = ""  # why it is in its state (draining, hung, crashed)
+    hung: str = ""  # why it was declared hung (its requests' errors say so after it is gone)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def function(self) -> str:
+        return self.identity.function
+
+    @property
+    def version(self) -> int:
+        return self.identity.version
+
+    @property
+    def pid(self) -> int | None:
+        return self.handle.pid if self.handle else None
+
+    @property
+    def serving(self) -> bool:
+        """May take requests of its identity: ready, or draining what was accepted for it."""
+        return self.state in ("ready", "draining") and self.client is not None and self.client.connected
+
+    def describe(self) -> dict:
+        return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
+                "version": self.version, "deployment": self.identity.uid, "in_flight": self.in_flight,
+                "started_at": self.started_at, "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start),
+                "adapter": self.adapter, **({"reason": self.reason} if self.reason else {})}
+
+
+class InstanceTable:
+    def __init__(self) -> None:
+        self._instances: list[Instance] = []
+
+    def add(self, instance: Instance) -> Instance:
+        if instance.state != "starting":
+            raise InvalidTransition(f"an instance enters the table starting, not {instance.state}")
+        self._instances.append(instance)
+        return instance
+
+    def transition(self, instance: Instance, state: InstanceState, reason: str = "") -> bool:
+        """Move `instance` to `state`; False (and nothing changes) when it is already there or past it in a way
+        that makes the move moot (e.g. crashed while being stopped). Raises InvalidTransition for a move the
+        lifecycle does not have."""
+        if instance.state == state or instance.state in ("stopped", "crashed"):
+            return False
+        if state not in TRANSITIONS[instance.state]:
+            raise InvalidTransition(f"instance {instance.instance_id} of {instance.function}: "
+                                    f"{instance.state} -> {state}")
+        log.info("%s: instance %s %s -> %s%s", instance.function, instance.instance_id, instance.state, state,
+                 f" ({reason})" if reason else "")
+        instance.state = state
+        if reason:
+            instance.reason = reason
+        if state in ("stopped", "crashed"):
+            self._instances.remove(instance)
+        if state != "starting":
+            instance.ready_event.set()  # whoever awaits a start learns how it ended
+        return True
+
+    # -- queries ---------------------------------------------------------------------------------------------------
+
+    def all(self) -> list[Instance]:
+        return list(self._instances)
+
+    def of_function(self, name: str) -> list[Instance]:
+        return [i for i in self._instances if i.function == name]
+
+    def of_identity(self, identity: Identity, states: frozenset[str] | None = None) -> list[Instance]:
+        return [i for i in self._instances if i.identity == identity and (states is None or i.state in states)]
+
+    def current(self, spec: FunctionSpec) -> list[Instance]:
+        """Instances starting or ready for exactly this spec: those `max_instances` and keep-alive count."""
+        return self.of_identity(Identity.of(spec), frozenset({"starting", "ready"}))
+
+    def busy_on_device(self, device: str) -> int:
+        """Instances on `device` running a request or starting (of every function)."""
+        return sum(1 for i in self._instances if i.device == device
+                   and (i.state == "starting" or (i.in_flight and i.state in ("ready", "draining"))))
+
+    def count_by_state(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for instance in self._instances:
+            key = (instance.function, instance.state)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def relabel(self, old: Identity, new: Identity) -> int:
+        """A settings-only update (same deployment and adapter): the running instances serve the new version as
+        they are. Returns how many were relabelled."""
+        if (old.tenant, old.function, old.uid, old.adapter_digest) != (
+                new.tenant, new.function, new.uid, new.adapter_digest):
+            raise InvalidTransition(f"{old} -> {new} changes what an instance serves; it is a roll, not a relabel")
+        moved = [i for i in self._instances if i.identity == old and i.state in ("starting", "ready")]
+        for instance in moved:
+            instance.identity = new
+        return len(moved)

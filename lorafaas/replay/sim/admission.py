@@ -1,0 +1,104 @@
+"""The simulator's side of the admission policy: a function's queue described as the node agent describes it
+(`NodeAgent.admission_view`), and `lorafaas.scheduler.decide_admission`'s decision carried out on simulated
+instances. The lorafaas policies and their ablations admit this way; the baselines keep their own rules (engine.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lorafaas.scheduler import (
+    AdmissionDecision,
+    AdmissionView,
+    InstanceLoad,
+    StartOption,
+    can_join,
+    decide_admission,
+    worth_offering,
+)
+
+if TYPE_CHECKING:
+    from lorafaas.replay.sim.engine import FunctionState, Simulator
+    from lorafaas.scheduler import FunctionName
+
+EPS_S = 1e-9
+
+
+class SimAdmission:
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.waits: dict[str, int] = {}  # reason -> times a queue had to wait for it (the report's "why it waited")
+
+    def slo_batch(self, name: FunctionName, fs: FunctionState) -> int:
+        policy = self.sim.policy
+        if policy.batching == "fixed":  # the agent's fixed batch: B = the fixed size, not adapted
+            return policy.fixed_batch_size
+        return self.sim.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size
+
+    def view(self, name: FunctionName, fs: FunctionState, queue_length: int,
+             excluded: frozenset[str] = frozenset()) -> AdmissionView:
+        sim = self.sim
+        loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
+                                   i.ready_at_s - i.cold_start_s) for i in fs.instances)
+        adaptive = sim.policy.batching == "adaptive"
+        slo_batch = self.slo_batch(name, fs)
+        capacity = sim.cluster.max_batch_size
+        max_instances = sim.cluster.max_instances_per_function
+        joinable = can_join(loads, slo_batch, capacity, adaptive)
+        options = []
+        for device in self._devices(name, len(loads), max_instances, excluded):
+            expected = sum(sim.views.start_delays(name, device).values()) if joinable else None
+            options.append(StartOption(device.device_id, sim.busy(device), sim.compute_slots, expected))
+        return AdmissionView(
+            function=name, queue_length=queue_length, slo_ttft_s=fs.spec.slo_ttft_s, slo_batch=slo_batch,
+            worker_capacity=capacity, adaptive=adaptive, max_instances=max_instances, instances=loads,
+            start_options=tuple(options),
+        )
+
+    def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:
+        """The devices worth offering, in placement order. The placement (a view of memory) is asked only when one
+        is: under load the cluster is saturated and the common case costs nothing."""
+        sim = self.sim
+        spare = [d for d in sim.mem.devices if d.device_id not in excluded
+                 and worth_offering(num_instances, max_instances, sim.busy(d), sim.compute_slots)]
+        if not spare:
+            return []
+        wanted = {d.device_id for d in spare}
+        return [d for d in sim.views.candidate_devices(name) if d.device_id in wanted]
+
+    def admit(self, name: FunctionName, fs: FunctionState, queue_length: int) -> bool:
+        """Carry out one decision for `queue_length` of the queue's requests; True when requests went (the caller
+        looks again), False when the queue waits (a recheck or a wake-up is arranged)."""
+        sim = self.sim
+        excluded: frozenset[str] = frozenset()
+        while True:
+            decision = decide_admission(self.view(name, fs, queue_length, excluded))
+            if decision.action == "start":
+                device = sim.mem.by_id[decision.device]
+                instance = sim.start_on(name, fs, device, queue_length)
+                if instance is None:  # no memory could be made there: the policy chooses again without it
+                    excluded |= {device.device_id}
+                    continue
+                cap = min(self.slo_batch(name, fs), sim.cluster.max_batch_size)
+                self._send(fs, instance, min(queue_length, cap))
+                fs.dispatch_free_at_s = instance.ready_at_s  # the agent's dispatcher awaits the start
+                return True
+            return self._carry_out(name, fs, decision)
+
+    def _carry_out(self, name: FunctionName, fs: FunctionState, decision: AdmissionDecision) -> bool:
+        sim = self.sim
+        by_id = {i.instance_id: i for i in fs.instances}
+        if decision.action == "dispatch":
+            self._send(fs, by_id[decision.instance_id], decision.size)
+            return True
+        self.waits[decision.reason] = self.waits.get(decision.reason, 0) + 1
+        if decision.action == "await_start":
+            sim.recheck(name, fs, by_id[decision.instance_id].ready_at_s)
+        else:  # every instance is full and none can start: a request's end or freed memory wakes it
+            fs.blocked = True
+            sim.blocked[name] = None
+        return False
+
+    def _send(self, fs: FunctionState, instance, size: int) -> None:
+        batch = [fs.queue.popleft() for _ in range(max(1, min(size, len(fs.queue))))]
+        self.sim.run_batch(instance, batch)
