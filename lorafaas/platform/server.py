@@ -52,6 +52,7 @@ class ServerConfig:
     policy: str = "lorafaas"  # or an ablation: see POLICIES
     backend: str = "local"  # or "kubernetes": function instances as pods (in the chart's controller)
     compute_slots: int | None = None  # AgentConfig.compute_slots (None: cores on a CPU, 1 on a GPU)
+    hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
 
 
 # The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
@@ -110,7 +111,9 @@ class Platform:
         self.adapters = AdapterStore(home / "adapters")
         self.launcher = open_backend(config.backend, home, device.name)
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
-                                   scheduler=scheduler_config(config.policy), compute_slots=config.compute_slots)
+                                   scheduler=scheduler_config(config.policy), compute_slots=config.compute_slots,
+                                   hang_timeout_s=config.hang_timeout_s,
+                                   heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)
         lora_servers = None
         if config.backend == "local":

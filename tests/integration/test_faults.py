@@ -119,9 +119,11 @@ def test_a_killed_backbone_daemon_is_restarted_and_re_adopts_its_segment_and_the
         ]
         for _ in range(3):  # the attached instance serves on, from its mapping
             assert admin.invoke("alpha", body())["text"] == expected
-        # A new version with two instances (a redeploy: the attached instance drains and stops): new cold starts
-        # bind to the restarted daemon, and the lease of the stopped one goes.
-        admin.update("alpha", {"min_instances": 2})
+        # A new version with another adapter and two instances (a roll: the attached instance drains and stops): new
+        # cold starts bind to the restarted daemon, and the lease of the stopped one goes.
+        other = save_tiny_adapter(home / "other-adapter", home / "models" / "tiny-dense", seed=7,
+                                  base_model_name="tiny-dense")
+        admin.update("alpha", {"min_instances": 2}, other)
 
         def new_instances_leased():
             ready = sorted(i["pid"] for i in admin.describe("alpha")["instances"] if i["state"] == "ready")
@@ -132,8 +134,8 @@ def test_a_killed_backbone_daemon_is_restarted_and_re_adopts_its_segment_and_the
         third = wait_for(new_instances_leased, 120, "two new instances leased from the restarted daemon")
         assert (third.daemon_pid, third.segment) == (second.daemon_pid, second.segment)
         assert list_segments(prefix) == [second.segment]
-        for _ in range(4):  # both new instances, on the one segment, give the same answer
-            assert admin.invoke("alpha", body())["text"] == expected
+        answers = {admin.invoke("alpha", body())["text"] for _ in range(4)}
+        assert len(answers) == 1 and answers != {expected}, "both new instances, on the one segment, answer alike"
     assert list_segments(prefix) == [] and not config.paths.record.exists(), "a clean stop leaves no segment"
 
 

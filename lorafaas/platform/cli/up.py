@@ -28,6 +28,10 @@ def up(
                                              help="Instances the device runs at full speed at once; a function "
                                                   "scales out only while fewer are busy (default: cores on a CPU, "
                                                   "1 on a GPU)."),
+    hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,
+                                       help="Seconds an instance holding requests may leave a heartbeat unanswered "
+                                            "before it is declared hung: its requests are retried or failed, and "
+                                            "it is killed and replaced."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, run_server
@@ -37,7 +41,7 @@ def up(
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy, backend=backend,
-        compute_slots=compute_slots,
+        compute_slots=compute_slots, hang_timeout_s=hang_timeout,
     )
     url = f"http://{host}:{port}"
     if demo:  # the one long step of a first start, with its progress bar, before the server starts
