@@ -88,6 +88,7 @@ class Instance:
     loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
     adapter: dict | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held): AdapterStats
     reason: str = ""  # why it is in its state (draining, hung, crashed)
+    staged: bool = False  # its start finished (until then only the start may stop it)
     hung: str = ""  # why it was declared hung (its requests' errors say so after it is gone)
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 

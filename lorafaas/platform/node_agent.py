@@ -28,6 +28,7 @@ import msgspec
 
 from lorafaas.errors import FunctionNotFound, InstanceHung, InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
+from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.lora_servers import LoraServers, with_lora_mode
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
@@ -105,6 +106,7 @@ class NodeAgent:
         self.num_restarts: dict[str, int] = {}
         self.most_in_flight: dict[str, int] = {}  # function -> most requests one instance has held at once
         self.crashes: dict[str, list[dict]] = {}  # function -> its instances that failed (recent last)
+        self.num_failures: dict[tuple[str, str], int] = {}  # (function, crashed | hung | start_failed) -> count
         self.last_admission: dict[str, AdmissionDecision] = {}  # function -> the admission policy's last word
         self._tasks: set[asyncio.Task] = set()
         self._probes: dict[Instance, asyncio.Task] = {}
@@ -194,7 +196,7 @@ class NodeAgent:
 
     def _finish_drain(self, instance: Instance) -> None:
         """A draining instance stops once it holds no request and none is queued for its identity."""
-        if (instance.state == "draining" and not instance.in_flight and instance.client is not None
+        if (instance.state == "draining" and instance.staged and not instance.in_flight
                 and not self.admission.queue_length(instance.identity)):
             self._spawn(self.stop_instance(instance, "drained"))
 
@@ -385,6 +387,7 @@ class NodeAgent:
             await asyncio.shield(self._kill(instance))
             raise
         instance.cold_start["total"] = time.perf_counter() - started
+        instance.staged = True
         instance.last_used_s = instance.last_progress_s = self.clock()
         self._spawn(self._watch(instance))
         if not self.table.transition(instance, "ready") and instance.state == "draining":
@@ -411,6 +414,8 @@ class NodeAgent:
                 self._spawn(self._reconcile(instance.function))
 
     def _record_failure(self, instance: Instance, reason: str) -> None:
+        kind = "hung" if reason.startswith("hung") else "start_failed" if reason.startswith("start") else "crashed"
+        self.num_failures[instance.function, kind] = self.num_failures.get((instance.function, kind), 0) + 1
         log.warning("%s: instance %s (pid %s) %s", instance.function, instance.instance_id, instance.pid, reason)
         crashes = self.crashes.setdefault(instance.function, [])
         crashes.append({"instance_id": instance.instance_id, "pid": instance.pid, "reason": reason,
@@ -424,6 +429,9 @@ class NodeAgent:
             await asyncio.to_thread(instance.handle.kill, sig, self.config.stop_timeout_s)
             with contextlib.suppress(ValueError):
                 self.launcher.instances.remove(instance.handle)
+            address = instance.handle.spec.socket_path
+            if tcp_address(address) is None:  # a killed worker could not remove its own socket
+                Path(address).unlink(missing_ok=True)
 
     async def stop_instance(self, instance: Instance, reason: str = "") -> None:
         if instance.state in ("stopping", "stopped", "crashed"):
@@ -588,6 +596,9 @@ class NodeAgent:
                 "prefill_t0_s": round(policy.model.t0_s, 4), "prefill_per_request_s": round(policy.model.a_s, 4),
                 "prefills_observed": policy.model.num_observed,
                 "most_in_flight": self.most_in_flight.get(spec.name, 0)}
+
+    def failure_counts(self) -> dict[tuple[str, str], int]:
+        return dict(self.num_failures)
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         return self.table.count_by_state()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from lorafaas.platform.api_client import ApiClient
 
@@ -80,3 +81,13 @@ class PlatformProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def processes_naming(home: Path) -> dict[int, str]:
+    """Live processes whose command line names `home`: every process a platform on `home` starts does."""
+    found = {}
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = " ".join(process.info["cmdline"] or ())
+        if process.info["status"] != psutil.STATUS_ZOMBIE and str(home) in cmdline:
+            found[process.info["pid"]] = cmdline[:160]
+    return found

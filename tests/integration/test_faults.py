@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from lorafaas.backbone_daemon.client import DaemonClient
@@ -24,7 +23,7 @@ from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import DaemonUnavailable
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.model_store import ModelStore
-from lorafaas.testing.platform_process import PlatformProcess
+from lorafaas.testing.platform_process import PlatformProcess, processes_naming
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 PROMPT = "Tell me about the ocean."
@@ -146,16 +145,6 @@ def daemon_status(config: DaemonConfig):
             return daemon.status()
     except DaemonUnavailable:
         return None
-
-
-def processes_naming(home: Path) -> dict[int, str]:
-    """Live processes whose command line names `home`: every process a platform on `home` starts does."""
-    found = {}
-    for process in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmdline = " ".join(process.info["cmdline"] or ())
-        if process.info["status"] != psutil.STATUS_ZOMBIE and str(home) in cmdline:
-            found[process.info["pid"]] = cmdline[:160]
-    return found
 
 
 def test_async_invocations_accepted_before_the_gateway_is_killed_complete_after_restart(home, adapter) -> None:

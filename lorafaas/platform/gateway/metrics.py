@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafaas.function_runtime.memory import read_memory
+from lorafaas.platform.instance_table import INSTANCE_STATES
 from lorafaas.platform.node_agent import NodeAgent
+
+LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -42,8 +45,14 @@ class _AgentCollector:
             cold.add_metric([function, kind], count)
         instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
                                       labels=["function", "state"])
-        for (function, state), count in sorted(self.agent.count_by_state().items()):
-            instances.add_metric([function, state], count)
+        counts = self.agent.count_by_state()
+        for function in sorted({f for f, _ in counts}):  # every live state, zeros included, so a dashboard sees
+            for state in LIVE_STATES:                    # hung and draining instances come and go
+                instances.add_metric([function, state], counts.get((function, state), 0))
+        failures = CounterMetricFamily("lorafaas_instance_failures", "Instances that crashed, hung or failed to start",
+                                       labels=["function", "reason"])
+        for (function, reason), count in sorted(self.agent.failure_counts().items()):
+            failures.add_metric([function, reason], count)
         memory = GaugeMetricFamily("lorafaas_instance_memory_bytes", "PSS of the function instances by device",
                                    labels=["device"])
         per_device: dict[str, int] = {}
@@ -56,4 +65,4 @@ class _AgentCollector:
                     continue
         for device, pss in sorted(per_device.items()):
             memory.add_metric([device], pss)
-        return [cold, instances, memory]
+        return [cold, instances, failures, memory]

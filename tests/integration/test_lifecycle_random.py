@@ -1,0 +1,259 @@
+"""A seeded random interleaving of deploy, update (adapter and settings), scale, delete and redeploy under the same
+name by two tenants, while streaming and asynchronous invocations run against every name. Bounded in operations and
+time. Checked: every completed answer is the answer of an adapter that was current for that name and that tenant
+while the request was under way (never another tenant's, never a deleted deployment's); after each operation, no
+instance of a deleted function or of a superseded version is left once drained; nothing is left behind after the
+platform stops; every accepted asynchronous invocation ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.cuda_ipc.shm import list_segments
+from lorafaas.errors import FunctionNotFound
+from lorafaas.platform.api_client import ApiClient
+from lorafaas.platform.model_store import ModelStore
+from lorafaas.testing.platform_process import PlatformProcess, processes_naming
+from lorafaas.testing.tiny_models import save_tiny_adapter
+
+NAMES = ("f1", "f2", "f3")
+ADAPTERS = ("alpha", "beta", "gamma", "delta")
+NUM_OPERATIONS = 24
+LOAD_TASKS = 4
+SEED = 20261123
+REQUEST = {"messages": [{"role": "user", "content": "Tell me about the ocean."}], "max_tokens": 8}
+OK_FAILURES = {"function_not_found", "instance_unavailable"}  # deleted, or updated while it waited (retryable)
+
+
+@dataclass(frozen=True)
+class Operation:
+    start_s: float
+    end_s: float
+    name: str
+    after: tuple[str, str] | None  # (tenant, adapter) current once it ended; None: deleted
+
+
+@dataclass
+class Call:
+    tenant: str
+    name: str
+    sent_s: float
+    done_s: float = 0.0
+    status: int = 0
+    code: str | None = None
+    text: str | None = None
+    mode: str = "stream"
+
+
+class History:
+    def __init__(self) -> None:
+        self.operations: list[Operation] = []
+        self.lock = threading.Lock()
+
+    def record(self, operation: Operation) -> None:
+        with self.lock:
+            self.operations.append(operation)
+
+    def allowed(self, name: str, tenant: str, sent_s: float, done_s: float) -> set[str]:
+        """Adapters that were the current one of `name` for `tenant` at some moment of [sent_s, done_s]."""
+        with self.lock:
+            ops = [o for o in self.operations if o.name == name]
+        before = [o for o in ops if o.end_s <= sent_s]
+        states = {before[-1].after if before else None}
+        states |= {o.after for o in ops if o.start_s <= done_s and o.end_s >= sent_s}
+        return {adapter for state in states if state is not None for owner, adapter in [state] if owner == tenant}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_dense_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("random-adapters")
+    return {name: save_tiny_adapter(root / name, tiny_dense_dir, seed=seed, base_model_name="tiny-dense")
+            for seed, name in enumerate(ADAPTERS, start=1)}
+
+
+def test_random_lifecycle_operations_under_load_never_mix_up_functions(tmp_path, tiny_dense_dir, adapters) -> None:
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    rng = random.Random(SEED)
+    history = History()
+    calls: list[Call] = []
+    with PlatformProcess(tmp_path) as platform, platform.client() as admin:
+        keys = {"team-a": admin.create_key("team-a")["key"], "team-b": admin.create_key("team-b")["key"]}
+        expected = {}
+        for adapter in ADAPTERS:
+            admin.deploy({"name": "reference", "backbone": "tiny-dense"}, adapters[adapter])
+            expected[admin.invoke("reference", REQUEST)["text"]] = adapter
+            admin.delete("reference")
+        assert len(expected) == len(ADAPTERS), "every adapter answers differently"
+        answer_of = {adapter: text for text, adapter in expected.items()}
+        owners: dict[str, tuple[str, str] | None] = dict.fromkeys(NAMES)
+        clients = {tenant: ApiClient(platform.url, key) for tenant, key in keys.items()}
+        stop = threading.Event()
+        failures: list[str] = []
+
+        def operate() -> None:
+            try:
+                for _ in range(NUM_OPERATIONS):
+                    operate_once()
+                    check_drained()
+            except Exception as exc:  # reported by the main thread
+                failures.append(f"operation failed: {exc!r}")
+            finally:
+                stop.set()
+
+        def operate_once() -> None:
+            name = rng.choice(NAMES)
+            state = owners[name]
+            adapter = rng.choice(ADAPTERS)
+            started = time.monotonic()
+            if state is None:
+                tenant = rng.choice(sorted(keys))
+                clients[tenant].deploy({"name": name, "backbone": "tiny-dense", "max_instances": rng.choice([1, 2]),
+                                        "keep_alive_s": rng.choice([0.5, 30])}, adapters[adapter])
+                after = (tenant, adapter)
+            else:
+                tenant, _ = state
+                kind = rng.choice(["replace", "settings", "scale", "delete", "redeploy"])
+                client = clients[tenant]
+                if kind == "replace":
+                    client.update(name, {}, adapters[adapter])
+                    after = (tenant, adapter)
+                elif kind in ("settings", "scale"):
+                    change = ({"keep_alive_s": rng.choice([0.5, 5, 30])} if kind == "settings"
+                              else {"min_instances": 0, "max_instances": rng.choice([1, 2])})
+                    client.update(name, change)
+                    after = state
+                elif kind == "delete":
+                    client.delete(name)
+                    after = None
+                else:  # delete and deploy the name again, maybe as the other tenant
+                    client.delete(name)
+                    history.record(Operation(started, time.monotonic(), name, None))
+                    tenant = rng.choice(sorted(keys))
+                    started = time.monotonic()
+                    clients[tenant].deploy({"name": name, "backbone": "tiny-dense"}, adapters[adapter])
+                    after = (tenant, adapter)
+            owners[name] = after
+            history.record(Operation(started, time.monotonic(), name, after))
+
+        def check_drained() -> None:
+            """No instance of a deleted function, or of another version than the current one, once drained."""
+            deadline = time.monotonic() + 30
+            while True:
+                stale = []
+                for name, state in owners.items():
+                    try:
+                        described = admin.describe(name)
+                    except FunctionNotFound:
+                        assert state is None
+                        stale += instance_lines(platform, name)
+                        continue
+                    version = described["function"]["version"]
+                    stale += [i for i in described["instances"] if i["version"] != version]
+                if not stale:
+                    return
+                assert time.monotonic() < deadline, f"stale instances not drained within 30 s: {stale}"
+                time.sleep(0.2)
+
+        async def load(task: int) -> None:
+            local = random.Random(SEED + task)
+            async with httpx.AsyncClient(base_url=platform.url, timeout=120) as http:
+                while not stop.is_set():
+                    tenant = local.choice(sorted(keys))
+                    call = Call(tenant, local.choice(NAMES), time.monotonic(),
+                                mode=local.choice(["stream", "stream", "async"]))
+                    headers = {"Authorization": f"Bearer {keys[tenant]}"}
+                    if call.mode == "stream":
+                        await stream_call(http, headers, call)
+                    else:
+                        await async_call(http, headers, call)
+                    call.done_s = time.monotonic()
+                    calls.append(call)
+
+        async def drive() -> None:
+            worker = threading.Thread(target=operate)
+            worker.start()
+            await asyncio.wait_for(asyncio.gather(*(load(k) for k in range(LOAD_TASKS))), 600)
+            worker.join(60)
+
+        try:
+            asyncio.run(drive())
+        finally:
+            for client in clients.values():
+                client.__exit__(None, None, None)
+        assert not failures, failures
+    assert len(calls) >= 40, f"the load made only {len(calls)} calls"
+    answered = [c for c in calls if c.status == 200 and c.code is None]
+    assert answered, "some calls were answered"
+    for call in calls:
+        assert call.status in (200, 202, 404, 503), (call, "a 5xx other than 503 is a bug")
+        if call.code is not None:
+            assert call.code in OK_FAILURES, call
+    for call in answered:
+        allowed = history.allowed(call.name, call.tenant, call.sent_s, call.done_s)
+        adapter = expected.get(call.text)
+        assert adapter is not None, f"{call}: an answer no adapter gives"
+        assert adapter in allowed, (f"{call} was answered by {adapter}; current for {call.tenant} meanwhile: "
+                                    f"{sorted(allowed)} ({answer_of})")
+    # nothing left behind once the platform stopped
+    prefix = DaemonConfig(home=tmp_path, backbone="tiny-dense", device="cpu").paths.segment_prefix
+    assert list_segments(prefix) == [], "no shared segment left"
+    assert not list((tmp_path / "run").glob("*.sock")), "no socket left"
+    assert processes_naming(tmp_path) == {}, "no process left"
+
+
+def instance_lines(platform: PlatformProcess, name: str) -> list[str]:
+    text = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"}).text
+    prefix = f'lorafaas_instances{{function="{name}",'
+    return [line for line in text.splitlines() if line.startswith(prefix) and not line.endswith(" 0.0")]
+
+
+async def stream_call(http: httpx.AsyncClient, headers: dict, call: Call) -> None:
+    async with http.stream("POST", f"/v1/functions/{call.name}/invoke", json={**REQUEST, "stream": True},
+                           headers=headers) as reply:
+        call.status = reply.status_code
+        if reply.status_code != 200:
+            await reply.aread()
+            call.code = reply.json()["error"]["code"]
+            return
+        text, event = "", None
+        async for line in reply.aiter_lines():
+            if line.startswith("event:"):
+                event = line.removeprefix("event:").strip()
+            elif line.startswith("data:"):
+                document = json.loads(line.removeprefix("data:").strip())
+                if event == "error":
+                    call.code = document["error"]["code"]
+                elif document.get("type") == "token":
+                    text += document["text"]
+                event = None
+        call.text = text
+
+
+async def async_call(http: httpx.AsyncClient, headers: dict, call: Call) -> None:
+    reply = await http.post(f"/v1/functions/{call.name}/invoke", json=REQUEST,
+                            headers={**headers, "Prefer": "respond-async"})
+    call.status = reply.status_code
+    if reply.status_code != 202:
+        call.code = reply.json()["error"]["code"]
+        return
+    location = reply.headers["Location"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        record = (await http.get(location, headers=headers)).json()
+        if record["status"] in ("succeeded", "failed", "cancelled"):
+            call.status = 200
+            call.code = record.get("error_code")
+            call.text = record.get("result_text")
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"async invocation {location} did not end within 120 s")
