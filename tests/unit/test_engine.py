@@ -136,3 +136,38 @@ def test_requests_waiting_together_are_prefilled_in_one_pass_with_what_they_get_
             if out.token_id is not None:
                 tokens[out.request_id].append(out.token_id)
     assert tokens == alone
+
+
+def test_a_request_whose_sampling_fails_fails_alone(engine: GenerationEngine, monkeypatch) -> None:
+    """Fault injection: the sampler raises for one request (seed 666), in prefill and mid-decode; its batch-mates get
+    exactly what they get alone."""
+    import lorafaas.function_runtime.engine as engine_module
+
+    real = engine_module.next_token
+    calls = {"n": 0}
+
+    def flaky(logits, params, generator):
+        if params.seed == 666:
+            calls["n"] += 1
+            if calls["n"] >= 3:  # fails at its third token: mid-decode, beside the others
+                raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        return real(logits, params, generator)
+
+    greedy = SamplingParams(max_tokens=8)
+    requests = {"a": (PROMPTS[0], greedy), "b": (PROMPTS[1], greedy),
+                "bad": (PROMPTS[2], SamplingParams(max_tokens=8, temperature=1.0, seed=666))}
+    alone = {rid: run(engine, {rid: requests[rid]})[2][rid] for rid in ("a", "b")}
+    monkeypatch.setattr(engine_module, "next_token", flaky)
+    finished, _, tokens = run(engine, requests)
+    assert finished["bad"].finish_reason == "error" and "sampling failed" in finished["bad"].error
+    assert len(tokens["bad"]) == 2
+    assert {rid: tokens[rid] for rid in ("a", "b")} == alone
+    assert not engine.has_work()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=1e-300)])
+def test_degenerate_sampling_parameters_give_the_most_likely_token(params: SamplingParams) -> None:
+    from lorafaas.function_runtime.sampling import new_generator, next_token
+
+    logits = torch.tensor([0.1, 3.0, -2.0, 2.9])
+    assert next_token(logits, params, new_generator(params)) == 1
