@@ -202,6 +202,15 @@ def test_an_adapter_update_under_load_answers_what_was_accepted_and_leaks_no_old
                 files = {"adapter": ("adapter.tar.gz", _archive(adapters["beta"]), "application/gzip")}
                 reply = await http.patch("/v1/functions/busy", data={"spec": "{}"}, files=files)
                 assert reply.status_code == 200, reply.text
+                for _ in range(100):  # version 1 drains what it accepted: describe and /metrics show it
+                    instances = (await http.get("/v1/functions/busy")).json()["instances"]
+                    if any(i["state"] == "draining" and i["version"] == 1 for i in instances):
+                        metrics = (await http.get("/metrics")).text
+                        assert 'lorafaas_instances{function="busy",state="draining"} 1.0' in metrics
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError(f"no draining version-1 instance seen: {instances}")
                 return await asyncio.wait_for(asyncio.gather(*accepted), 90)
 
         results = asyncio.run(update_under_load())
