@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -91,3 +92,35 @@ def processes_naming(home: Path) -> dict[int, str]:
         if process.info["status"] != psutil.STATUS_ZOMBIE and str(home) in cmdline:
             found[process.info["pid"]] = cmdline[:160]
     return found
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it returns something true (returned), failing the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+    return value
+
+
+async def stream_invocation(http: httpx.AsyncClient, name: str, request: dict, headers: dict | None = None) -> dict:
+    """One streaming invocation as a client sees it: `status`, the streamed `text`, and `error` (the JSON error of a
+    refused request, or of an `error` event after the headers)."""
+    text, error = "", None
+    async with http.stream("POST", f"/v1/functions/{name}/invoke", json={**request, "stream": True},
+                           headers=headers) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            return {"status": reply.status_code, "text": "", "error": reply.json()["error"]}
+        event = None
+        async for line in reply.aiter_lines():
+            if line.startswith("event:"):
+                event = line.removeprefix("event:").strip()
+            elif line.startswith("data:"):
+                document = json.loads(line.removeprefix("data:").strip())
+                if event == "error":
+                    error = document["error"]
+                elif document.get("type") == "token":
+                    text += document["text"]
+                event = None
+    return {"status": 200, "text": text, "error": error}

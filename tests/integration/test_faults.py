@@ -23,7 +23,7 @@ from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import DaemonUnavailable
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.model_store import ModelStore
-from lorafaas.testing.platform_process import PlatformProcess, processes_naming
+from lorafaas.testing.platform_process import PlatformProcess, processes_naming, wait_for
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 PROMPT = "Tell me about the ocean."
@@ -31,14 +31,6 @@ PROMPT = "Tell me about the ocean."
 
 def body(max_tokens: int = 6, prompt: str = PROMPT, **extra) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, **extra}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
-        time.sleep(0.05)
-    return value
 
 
 @pytest.fixture(scope="module")

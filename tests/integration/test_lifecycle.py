@@ -20,7 +20,7 @@ import pytest
 
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.model_store import ModelStore
-from lorafaas.testing.platform_process import PlatformProcess
+from lorafaas.testing.platform_process import PlatformProcess, stream_invocation, wait_for
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 PROMPT = "Tell me about the ocean."
@@ -28,14 +28,6 @@ PROMPT = "Tell me about the ocean."
 
 def body(max_tokens: int = 8, prompt: str = PROMPT, **extra) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **extra}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -86,25 +78,7 @@ def worker_pids(platform: PlatformProcess) -> set[int]:
     return pids
 
 
-async def stream(http: httpx.AsyncClient, name: str, request: dict) -> dict:
-    """One streaming invocation as a client sees it: status, text, and the error event if one came."""
-    text, error = "", None
-    async with http.stream("POST", f"/v1/functions/{name}/invoke", json={**request, "stream": True}) as reply:
-        if reply.status_code != 200:
-            await reply.aread()
-            return {"status": reply.status_code, "text": "", "error": reply.json()["error"]}
-        event = None
-        async for line in reply.aiter_lines():
-            if line.startswith("event:"):
-                event = line.removeprefix("event:").strip()
-            elif line.startswith("data:"):
-                document = json.loads(line.removeprefix("data:").strip())
-                if event == "error":
-                    error = document["error"]
-                elif document.get("type") == "token":
-                    text += document["text"]
-                event = None
-    return {"status": 200, "text": text, "error": error}
+stream = stream_invocation
 
 
 def http_client(platform: PlatformProcess, key: str) -> httpx.AsyncClient:

@@ -8,7 +8,6 @@ platform stops; every accepted asynchronous invocation ends."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
@@ -23,7 +22,7 @@ from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import FunctionNotFound
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.model_store import ModelStore
-from lorafaas.testing.platform_process import PlatformProcess, processes_naming
+from lorafaas.testing.platform_process import PlatformProcess, processes_naming, stream_invocation
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 NAMES = ("f1", "f2", "f3")
@@ -218,25 +217,9 @@ def instance_lines(platform: PlatformProcess, name: str) -> list[str]:
 
 
 async def stream_call(http: httpx.AsyncClient, headers: dict, call: Call) -> None:
-    async with http.stream("POST", f"/v1/functions/{call.name}/invoke", json={**REQUEST, "stream": True},
-                           headers=headers) as reply:
-        call.status = reply.status_code
-        if reply.status_code != 200:
-            await reply.aread()
-            call.code = reply.json()["error"]["code"]
-            return
-        text, event = "", None
-        async for line in reply.aiter_lines():
-            if line.startswith("event:"):
-                event = line.removeprefix("event:").strip()
-            elif line.startswith("data:"):
-                document = json.loads(line.removeprefix("data:").strip())
-                if event == "error":
-                    call.code = document["error"]["code"]
-                elif document.get("type") == "token":
-                    text += document["text"]
-                event = None
-        call.text = text
+    result = await stream_invocation(http, call.name, REQUEST, headers)
+    call.status, call.text = result["status"], result["text"]
+    call.code = result["error"]["code"] if result["error"] else None
 
 
 async def async_call(http: httpx.AsyncClient, headers: dict, call: Call) -> None:
