@@ -45,6 +45,7 @@ from lorafaas.scheduler import (
     StartOption,
     can_join,
     decide_admission,
+    needs_start_options,
     worth_offering,
 )
 
@@ -304,7 +305,8 @@ class NodeAgent:
         adaptive = self.config.scheduler.adaptive_batching
         busy = self.table.busy_on_device(self.config.device)
         options = ()
-        if worth_offering(len(loads), max_instances, busy, self.compute_slots):
+        if (needs_start_options(loads, slo_batch, self.config.max_batch_size)
+                and worth_offering(len(loads), max_instances, busy, self.compute_slots)):
             joinable = can_join(loads, slo_batch, self.config.max_batch_size, adaptive)
             options = (StartOption(self.config.device, busy, self.compute_slots,
                                    self.last_scale_out_s.get(spec.name) if joinable else None),)
@@ -312,6 +314,7 @@ class NodeAgent:
             function=spec.name, queue_length=queue_length, slo_ttft_s=slo_s, slo_batch=slo_batch,
             worker_capacity=self.config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
             instances=loads, start_options=options,
+            requests_per_background_start=self.config.scheduler.requests_per_background_start,
         )
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
@@ -324,6 +327,8 @@ class NodeAgent:
         self.last_admission[spec.name] = decision
         by_id = {i.instance_id: i for i in self.table.of_identity(Identity.of(serving))}
         if decision.action == "dispatch":
+            if decision.device is not None:  # a slow start for the requests that follow: in the background
+                self._spawn(self._start_instance(serving, stages=REQUEST_STAGES, kind="scale_out"))
             return by_id[decision.instance_id], decision.size
         if decision.action == "start":
             instance = await self._start_instance(serving, stages=REQUEST_STAGES, kind="libraries_preloaded")

@@ -11,6 +11,7 @@ from lorafaas.scheduler.admission import (
     StartOption,
     can_join,
     decide_admission,
+    needs_start_options,
     worth_offering,
 )
 from lorafaas.scheduler.batching import (
@@ -84,6 +85,7 @@ __all__ = [
     "decide_admission",
     "in_flight_limit",
     "may_scale_out",
+    "needs_start_options",
     "plan_difference",
     "plan_offload",
     "start_beats_joining",

@@ -13,7 +13,10 @@ The rule, in order:
    (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
    the SLO (`start_beats_joining`).
 3. Otherwise a ready instance whose worker still has room (`in_flight_limit`) takes them: joining a running batch
-   costs a request less than waiting a whole generation for a place in B.
+   costs a request less than waiting a whole generation for a place in B. If a start was held back only because it
+   is slower than the SLO, it begins anyway in the background (`device`), one start under way per
+   `requests_per_background_start` requests beyond B: these requests join now, the ones that follow find the new
+   instances.
 4. Otherwise the queue waits for an instance that is starting, or for a request to finish; the reason is reported.
 """
 
@@ -72,6 +75,7 @@ class AdmissionView:
     max_instances: int
     instances: tuple[InstanceLoad, ...]  # starting or ready, of the identity the queue serves
     start_options: tuple[StartOption, ...] = ()  # empty: no instance may start (e.g. a superseded version)
+    requests_per_background_start: int = 4  # SchedulerConfig.requests_per_background_start
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,20 @@ class AdmissionDecision:
     action: AdmissionAction
     reason: AdmissionReason
     instance_id: InstanceId | None = None  # dispatch, await_start
-    device: DeviceId | None = None  # start
+    device: DeviceId | None = None  # start; with a join: an instance to start there in the background
     size: int = 0  # dispatch: how many of the queue's requests go now
 
 
 def worth_offering(num_instances: int, max_instances: int, busy_instances: int, compute_slots: int) -> bool:
     """Whether an executor should describe a device as a `StartOption` at all: the policy skips it otherwise."""
     return num_instances < max_instances and may_scale_out(num_instances, busy_instances, compute_slots)
+
+
+def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int) -> bool:
+    """Whether the decision can depend on where an instance could start: not while a ready instance has room within
+    B (executors skip working the options out then; finding a device can cost a view of the cluster)."""
+    cap = max(1, min(slo_batch, max(1, worker_capacity)))
+    return not any(i.ready and i.in_flight < cap for i in instances)
 
 
 def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
@@ -114,18 +125,27 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     limit = join_limit(view.slo_batch, capacity, view.adaptive)
     joinable = [i for i in ready if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
+    slow_start: DeviceId | None = None
     if can_grow:
         for option in view.start_options:
             if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
                 continue
             if joinable and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
+                slow_start = slow_start or option.device
                 continue
             reason: AdmissionReason = "scale_out" if view.instances else "first_instance"
             return AdmissionDecision("start", reason, device=option.device)
     if joinable:
         best = _least_loaded(joinable)
         size = min(view.queue_length, limit - best.in_flight)
-        return AdmissionDecision("dispatch", "join", best.instance_id, size=size)
+        # Joining beyond B is a stopgap: a start slower than the SLO still adds capacity for what follows, so it
+        # begins now, in the background, while these requests join: one start under way per
+        # `requests_per_background_start` requests beyond B.
+        excess = sum(i.in_flight for i in ready) + view.queue_length - cap * len(ready)
+        wanted = max(1, -(-excess // view.requests_per_background_start))
+        if sum(1 for i in view.instances if not i.ready) >= wanted:
+            slow_start = None
+        return AdmissionDecision("dispatch", "join", best.instance_id, device=slow_start, size=size)
     starting = [i for i in view.instances if not i.ready]
     if starting:
         oldest = min(starting, key=lambda i: (i.started_s, i.instance_id))

@@ -41,6 +41,10 @@ class SchedulerConfig:
     prior_per_request_s: float = 0.01
     prefill_fit_decay: float = 0.98  # weight kept by past observations at each new one (1.0: plain least squares)
 
+    # admission: while requests join running batches beyond B, one instance starts in the background per this many
+    # of them (one at the least), even where a start is slower than the SLO (docs/scheduler.md: measured choice)
+    requests_per_background_start: int = 4
+
     # offloading
     offload_to_host: bool = True  # an evicted adapter goes to its worker slot's host memory when it fits there
 
@@ -71,6 +75,9 @@ class SchedulerConfig:
                              "choose 'fixed' or 'hybrid'")
         if self.prior_per_request_s < 0:
             raise ValueError(f"SchedulerConfig.prior_per_request_s is {self.prior_per_request_s}; must be >= 0")
+        if not 1 <= self.requests_per_background_start <= 4096:
+            raise ValueError(f"SchedulerConfig.requests_per_background_start is "
+                             f"{self.requests_per_background_start}; must be in [1, 4096]")
         if not 1 <= self.max_batch_size <= 4096:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:

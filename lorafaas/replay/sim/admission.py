@@ -14,6 +14,7 @@ from lorafaas.scheduler import (
     StartOption,
     can_join,
     decide_admission,
+    needs_start_options,
     worth_offering,
 )
 
@@ -46,13 +47,16 @@ class SimAdmission:
         max_instances = sim.cluster.max_instances_per_function
         joinable = can_join(loads, slo_batch, capacity, adaptive)
         options = []
-        for device in self._devices(name, len(loads), max_instances, excluded):
+        devices = self._devices(name, len(loads), max_instances, excluded) if needs_start_options(
+            loads, slo_batch, capacity) else []
+        for device in devices:
             expected = sum(sim.views.start_delays(name, device).values()) if joinable else None
             options.append(StartOption(device.device_id, sim.busy(device), sim.compute_slots, expected))
         return AdmissionView(
             function=name, queue_length=queue_length, slo_ttft_s=fs.spec.slo_ttft_s, slo_batch=slo_batch,
             worker_capacity=capacity, adaptive=adaptive, max_instances=max_instances, instances=loads,
             start_options=tuple(options),
+            requests_per_background_start=sim.scheduler.config.requests_per_background_start,
         )
 
     def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:
@@ -89,6 +93,8 @@ class SimAdmission:
         sim = self.sim
         by_id = {i.instance_id: i for i in fs.instances}
         if decision.action == "dispatch":
+            if decision.device is not None:  # a slow start for the requests that follow: in the background
+                sim.start_on(name, fs, sim.mem.by_id[decision.device], decision.size)
             self._send(fs, by_id[decision.instance_id], decision.size)
             return True
         self.waits[decision.reason] = self.waits.get(decision.reason, 0) + 1

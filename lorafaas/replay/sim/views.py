@@ -186,10 +186,15 @@ class ViewBuilder:
             self.mem.bill(device, now)
 
     def _apply_offloads(self, offloads: tuple[Offload, ...]) -> None:
+        """The plan's offloads of artifacts no instance of the function holds on that device. An instance kept
+        alive keeps what makes it warm until its keep-alive ends (as the agent's do): dropping it when a burst ends
+        and the rates fall made every next burst a cold start from disk (docs/scheduler.md)."""
         now = self.sim.now
         for o in offloads:
             r = self.mem.find(o.function, o.kind, o.from_tier, o.device)
             if r is None:
+                continue
+            if o.device is not None and any(i.device.device_id == o.device for i in self.sim.fns[o.function].instances):
                 continue
             device = self.mem.by_id[o.device] if o.device is not None else None
             if device is not None:
