@@ -119,10 +119,10 @@ def test_gpu_values_request_gpus_and_select_gpu_nodes_cpu_values_request_none() 
     assert agent["hostIPC"] is True
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == 1 for c in agent["containers"])
+    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == "1" for c in agent["containers"])
     assert agent["containers"][0]["image"] == "lorafaas/node-agent:0.1.0-cuda"
     assert "cuda:0" in agent["containers"][0]["args"]
-    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     for values_name in ("default", "cpu"):
         assert "nvidia.com/gpu" not in yaml.safe_dump(render(values_of(values_name)))
 
