@@ -96,6 +96,14 @@ def test_a_function_pod_is_the_template_with_identity_worker_and_owner() -> None
     assert body["spec"]["restartPolicy"] == "Never"
     assert worker["image"] == "lorafaas/function:0.1.0"
     assert body["spec"]["automountServiceAccountToken"] is False
+    # of the home only what this worker reads, read-only: its daemon's socket directory, backbone entry and adapter
+    assert worker["volumeMounts"] == [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": "/var/lib/lorafaas/run", "subPath": "run", "readOnly": True},
+        {"name": "home", "mountPath": "/var/lib/lorafaas/models/smollm2-135m", "subPath": "models/smollm2-135m",
+         "readOnly": True},
+        {"name": "home", "mountPath": "/var/lib/lorafaas/adapters/ab", "subPath": "adapters/ab", "readOnly": True},
+    ]
 
 
 @pytest.mark.parametrize("nodes", [["node-a"], ["node-a", "node-b"], ["node-c", "node-a", "node-b"]])

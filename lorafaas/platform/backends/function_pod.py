@@ -7,6 +7,8 @@
     affinity     required: one of the nodes whose node-agent pod is ready and serves the backbone, one
                  nodeSelectorTerm per node (the API server allows a single value per `matchFields` requirement)
     worker       `python -m lorafaas.function_runtime.worker <spec>` listening on tcp://0.0.0.0:PORT
+    mounts       of the template's `home` volume, read-only and nothing else: the daemon socket directory, the
+                 backbone's store entry (config, tokenizer) and the instance's own adapter (subPath mounts)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
+from pathlib import PurePosixPath
 
 import msgspec
 from kubernetes import client as k8s
@@ -76,6 +79,7 @@ def build_function_pod(
     backbone: str,
     nodes: list[str],
     worker_port: int,
+    home: str = "/var/lib/lorafaas",
 ) -> k8s.V1Pod:
     """The pod for one instance: the template with our identity, command, port, probe and placement."""
     if not nodes:
@@ -110,6 +114,10 @@ def build_function_pod(
     worker.readiness_probe = k8s.V1Probe(
         tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3
     )
+    if any(v.name == "home" for v in pod.spec.volumes or []):
+        mounted = {m.mount_path for m in worker.volume_mounts or []}
+        worker.volume_mounts = [*(worker.volume_mounts or []),
+                                *(m for m in home_mounts(spec, home) if m.mount_path not in mounted)]
     affinity = pod.spec.affinity or k8s.V1Affinity()
     affinity.node_affinity = k8s.V1NodeAffinity(
         required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(
@@ -123,6 +131,20 @@ def build_function_pod(
     )
     pod.spec.affinity = affinity
     return pod
+
+
+def home_mounts(spec: WorkerSpec, home: str) -> list[k8s.V1VolumeMount]:
+    """What a worker reads from the home, each mounted read-only at its own path: nothing else of the home (other
+    functions' adapters, the state) is visible in its pod."""
+    root = PurePosixPath(home)
+    paths = [PurePosixPath(spec.daemon_socket).parent if spec.daemon_socket else None, PurePosixPath(spec.model_dir),
+             PurePosixPath(spec.adapter_dir) if spec.adapter_dir else None]
+    mounts: dict[str, k8s.V1VolumeMount] = {}
+    for path in paths:
+        if path is not None and path != root and path.is_relative_to(root):
+            mounts[str(path)] = k8s.V1VolumeMount(name="home", mount_path=str(path),
+                                                  sub_path=str(path.relative_to(root)), read_only=True)
+    return list(mounts.values())
 
 
 def template_owner(config_map: k8s.V1ConfigMap) -> k8s.V1OwnerReference:

@@ -279,7 +279,7 @@ class KubernetesBackend:
     def build_pod(self, spec: WorkerSpec, backbone: str, nodes: list[str]) -> k8s.V1Pod:
         return build_function_pod(self.template(), self.owner(), spec, namespace=self.config.namespace,
                                   release=self.config.release, backbone=backbone, nodes=nodes,
-                                  worker_port=self.config.worker_port)
+                                  worker_port=self.config.worker_port, home=str(self.config.home))
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> PodInstance:
         """A ready instance for `spec`: a previous controller's pod running the same thing, or a new pod (returns
