@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -88,6 +89,8 @@ class ProcessRuntime:
         repository = container.image.rsplit(":", 1)[0].rsplit("@", 1)[0]
         command = container.command or self.entrypoints.get(repository, [])
         argv = [_expand(a, env) for a in [*command, *(container.args or [])]]
+        if argv and argv[0] == "python":  # the image's interpreter is this one
+            argv[0] = sys.executable
         if not argv:
             raise OSError(f"container {container.name}: no command, and no entrypoint known for {container.image}")
         log = open(self.work_dir / f"{record.name}.{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
@@ -140,8 +143,9 @@ class ProcessRuntime:
                 return 200 <= httpx.get(url, timeout=1).status_code < 400
             except httpx.HTTPError:
                 return False
-        if probe.exec is not None:
-            return subprocess.run(probe.exec.command, capture_output=True, timeout=5).returncode == 0
+        command = getattr(probe, "var_exec", None)  # `exec` in the API; the client's model renames it
+        if command is not None:
+            return subprocess.run(command.command, capture_output=True, timeout=5).returncode == 0
         return True
 
     def _status(self, pod: k8s.V1Pod, record: PodRecord, ready: bool, restarts: dict[str, int]) -> dict:

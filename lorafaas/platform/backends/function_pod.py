@@ -80,6 +80,7 @@ def build_function_pod(
     nodes: list[str],
     worker_port: int,
     home: str = "/var/lib/lorafaas",
+    listen_on_pod_ip: bool = False,
 ) -> k8s.V1Pod:
     """The pod for one instance: the template with our identity, command, port, probe and placement."""
     if not nodes:
@@ -110,6 +111,12 @@ def build_function_pod(
         raise InvalidInput(f"the function pod template has no container named {WORKER_CONTAINER!r}")
     worker.command = ["python", "-m", "lorafaas.function_runtime.worker"]
     worker.args = [msgspec.json.encode(spec).decode()]
+    if listen_on_pod_ip:  # the kubelet expands $(POD_IP) in args from the downward API
+        listen = msgspec.structs.replace(spec, socket_path=f"tcp://$(POD_IP):{worker_port}")
+        worker.args = [msgspec.json.encode(listen).decode()]
+        pod_ip = k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP"))
+        worker.env = [*(e for e in worker.env or [] if e.name != "POD_IP"), k8s.V1EnvVar(name="POD_IP",
+                                                                                         value_from=pod_ip)]
     worker.ports = [k8s.V1ContainerPort(name="worker", container_port=worker_port, protocol="TCP")]
     worker.readiness_probe = k8s.V1Probe(
         tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3

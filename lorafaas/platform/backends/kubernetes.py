@@ -69,6 +69,7 @@ class KubernetesConfig:
     worker_port: int = 9000
     delete_timeout_s: float = 30.0
     adopt_window_s: float = 120.0  # after a restart: how long the previous controller's pods wait to be claimed
+    listen_on_pod_ip: bool = False  # workers bind their pod IP, not 0.0.0.0 (pods sharing one network: tests)
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -94,6 +95,7 @@ class KubernetesConfig:
             home=Path(home),
             device=device,
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
+            listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
         )
 
     @property
@@ -279,7 +281,8 @@ class KubernetesBackend:
     def build_pod(self, spec: WorkerSpec, backbone: str, nodes: list[str]) -> k8s.V1Pod:
         return build_function_pod(self.template(), self.owner(), spec, namespace=self.config.namespace,
                                   release=self.config.release, backbone=backbone, nodes=nodes,
-                                  worker_port=self.config.worker_port, home=str(self.config.home))
+                                  worker_port=self.config.worker_port, home=str(self.config.home),
+                                  listen_on_pod_ip=self.config.listen_on_pod_ip)
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> PodInstance:
         """A ready instance for `spec`: a previous controller's pod running the same thing, or a new pod (returns
