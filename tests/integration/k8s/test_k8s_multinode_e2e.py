@@ -1,18 +1,18 @@
 """The platform on a three-node cluster on one machine: the real API server, scheduler and garbage collector, the
 process kubelet running every function pod as a real worker process on its own loopback address, and the controller
 (`lorafaas up --backend kubernetes`, Redis state) as the chart runs it, but as a local process rather than through
-`helm install`. Two functions answer the `openai` client; they scale to zero and back; a SIGKILLed function pod and a
-deleted node are replaced on the remaining nodes, answering the same.
+`helm install`. Two functions answer the `openai` client as the local platform does; they scale to zero and back; a
+SIGKILLed function pod and a lost node are replaced on the remaining nodes, and a SIGKILLed node agent is restarted,
+all answering the same.
 
 All "nodes" share this machine, so they share one backbone daemon (on a cluster, each node's agent runs its own);
-the node-agent pods report ready when that daemon's socket exists.
+the first node's agent pod runs it, and every agent pod reports ready when its socket exists.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -60,23 +60,23 @@ def test_two_functions_on_three_process_nodes_scale_survive_kills_and_a_lost_nod
     kubelet, runtime = cluster
     home = tmp_path / "home"
     assert cli("--home", str(home), "backbone", "import", BACKBONE, "--from", str(tiny_dense_dir)).returncode == 0
-    daemon = subprocess.Popen([sys.executable, "-m", "lorafaas", "--home", str(home), "backbone", "serve", BACKBONE,
-                               "--device", "cpu", "--lease-ttl", "30"], stdout=subprocess.DEVNULL,
-                              stderr=(tmp_path / "daemon.log").open("wb"), start_new_session=True)
     socket_path = home / "run" / f"{BACKBONE}@cpu.sock"
     platform = None
     try:
-        wait_until(socket_path.exists, "the backbone daemon's socket", 120)
-        for node in NODES:  # the DaemonSet's pods: ready when their daemon's socket exists
+        serve = [sys.executable, "-m", "lorafaas", "--home", str(home), "backbone", "serve", BACKBONE, "--device",
+                 "cpu", "--lease-ttl", "30"]
+        for node in NODES:  # the DaemonSet's pods: the first runs the daemon; all are ready when its socket exists
             release.admin.create_namespaced_pod(release.namespace, {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": f"agent-{node}", "labels": {"app.kubernetes.io/instance": RELEASE,
                                                                   "app.kubernetes.io/component": "node-agent"},
                              "annotations": {"lorafaas.io/backbones": BACKBONE}},
                 "spec": {"nodeName": node, "automountServiceAccountToken": False, "containers": [{
-                    "name": "daemon", "image": "lorafaas/node-agent", "command": ["sleep", "3600"],
+                    "name": "daemon", "image": "lorafaas/node-agent",
+                    "command": serve if node == NODES[0] else ["sleep", "3600"],
                     "readinessProbe": {"exec": {"command": ["test", "-S", str(socket_path)]}}}]},
             })
+        wait_until(socket_path.exists, "the backbone daemon's socket", 120)
         env = {"KUBECONFIG": str(release.plane.kubeconfig), "POD_NAMESPACE": release.namespace,
                "LORAFAAS_RELEASE": RELEASE, "LORAFAAS_POD_TEMPLATE": TEMPLATE, "LORAFAAS_WORKER_LISTEN": "pod-ip"}
         platform = PlatformProcess(home, extra_args=("--backend", "kubernetes", "--state", redis_url),
@@ -105,7 +105,12 @@ def test_two_functions_on_three_process_nodes_scale_survive_kills_and_a_lost_nod
             assert complete(client, "alpha") == first["alpha"]
             assert any(f["reason"] in ("Error", "exited unexpectedly") for f in api.describe("alpha")["failures"])
 
-            # lose the node serving beta: its function comes back on another node
+            # lose the node serving beta (not the one running the shared daemon, which stays cordoned): beta
+            # comes back on another node
+            release.admin.patch_node(NODES[0], {"spec": {"unschedulable": True}})
+            for pod in function_pods(release, "beta"):
+                release.admin.delete_namespaced_pod(pod.metadata.name, release.namespace)
+            wait_until(lambda: not function_pods(release, "beta"), "beta's pod gone")
             complete(client, "beta")
             [pod] = function_pods(release, "beta")
             lost = pod.spec.node_name
@@ -114,8 +119,26 @@ def test_two_functions_on_three_process_nodes_scale_survive_kills_and_a_lost_nod
             assert complete(client, "beta") == first["beta"]
             [again] = function_pods(release, "beta") or [None]
             assert again is not None and again.spec.node_name != lost
+
+            # SIGKILL the node agent's daemon: the kubelet restarts it; the functions keep serving
+            agent = release.pod(f"agent-{NODES[0]}")
+            [daemon_pid] = runtime.pids(agent.metadata.uid).values()
+            os.killpg(daemon_pid, signal.SIGKILL)
+            wait_until(lambda: release.pod(f"agent-{NODES[0]}").status.container_statuses[0].restart_count == 1,
+                       "the agent's daemon restarted", 60)
+            assert complete(client, "alpha") == first["alpha"]
+            assert complete(client, "beta") == first["beta"]
+        platform.stop()
+        platform = None
+
+        # the same functions on the local platform (processes, no Kubernetes) answer the same
+        local_home = tmp_path / "local"
+        assert cli("--home", str(local_home), "backbone", "import", BACKBONE, "--from",
+                   str(tiny_dense_dir)).returncode == 0
+        with PlatformProcess(local_home) as local, ApiClient(local.url, local.admin_key) as api:
+            api.deploy({"name": "alpha", "backbone": BACKBONE}, tiny_adapter_dir)
+            local_client = openai.OpenAI(base_url=f"{local.url}/v1", api_key=local.admin_key)
+            assert complete(local_client, "alpha") == first["alpha"]
     finally:
         if platform is not None:
             platform.stop()
-        os.killpg(daemon.pid, signal.SIGTERM)
-        daemon.wait(30)
