@@ -374,6 +374,7 @@ class NodeAgent:
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
+            instance.instance_id = instance.handle.spec.instance_id  # a pod adopted after a restart keeps its id
             instance.cold_start["spawn"] = time.perf_counter() - started
             instance.client = await instance.handle.connect()
             for stage in stages:

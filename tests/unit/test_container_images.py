@@ -61,4 +61,4 @@ def test_copy_sources_exist_and_torch_is_pinned_first(dockerfile: Path) -> None:
     )
     assert torch_step < package_step
     assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in steps  # the CUDA build overrides it
-    assert steps[-1][0] in ("CMD", "ENTRYPOINT") and ("USER", "1000") in steps
+    assert steps[-1][0] in ("CMD", "ENTRYPOINT") and ("USER", "10001") in steps

@@ -36,6 +36,17 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
 
+def admin_key_source(deployment: dict) -> tuple[str, str]:
+    """(Secret, key) of the file LORAFAAS_ADMIN_KEY_FILE names in the controller."""
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    path = {e["name"]: e for e in container["env"]}["LORAFAAS_ADMIN_KEY_FILE"]["value"]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] is True
+    return volume["secret"]["secretName"], path.rsplit("/", 1)[1]
+
+
 def function_pod(objects: list[dict]) -> dict:
     return yaml.safe_load(by_kind(objects, "ConfigMap")["lorafaas-function-pod"]["data"]["pod.yaml"])
 
@@ -49,6 +60,8 @@ def test_the_chart_renders_lints_and_every_object_is_valid(values_name: str) -> 
         "ConfigMap",
         "DaemonSet",
         "Deployment",
+        "NetworkPolicy",
+        "NetworkPolicy",
         "NetworkPolicy",
         "NetworkPolicy",
         "Role",
@@ -87,7 +100,7 @@ def test_the_controller_has_probes_scrape_annotations_the_admin_key_secret_and_t
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
     env = {e["name"]: e for e in container["env"]}
-    assert env["LORAFAAS_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "lorafaas-admin-key", "key": "admin-key"}
+    assert admin_key_source(deployment) == ("lorafaas-admin-key", "admin-key")  # a file, not an env value
     assert env["LORAFAAS_STATE_URL"]["value"] == "redis://lorafaas-redis:6379/0"
     assert env["LORAFAAS_POD_TEMPLATE"]["value"] in by_kind(objects, "ConfigMap")
     assert container["args"][container["args"].index("--backend") + 1] == "kubernetes"
@@ -119,15 +132,18 @@ def test_gpu_values_request_gpus_and_select_gpu_nodes_cpu_values_request_none() 
     assert agent["hostIPC"] is True
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == 1 for c in agent["containers"])
+    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == "1" for c in agent["containers"])
     assert agent["containers"][0]["image"] == "lorafaas/node-agent:0.1.0-cuda"
     assert "cuda:0" in agent["containers"][0]["args"]
-    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert function_pod(gpu)["spec"]["hostIPC"] is True  # CUDA IPC between a daemon and its functions
     for values_name in ("default", "cpu"):
-        assert "nvidia.com/gpu" not in yaml.safe_dump(render(values_of(values_name)))
+        objects = render(values_of(values_name))
+        assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
+        assert "hostIPC" not in yaml.safe_dump(objects)  # the CPU transport passes descriptors over a socket
 
 
-def test_node_agents_serve_each_backbone_share_the_home_and_shm_and_announce_their_backbones() -> None:
+def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_home_by_themselves() -> None:
     objects = render({"nodeAgent": {"backbones": ["smollm2-135m", "tiny"]}})
     agent = by_kind(objects, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]
     assert agent["metadata"]["annotations"]["lorafaas.io/backbones"] == "smollm2-135m,tiny"
@@ -135,8 +151,12 @@ def test_node_agents_serve_each_backbone_share_the_home_and_shm_and_announce_the
     assert [c["args"][4] for c in containers] == ["smollm2-135m", "tiny"]
     assert containers[1]["readinessProbe"]["exec"]["command"] == ["test", "-S", "/var/lib/lorafaas/run/tiny@cpu.sock"]
     volumes = {v["name"]: v for v in agent["spec"]["volumes"]}
-    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
-    assert volumes == {v["name"]: v for v in function_pod(objects)["spec"]["volumes"]}  # the same node directories
+    assert volumes["shm"] == {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}  # not the host's
+    assert volumes["home"]["hostPath"] == {"path": "/var/lib/lorafaas", "type": "DirectoryOrCreate"}
+    pod = function_pod(objects)["spec"]
+    # the backend mounts the daemon socket directory, the backbone entry and the instance's adapter, read-only
+    assert {v["name"] for v in pod["volumes"]} == {"home", "tmp"}
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     claim = render({"home": {"existingClaim": "lorafaas-home"}})
     assert {v["name"]: v for v in function_pod(claim)["spec"]["volumes"]}["home"] == {
         "name": "home",
@@ -179,10 +199,4 @@ def test_optional_ingress_and_an_existing_admin_key_secret() -> None:
     kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
     assert ingress["spec"]["rules"][0]["host"] == "lf.example"
     assert "Secret" not in {o["kind"] for o in objects}
-    env = {
-        e["name"]: e
-        for e in by_kind(objects, "Deployment")["lorafaas-controller"]["spec"]["template"]["spec"]["containers"][0][
-            "env"
-        ]
-    }
-    assert env["LORAFAAS_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "token"}
+    assert admin_key_source(by_kind(objects, "Deployment")["lorafaas-controller"]) == ("my-key", "token")

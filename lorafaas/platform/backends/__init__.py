@@ -27,6 +27,6 @@ def open_backend(kind: str, home: Path, device: str) -> Backend:
         except ImportError as exc:
             raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
         backend = KubernetesBackend(KubernetesConfig.from_env(home, device))
-        backend.reconcile(())  # a new controller: the previous one's function pods are orphans (none is wanted yet)
+        backend.start()  # follow the pods; a previous controller's healthy pods wait to be adopted by launches
         return backend
     raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")

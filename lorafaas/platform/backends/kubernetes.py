@@ -1,25 +1,21 @@
 """Function instances as Kubernetes pods: the `Backend` the controller drives on a cluster.
 
-Every call to the API server goes through `self.core` (a `CoreV1Api`; tests give a recording fake of it). One pod per
-instance, built from the function pod template that the Helm chart ships in a ConfigMap:
+Every call to the API server goes through `self.core` (a `CoreV1Api`). One watch (`PodCache`) follows the release's
+function and node-agent pods, so that placement (`agent_nodes`, `running_backbones`), readiness and liveness are read
+from memory: nothing the gateway does per invocation calls the API server. The calls that remain (create, delete,
+read the template) block, and the node agent makes them from a worker thread (`asyncio.to_thread`).
 
-    labels       app.kubernetes.io/{name,instance,component=function,managed-by}, lorafaas.io/{function,backbone}
-    annotations  lorafaas.io/instance-id, lorafaas.io/worker-spec (the WorkerSpec as JSON: enough to adopt the pod)
-    owner        the template ConfigMap, so `helm uninstall` garbage-collects every function pod
-    affinity     required: a node whose node-agent pod is ready and serves the backbone (annotation
-                 lorafaas.io/backbones on the agent pod), since the worker binds the daemon's segment on that node
-    worker       `python -m lorafaas.function_runtime.worker <spec>` listening on tcp://0.0.0.0:PORT
-
-`launch` creates the pod and waits until it is ready (or has failed: a failure is recorded, the pod deleted, and
-InstanceUnavailable raised); `reconcile` makes the pods match a desired set after a controller restart (adopt, delete
-orphans and failed pods, create missing), idempotently; `watch` records failures of running pods as they happen.
-Failures are kept per function for `describe`.
+`launch` creates the instance's pod (`function_pod.build_function_pod`) and waits until the watch sees it ready (or
+failed: the failure is recorded, the pod deleted and InstanceUnavailable raised). The watch records failures of
+running pods as they happen (OOMKilled, Evicted, deleted by a drain) for `describe`. After a controller restart,
+`start()` finds the previous controller's healthy function pods and hands each to the first `launch` of the same
+function, backbone and adapter (adoption), deleting those nobody claims within `adopt_window_s`; `reconcile(wanted)`
+does the same for an explicit set of instances, idempotently.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -27,31 +23,28 @@ import re
 import secrets
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import yaml
 from kubernetes import client as k8s
-from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from lorafaas.backbone_daemon.config import DaemonPaths
 from lorafaas.errors import DaemonUnavailable, InstanceUnavailable, InvalidInput
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.backends.function_pod import build_function_pod, check_release, pod_name, template_owner
+from lorafaas.platform.backends.pod_cache import PodCache
 from lorafaas.platform.backends.pod_status import (
     ANNOTATION_BACKBONES,
     ANNOTATION_INSTANCE_ID,
     ANNOTATION_SPEC,
-    LABEL_BACKBONE,
     LABEL_COMPONENT,
     LABEL_FUNCTION,
     LABEL_INSTANCE,
-    LABEL_MANAGED_BY,
-    LABEL_NAME,
     PodFailure,
     is_ready,
     pending_reason,
@@ -63,7 +56,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILURES_KEPT = 20  # per function
 TEMPLATE_KEY = "pod.yaml"
-WORKER_CONTAINER = "worker"
+NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -74,14 +67,18 @@ class KubernetesConfig:
     home: Path = Path("/var/lib/lorafaas")  # LORAFAAS_HOME, the same path in the controller, agents and functions
     device: str = "cpu"
     worker_port: int = 9000
-    poll_interval_s: float = 0.5
     delete_timeout_s: float = 30.0
+    adopt_window_s: float = 120.0  # after a restart: how long the previous controller's pods wait to be claimed
+    listen_on_pod_ip: bool = False  # workers bind their pod IP, not 0.0.0.0 (pods sharing one network: tests)
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
             raise InvalidInput(f"worker port is {self.worker_port}; it must lie between 1 and 65535")
-        if not 0.01 <= self.poll_interval_s <= 60:
-            raise InvalidInput(f"poll interval is {self.poll_interval_s} s; it must lie between 0.01 s and 60 s")
+        if not (NAMESPACE.match(self.namespace) and len(self.namespace) <= 63):
+            raise InvalidInput(f"namespace {self.namespace!r} is not a DNS label")
+        check_release(self.release)
+        if not 0 <= self.adopt_window_s <= 3600:
+            raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
 
     @classmethod
     def from_env(cls, home: Path, device: str = "cpu") -> KubernetesConfig:
@@ -98,15 +95,13 @@ class KubernetesConfig:
             home=Path(home),
             device=device,
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
+            listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
         )
 
     @property
-    def function_selector(self) -> str:
-        return f"{LABEL_INSTANCE}={self.release},{LABEL_COMPONENT}=function"
-
-    @property
-    def agent_selector(self) -> str:
-        return f"{LABEL_INSTANCE}={self.release},{LABEL_COMPONENT}=node-agent"
+    def watch_selector(self) -> str:
+        """The pods the backend follows: its function pods and the node agents."""
+        return f"{LABEL_INSTANCE}={self.release},{LABEL_COMPONENT} in (function,node-agent)"
 
 
 @dataclass
@@ -130,13 +125,17 @@ class PodInstance:
         return await WorkerClient.connect(self.address, client="controller")
 
     def alive(self) -> bool:
-        pod = self.backend.read_pod(self.pod_name)
-        return pod is not None and pod.status is not None and pod.status.phase in ("Pending", "Running")
+        pod = self.backend.cache.get(self.pod_name)
+        return (pod is not None and pod.metadata.deletion_timestamp is None and pod.status is not None
+                and pod.status.phase in ("Pending", "Running") and pod_failure(pod) is None)
 
     def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-        self.backend.delete_pod(self.pod_name, grace_period_s=0 if sig == signal.SIGKILL else int(timeout_s))
+        """Delete the pod (SIGKILL: no grace period) and return once it is gone (or timeout_s + 10 s passed)."""
+        grace_s = 0 if sig == signal.SIGKILL else int(timeout_s)
+        self.backend.delete_pod(self.pod_name, grace_period_s=grace_s)
         with contextlib.suppress(ValueError):
             self.backend.instances.remove(self)
+        self.backend.cache.wait_for(self.pod_name, lambda pod: pod is None, grace_s + 10.0)
 
 
 @dataclass(frozen=True)
@@ -149,25 +148,66 @@ class ReconcileResult:
 class KubernetesBackend:
     """Function pods for the node agent; the backbone daemons belong to the node-agent DaemonSet."""
 
-    def __init__(
-        self,
-        config: KubernetesConfig,
-        core: k8s.CoreV1Api | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api | None = None) -> None:
         self.config = config
         self.core = core if core is not None else k8s.CoreV1Api(_load_client_config())
-        self.clock = clock
-        self.sleep = sleep
         self.store = ModelStore(config.home / "models")
         self.log_dir = config.home / "logs"  # workers log to their pod: `kubectl logs`; nothing is written here
         self.instances: list[PodInstance] = []
         self.failures: dict[str, list[PodFailure]] = {}
+        self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self._observe)
         self._serializer = k8s.ApiClient()  # only (de)serializes model objects; never sends a request
         self._template: k8s.V1Pod | None = None
         self._owner: k8s.V1OwnerReference | None = None
         self._lock = threading.Lock()
+        self._deleting: set[str] = set()  # pods we delete: their going is no failure
+        self._adoptable: dict[str, k8s.V1Pod] = {}  # a previous controller's healthy pods, until claimed
+        self._adopt_timer: threading.Timer | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Follow the pods, check the template with the API server, and take stock of the pods a previous controller
+        left: healthy ones wait `adopt_window_s` to be claimed by a launch, failed ones are deleted."""
+        if self.cache.started:
+            return
+        self.cache.start(timeout_s)
+        self.check_template()
+        known = {i.pod_name for i in self.instances}
+        for pod in self.list_function_pods():
+            name = pod.metadata.name
+            if name in known or pod.metadata.deletion_timestamp is not None:
+                continue
+            if pod_failure(pod) is not None:
+                self.delete_pod(name, grace_period_s=0)  # recorded by the watch
+            else:
+                self._adoptable[name] = pod
+        if self._adoptable:
+            log.info("found %d function pod(s) of a previous controller; adopting them as they are asked for "
+                     "within %.0f s", len(self._adoptable), self.config.adopt_window_s)
+            self._adopt_timer = threading.Timer(self.config.adopt_window_s, self.release_unclaimed)
+            self._adopt_timer.daemon = True
+            self._adopt_timer.start()
+
+    def stop(self) -> None:
+        """Stop following; the pods stay (a controller restart adopts them)."""
+        if self._adopt_timer is not None:
+            self._adopt_timer.cancel()
+        self.cache.stop()
+
+    def close(self) -> None:
+        """Delete every pod this controller runs, then stop."""
+        for instance in list(self.instances):
+            with contextlib.suppress(InstanceUnavailable):
+                instance.kill(signal.SIGTERM, self.config.delete_timeout_s)
+        self.instances.clear()
+        self.release_unclaimed()
+        self.stop()
+
+    def _started(self) -> PodCache:
+        if not self.cache.started:
+            self.start()
+        return self.cache
 
     # -- the library pool: none (every pod imports its libraries; the image's layers are the pre-load) ---------------
 
@@ -185,11 +225,11 @@ class KubernetesBackend:
     # -- backbone daemons (run by the node-agent DaemonSet) ----------------------------------------------------------
 
     def agent_nodes(self) -> dict[str, set[str]]:
-        """node name -> the backbones its ready node-agent pod serves."""
-        pods = self.core.list_namespaced_pod(self.config.namespace, label_selector=self.config.agent_selector)
+        """node name -> the backbones its ready node-agent pod serves (from the watch: no API call)."""
         nodes: dict[str, set[str]] = {}
-        for pod in pods.items:
-            if pod.spec.node_name and is_ready(pod):
+        for pod in self._started().pods():
+            if ((pod.metadata.labels or {}).get(LABEL_COMPONENT) == "node-agent" and pod.spec.node_name
+                    and pod.metadata.deletion_timestamp is None and is_ready(pod)):
                 served = (pod.metadata.annotations or {}).get(ANNOTATION_BACKBONES, "")
                 nodes.setdefault(pod.spec.node_name, set()).update(b for b in served.split(",") if b)
         return nodes
@@ -236,139 +276,93 @@ class KubernetesBackend:
         )
 
     def pod_name(self, spec: WorkerSpec) -> str:
-        return _dns_subdomain(f"{self.config.release}-fn-{spec.instance_id}")
+        return pod_name(self.config.release, spec.instance_id)
 
     def build_pod(self, spec: WorkerSpec, backbone: str, nodes: list[str]) -> k8s.V1Pod:
-        """The pod for one instance: the template with our identity, command, port, probe and placement."""
-        pod: k8s.V1Pod = copy.deepcopy(self.template())
-        meta = pod.metadata or k8s.V1ObjectMeta()
-        meta.name = self.pod_name(spec)
-        meta.namespace = self.config.namespace
-        meta.labels = {
-            **(meta.labels or {}),
-            LABEL_NAME: "lorafaas",
-            LABEL_INSTANCE: self.config.release,
-            LABEL_COMPONENT: "function",
-            LABEL_MANAGED_BY: "lorafaas-controller",
-            LABEL_FUNCTION: spec.function,
-            LABEL_BACKBONE: backbone,
-        }
-        meta.annotations = {
-            **(meta.annotations or {}),
-            ANNOTATION_INSTANCE_ID: spec.instance_id,
-            ANNOTATION_SPEC: msgspec.json.encode(spec).decode(),
-        }
-        meta.owner_references = [self.owner()]
-        pod.metadata = meta
-        pod.spec.restart_policy = "Never"  # the node agent restarts crashed instances itself
-        worker = next((c for c in pod.spec.containers if c.name == WORKER_CONTAINER), None)
-        if worker is None:
-            raise InvalidInput(
-                f"the function pod template in ConfigMap {self.config.pod_template} has no container "
-                f"named {WORKER_CONTAINER!r}"
-            )
-        worker.command = ["python", "-m", "lorafaas.function_runtime.worker"]
-        worker.args = [msgspec.json.encode(spec).decode()]
-        worker.ports = [k8s.V1ContainerPort(name="worker", container_port=self.config.worker_port, protocol="TCP")]
-        worker.readiness_probe = k8s.V1Probe(
-            tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3
-        )
-        affinity = pod.spec.affinity or k8s.V1Affinity()
-        affinity.node_affinity = k8s.V1NodeAffinity(
-            required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(
-                node_selector_terms=[
-                    k8s.V1NodeSelectorTerm(
-                        match_fields=[
-                            k8s.V1NodeSelectorRequirement(key="metadata.name", operator="In", values=list(nodes))
-                        ]
-                    )
-                ]
-            )
-        )
-        pod.spec.affinity = affinity
-        return pod
+        return build_function_pod(self.template(), self.owner(), spec, namespace=self.config.namespace,
+                                  release=self.config.release, backbone=backbone, nodes=nodes,
+                                  worker_port=self.config.worker_port, home=str(self.config.home),
+                                  listen_on_pod_ip=self.config.listen_on_pod_ip)
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> PodInstance:
-        """Create the instance's pod and return once its worker accepts connections."""
+        """A ready instance for `spec`: a previous controller's pod running the same thing, or a new pod (returns
+        once its worker accepts connections)."""
+        self._started()
         backbone = self._backbone_of(spec)
+        adopted = self._claim(spec)
+        if adopted is not None:
+            return adopted
         nodes = self.backbone_nodes(backbone)
         if not nodes:
             raise DaemonUnavailable(f"no ready node agent serves backbone {backbone!r}; cannot place {spec.function}")
         pod = self.build_pod(spec, backbone, nodes)
         self._call(f"creating pod {pod.metadata.name}", self.core.create_namespaced_pod, self.config.namespace, pod)
-        log.info(
-            "%s: created pod %s for instance %s on one of %s",
-            spec.function,
-            pod.metadata.name,
-            spec.instance_id,
-            ", ".join(nodes),
-        )
+        log.info("%s: created pod %s for instance %s on one of %s", spec.function, pod.metadata.name,
+                 spec.instance_id, ", ".join(nodes))
         instance = self._wait_ready(spec, pod.metadata.name, timeout_s)
         self.instances.append(instance)
         return instance
 
     def _wait_ready(self, spec: WorkerSpec, name: str, timeout_s: float) -> PodInstance:
-        deadline = self.clock() + timeout_s
-        pod = None
-        while self.clock() < deadline:
-            pod = self.read_pod(name)
+        seen = False
+
+        def settled(pod: k8s.V1Pod | None) -> bool:
+            nonlocal seen
             if pod is None:
-                raise InstanceUnavailable(f"{spec.function}: pod {name} was deleted while starting")
-            failure = pod_failure(pod)
-            if failure is not None:
-                self._record(failure)
-                self.delete_pod(name, grace_period_s=0)
-                raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
-            if is_ready(pod) and pod.status.pod_ip:
-                return PodInstance(spec, name, pod.status.pod_ip, self)
-            self.sleep(self.config.poll_interval_s)
+                return seen  # gone after it was seen (before, the watch has not caught up yet)
+            seen = True
+            return (pod.metadata.deletion_timestamp is not None or pod_failure(pod) is not None
+                    or (is_ready(pod) and bool(pod.status.pod_ip)))
+
+        pod = self.cache.wait_for(name, settled, timeout_s)
+        if pod is None and seen:
+            raise InstanceUnavailable(f"{spec.function}: pod {name} was deleted while starting")
+        if pod is not None and pod.metadata.deletion_timestamp is not None:
+            raise InstanceUnavailable(f"{spec.function}: pod {name} is being deleted while starting")
+        failure = pod_failure(pod) if pod is not None else None
+        if failure is not None:
+            self._record(failure)
+            self.delete_pod(name, grace_period_s=0)
+            raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
+        if pod is not None and is_ready(pod) and pod.status.pod_ip:
+            return PodInstance(spec, name, pod.status.pod_ip, self)
         reason, message = pending_reason(pod)
-        self._record(
-            PodFailure(spec.function, spec.instance_id, name, reason, f"not ready after {timeout_s:.0f} s: {message}")
-        )
+        self._record(PodFailure(spec.function, spec.instance_id, name, reason,
+                                f"not ready after {timeout_s:.0f} s: {message}"))
         self.delete_pod(name, grace_period_s=0)
         raise InstanceUnavailable(
-            f"{spec.function}: pod {name} not ready after {timeout_s:.0f} s ({reason}: {message})"
-        )
+            f"{spec.function}: pod {name} not ready after {timeout_s:.0f} s ({reason}: {message})")
 
     def read_pod(self, name: str) -> k8s.V1Pod | None:
-        try:
-            return self.core.read_namespaced_pod(name, self.config.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise InstanceUnavailable(f"reading pod {name} failed: {exc.status} {exc.reason}") from exc
+        """The pod as the watch saw it last."""
+        return self._started().get(name)
 
     def delete_pod(self, name: str, grace_period_s: int = 30) -> bool:
-        """Delete a pod; False if it was already gone."""
+        """Ask for the pod's deletion (the kubelet confirms it after the grace period); False if it was gone."""
+        with self._lock:
+            self._deleting.add(name)
         try:
             self.core.delete_namespaced_pod(name, self.config.namespace, grace_period_seconds=grace_period_s)
         except ApiException as exc:
             if exc.status == 404:
                 return False
             raise InstanceUnavailable(f"deleting pod {name} failed: {exc.status} {exc.reason}") from exc
-        log.info("deleted pod %s", name)
+        log.info("deleting pod %s (grace %d s)", name, grace_period_s)
         return True
 
     def list_function_pods(self) -> list[k8s.V1Pod]:
-        return self._call(
-            "listing function pods",
-            self.core.list_namespaced_pod,
-            self.config.namespace,
-            label_selector=self.config.function_selector,
-        ).items
+        return [p for p in self._started().pods() if (p.metadata.labels or {}).get(LABEL_COMPONENT) == "function"]
 
     def reconcile(self, wanted: Iterable[WorkerSpec], timeout_s: float = 120.0) -> ReconcileResult:
         """Make the function pods match `wanted` (by instance id): adopt the healthy ones, delete failed pods and
         orphans (pods of no wanted instance), create the missing. Calling it again changes nothing."""
+        self._started()
         wanted_by_id = {spec.instance_id: spec for spec in wanted}
         known = {instance.spec.instance_id for instance in self.instances}
         adopted, deleted, present = [], [], set()
         for pod in self.list_function_pods():
             instance_id = (pod.metadata.annotations or {}).get(ANNOTATION_INSTANCE_ID)
             failure = pod_failure(pod)
-            if failure is not None:
-                self._record(failure)
             if instance_id not in wanted_by_id or failure is not None or pod.metadata.deletion_timestamp:
                 if not pod.metadata.deletion_timestamp and self.delete_pod(pod.metadata.name, grace_period_s=0):
                     deleted.append(pod.metadata.name)
@@ -379,6 +373,7 @@ class KubernetesBackend:
                     PodInstance(wanted_by_id[instance_id], pod.metadata.name, pod.status.pod_ip, self)
                 )
                 adopted.append(instance_id)
+            self._adoptable.pop(pod.metadata.name, None)
         created = []
         for instance_id, spec in wanted_by_id.items():
             if instance_id not in present:
@@ -390,43 +385,48 @@ class KubernetesBackend:
         return ReconcileResult(tuple(adopted), tuple(created), tuple(deleted))
 
     def adoptable_specs(self) -> list[WorkerSpec]:
-        """The WorkerSpecs of the function pods that exist (from their annotation): what a restarted controller
-        finds, to decide which to keep."""
+        """The WorkerSpecs of the function pods that exist (from their annotation)."""
         specs = []
         for pod in self.list_function_pods():
-            raw = (pod.metadata.annotations or {}).get(ANNOTATION_SPEC)
-            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError, TypeError):
-                specs.append(msgspec.json.decode(raw, type=WorkerSpec))
+            spec = _spec_of(pod)
+            if spec is not None:
+                specs.append(spec)
         return specs
 
-    def watch(self, timeout_s: int = 60, stop: threading.Event | None = None) -> int:
-        """Follow the function pods for `timeout_s` and record failures as they happen; returns how many."""
-        watcher = k8s_watch.Watch()
-        recorded = 0
-        for event in watcher.stream(
-            self.core.list_namespaced_pod,
-            self.config.namespace,
-            label_selector=self.config.function_selector,
-            timeout_seconds=timeout_s,
-        ):
-            pod = event["object"]
-            failure = pod_failure(pod) if event["type"] in ("ADDED", "MODIFIED") else None
-            if failure is not None and self._record(failure):
-                recorded += 1
-            if stop is not None and stop.is_set():
-                watcher.stop()
-        return recorded
+    def release_unclaimed(self) -> list[str]:
+        """Delete the previous controller's pods no launch claimed (functions deleted or scaled in meanwhile)."""
+        with self._lock:
+            unclaimed, self._adoptable = list(self._adoptable), {}
+        for name in unclaimed:
+            self.delete_pod(name, grace_period_s=int(self.config.delete_timeout_s))
+        if unclaimed:
+            log.info("deleted %d function pod(s) of a previous controller that no function claimed", len(unclaimed))
+        return unclaimed
+
+    def _claim(self, spec: WorkerSpec) -> PodInstance | None:
+        """A previous controller's healthy pod running exactly `spec` but for the instance id."""
+        with self._lock:
+            for name in list(self._adoptable):
+                pod = self.cache.get(name)
+                theirs = _spec_of(pod) if pod is not None else None
+                if theirs is None or pod_failure(pod) is not None or pod.metadata.deletion_timestamp is not None:
+                    del self._adoptable[name]
+                    continue
+                if (msgspec.structs.replace(theirs, instance_id=spec.instance_id) == spec and is_ready(pod)
+                        and pod.status.pod_ip):
+                    del self._adoptable[name]
+                    instance = PodInstance(theirs, name, pod.status.pod_ip, self)
+                    self.instances.append(instance)
+                    log.info("%s: adopted pod %s (instance %s) of a previous controller", spec.function, name,
+                             theirs.instance_id)
+                    return instance
+        return None
 
     def describe_failures(self, function: str) -> list[dict]:
-        return [failure.describe() for failure in self.failures.get(function, [])]
+        with self._lock:
+            return [failure.describe() for failure in self.failures.get(function, [])]
 
-    def close(self) -> None:
-        for instance in list(self.instances):
-            with contextlib.suppress(InstanceUnavailable):
-                instance.kill(signal.SIGTERM, self.config.delete_timeout_s)
-        self.instances.clear()
-
-    # -- helpers -------------------------------------------------------------------------------------------------------
+    # -- the template ------------------------------------------------------------------------------------------------
 
     def template(self) -> k8s.V1Pod:
         """The function pod template from its ConfigMap, read once."""
@@ -440,15 +440,27 @@ class KubernetesBackend:
 
     def owner(self) -> k8s.V1OwnerReference:
         if self._owner is None:
-            config_map = self._read_template_config_map()
-            self._owner = k8s.V1OwnerReference(
-                api_version="v1",
-                kind="ConfigMap",
-                name=config_map.metadata.name,
-                uid=config_map.metadata.uid,
-                block_owner_deletion=False,
-            )
+            self._owner = template_owner(self._read_template_config_map())
         return self._owner
+
+    def check_template(self) -> None:
+        """Ask the API server whether a pod from the template is valid (a dry run: nothing is created), so that a
+        template it refuses (e.g. a memory request above its limit) stops the controller at start with the server's
+        reason instead of failing every launch."""
+        probe = WorkerSpec(function="template-check", instance_id="template-check-0",
+                           socket_path=f"tcp://0.0.0.0:{self.config.worker_port}",
+                           model_dir=str(self.config.home / "models" / "template-check"))
+        pod = self.build_pod(probe, "template-check", ["template-check"])
+        try:
+            self.core.create_namespaced_pod(self.config.namespace, pod, dry_run="All")
+        except ApiException as exc:
+            if exc.status in (400, 422):
+                raise InvalidInput(
+                    f"the function pod template (ConfigMap {self.config.pod_template}, from the chart's function.* "
+                    f"values) is refused by the API server: {_api_message(exc)}"
+                ) from exc
+            raise InstanceUnavailable(f"checking the function pod template failed: {exc.status} {exc.reason}: "
+                                      f"{_api_message(exc)}") from exc
 
     def _read_template_config_map(self) -> k8s.V1ConfigMap:
         return self._call(
@@ -464,6 +476,32 @@ class KubernetesBackend:
     def to_dict(self, obj) -> dict:
         """A model object as the API server receives it (camelCase, no nulls)."""
         return self._serializer.sanitize_for_serialization(obj)
+
+    # -- what the watch sees -------------------------------------------------------------------------------------------
+
+    def _observe(self, pod: k8s.V1Pod, deleted: bool) -> None:
+        """In the watch thread: record function pods that failed, or went without our asking (a drain, an
+        eviction, a node removed); the node agent sees their workers' connections close and starts replacements."""
+        labels = pod.metadata.labels or {}
+        if labels.get(LABEL_COMPONENT) != "function":
+            return
+        name = pod.metadata.name
+        failure = pod_failure(pod)
+        if failure is not None:
+            self._record(failure)
+        if deleted:
+            with self._lock:
+                ours = name in self._deleting
+                self._deleting.discard(name)
+                self._adoptable.pop(name, None)
+                gone = [i for i in self.instances if i.pod_name == name]
+                for instance in gone:
+                    self.instances.remove(instance)
+            if not ours and failure is None:
+                self._record(PodFailure(
+                    labels.get(LABEL_FUNCTION, "?"), (pod.metadata.annotations or {}).get(ANNOTATION_INSTANCE_ID, name),
+                    name, "Deleted", "the pod was deleted by someone else (kubectl drain or delete, an eviction, its "
+                    "node removed); a replacement starts on the next request or reconcile"))
 
     def _record(self, failure: PodFailure) -> bool:
         with self._lock:
@@ -486,9 +524,11 @@ class KubernetesBackend:
             raise InstanceUnavailable(f"{what} failed: {exc.status} {exc.reason}: {_api_message(exc)}") from exc
 
 
-def _dns_subdomain(text: str) -> str:
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return name[:253].rstrip("-")
+def _spec_of(pod: k8s.V1Pod) -> WorkerSpec | None:
+    raw = (pod.metadata.annotations or {}).get(ANNOTATION_SPEC)
+    with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError, TypeError):
+        return msgspec.json.decode(raw, type=WorkerSpec)
+    return None
 
 
 def _api_message(exc: ApiException) -> str:

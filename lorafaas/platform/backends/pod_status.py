@@ -75,6 +75,10 @@ def pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
 
     if status is None:
         return None
+    if status.phase == "Failed" and status.reason:  # the kubelet's own verdict on the pod (Evicted, Shutdown, ...)
+        exit_codes = [c.state.terminated.exit_code for c in status.container_statuses or []
+                      if c.state is not None and c.state.terminated is not None]
+        return failure(status.reason, status.message or "", exit_codes[0] if exit_codes else None)
     for container in status.container_statuses or []:
         state = container.state
         if state is not None and state.waiting is not None and state.waiting.reason in FAILED_WAITING_REASONS:

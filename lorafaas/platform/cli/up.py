@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import typer
 
 from lorafaas.config import LorafaasConfig
+from lorafaas.errors import InvalidInput
 from lorafaas.platform.cli.output import RichProgress, err_console
 
 
@@ -40,7 +42,7 @@ def up(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
-        admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy, backend=backend,
+        admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, hang_timeout_s=hang_timeout,
     )
     url = f"http://{host}:{port}"
@@ -70,3 +72,16 @@ def up(
             err_console.print(f"demo functions: {', '.join(demo_names)}")
 
     run_server(server_config, on_ready=announce)
+
+
+def _admin_key_from_env() -> str | None:
+    """LORAFAAS_ADMIN_KEY, or the contents of the file LORAFAAS_ADMIN_KEY_FILE names (a mounted Secret)."""
+    if os.environ.get("LORAFAAS_ADMIN_KEY"):
+        return os.environ["LORAFAAS_ADMIN_KEY"]
+    key_file = os.environ.get("LORAFAAS_ADMIN_KEY_FILE")
+    if not key_file:
+        return None
+    try:
+        return Path(key_file).read_text().strip()
+    except OSError as exc:
+        raise InvalidInput(f"LORAFAAS_ADMIN_KEY_FILE {key_file!r} cannot be read: {exc.strerror}") from exc

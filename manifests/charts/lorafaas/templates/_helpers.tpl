@@ -61,8 +61,8 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- if hasPrefix "cuda" .Values.device }}true{{ end -}}
 {{- end -}}
 
-{{/* The volumes shared by node agents and function pods: the home and the CPU transport's /dev/shm. */}}
-{{- define "lorafaas.sharedVolumes" -}}
+{{/* The home: a ReadWriteMany claim, or a node directory. */}}
+{{- define "lorafaas.homeVolume" -}}
 - name: home
 {{- if .Values.home.existingClaim }}
   persistentVolumeClaim:
@@ -72,15 +72,36 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
     path: {{ .Values.home.hostPath }}
     type: DirectoryOrCreate
 {{- end }}
-- name: shm
-  hostPath:
-    path: {{ .Values.sharedMemory.hostPath }}
-    type: Directory
 {{- end -}}
 
-{{- define "lorafaas.sharedMounts" -}}
+{{/* Pod-level hardening (Pod Security "restricted" where the volumes allow it): a non-root uid, the runtime's
+seccomp profile. */}}
+{{- define "lorafaas.podSecurityContext" -}}
+runAsUser: {{ .root.Values.securityContext.runAsUser }}
+runAsGroup: {{ .root.Values.securityContext.runAsGroup }}
+runAsNonRoot: true
+{{- if .fsGroup }}
+fsGroup: {{ .root.Values.securityContext.runAsGroup }}
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* Container-level hardening: no privilege escalation, no capabilities, a read-only root filesystem (/tmp is an
+emptyDir where a process needs to write). */}}
+{{- define "lorafaas.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{- define "lorafaas.agentMounts" -}}
 - name: home
   mountPath: {{ .Values.home.mountPath }}
+- name: tmp
+  mountPath: /tmp
 - name: shm
   mountPath: /dev/shm
 {{- end -}}

@@ -1,0 +1,165 @@
+"""Pods as one watch sees them: the informer pattern of client-go, which the Python client lacks.
+
+`Reflector` lists a collection, then watches it from the list's resourceVersion, and lists again after a 410 Gone or
+a broken stream; it runs in a daemon thread and hands every object to callbacks. `PodCache` keeps the latest state of
+each pod it reflects, so that readers (placement, readiness, liveness) never call the API server, and lets a thread
+wait for a pod to reach a state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import watch as k8s_watch
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_S = 240  # the server ends a watch after this; the reflector resumes from the last resourceVersion
+RETRY_S = 1.0
+
+
+class Reflector:
+    """`list_func(*args, **kwargs)` listed, then watched, until `stop()`. `on_list(items)` after every list (the whole
+    collection: a replace), `on_event(type, obj)` for each ADDED, MODIFIED and DELETED."""
+
+    def __init__(
+        self,
+        name: str,
+        list_func: Callable,
+        *args,
+        on_list: Callable[[list], None],
+        on_event: Callable[[str, object], None],
+        **kwargs,
+    ) -> None:
+        self.name = name
+        self.list_func, self.args, self.kwargs = list_func, args, kwargs
+        self.on_list, self.on_event = on_list, on_event
+        self.synced = threading.Event()  # set after the first successful list
+        self._stopped = threading.Event()
+        self._watch: k8s_watch.Watch | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"reflector-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        if self._watch is not None:
+            self._watch.stop()  # shuts the socket down: a blocked read returns at once
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped.is_set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                listing = self.list_func(*self.args, **self.kwargs)
+                self.on_list(list(listing.items))
+                self.synced.set()
+                self._follow(listing.metadata.resource_version)
+            except ApiException as exc:
+                if exc.status != 410:  # 410 Gone: the version is too old; listing again is the recovery
+                    log.warning("%s: the API server answered %s %s; listing again in %.0f s", self.name, exc.status,
+                                exc.reason, RETRY_S)
+                    self._stopped.wait(RETRY_S)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                if not self._stopped.is_set():
+                    log.warning("%s: watch broken (%s); listing again in %.0f s", self.name, exc, RETRY_S)
+                    self._stopped.wait(RETRY_S)
+            except Exception:  # a long-lived thread: a bug in a callback must not silently end the watch
+                log.exception("%s: unexpected error; listing again in %.0f s", self.name, RETRY_S)
+                self._stopped.wait(RETRY_S)
+
+    def _follow(self, resource_version: str) -> None:
+        while not self._stopped.is_set():
+            self._watch = k8s_watch.Watch()
+            for event in self._watch.stream(self.list_func, *self.args, resource_version=resource_version,
+                                            timeout_seconds=WATCH_TIMEOUT_S, **self.kwargs):
+                if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                    self.on_event(event["type"], event["object"])
+                if self._stopped.is_set():
+                    return
+            resource_version = self._watch.resource_version or resource_version
+
+
+class PodCache:
+    """The pods one label selector picks in a namespace, kept current by a `Reflector`. `on_change(pod, deleted)`
+    sees every state (from lists and events), in the watch thread."""
+
+    def __init__(
+        self,
+        core: k8s.CoreV1Api,
+        namespace: str,
+        label_selector: str,
+        on_change: Callable[[k8s.V1Pod, bool], None] | None = None,
+    ) -> None:
+        self._pods: dict[str, k8s.V1Pod] = {}
+        self._changed = threading.Condition()
+        self._on_change = on_change
+        self.reflector = Reflector(f"pods {namespace}/{label_selector}", core.list_namespaced_pod, namespace,
+                                   label_selector=label_selector, on_list=self._replace, on_event=self._apply)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start following and return once the first list is in (or raise TimeoutError)."""
+        if not self.reflector.running:
+            self.reflector.start()
+        if not self.reflector.synced.wait(timeout_s):
+            raise TimeoutError(f"{self.reflector.name}: no list from the API server within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        self.reflector.stop()
+
+    @property
+    def started(self) -> bool:
+        return self.reflector.running
+
+    def pods(self) -> list[k8s.V1Pod]:
+        with self._changed:
+            return list(self._pods.values())
+
+    def get(self, name: str) -> k8s.V1Pod | None:
+        with self._changed:
+            return self._pods.get(name)
+
+    def wait_for(self, name: str, done: Callable[[k8s.V1Pod | None], bool], timeout_s: float) -> k8s.V1Pod | None:
+        """Block until `done(pod)` holds for the named pod (None: it does not exist) or timeout_s passes; the pod as
+        last seen either way."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not done(self._pods.get(name)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 1.0))
+            return self._pods.get(name)
+
+    def _replace(self, items: list[k8s.V1Pod]) -> None:
+        with self._changed:
+            gone = [pod for name, pod in self._pods.items() if name not in {p.metadata.name for p in items}]
+            self._pods = {pod.metadata.name: pod for pod in items}
+            self._changed.notify_all()
+        if self._on_change is not None:
+            for pod in gone:
+                self._on_change(pod, True)
+            for pod in items:
+                self._on_change(pod, False)
+
+    def _apply(self, kind: str, pod: k8s.V1Pod) -> None:
+        with self._changed:
+            if kind == "DELETED":
+                self._pods.pop(pod.metadata.name, None)
+            else:
+                self._pods[pod.metadata.name] = pod
+            self._changed.notify_all()
+        if self._on_change is not None:
+            self._on_change(pod, kind == "DELETED")
