@@ -34,6 +34,7 @@
         ├── PlatformUnavailable       503: the CLI cannot reach the gateway
         ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
         ├── StorageFull               507: a write failed for lack of space (disk full, quota, file size limit)
+        │   └── InsufficientMemory    507: a backbone segment cannot be reserved (needed and free bytes named)
         ├── InvocationTimedOut        504: a request ran past its function's wall-time limit
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
@@ -213,6 +214,10 @@ class HeadersTooLarge(ClientError):
 class StorageFull(ServerError):
     code = "storage_full"
     http_status = 507
+
+
+class InsufficientMemory(StorageFull):
+    code = "insufficient_memory"
 
 
 class InvocationTimedOut(ServerError):
