@@ -26,7 +26,7 @@
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
-    │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without cupy or CUDA)
+    │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without CUDA)
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease

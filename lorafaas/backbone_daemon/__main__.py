@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=float, default=None, help="reap leases without a heartbeat this long")
     parser.add_argument("--reap-interval", type=float, default=0.5)
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--adopt-fd", type=int, default=None, help="a predecessor's sealed segment (from the supervisor)")
-    parser.add_argument("--status-fd", type=int, default=None, help="report a start-up error here (msgpack), then close")
+    parser.add_argument("--adopt-fd", type=int, default=None, help="a predecessor's sealed segment (supervisor's)")
+    parser.add_argument("--status-fd", type=int, default=None, help="report a start-up error here (msgpack)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -128,8 +128,7 @@ class DaemonClient:
         return self._call(m.Shutdown(force=force), m.ShuttingDown)
 
     def _call(self, request: m.Request, expected: type[T]) -> T:
-        response, fds = self._call_with_fds(request, expected, num_fds=0)
-        return response
+        return self._call_with_fds(request, expected, num_fds=0)[0]
 
     def _call_with_fds(self, request: m.Request, expected: type[T], num_fds: int = 1) -> tuple[T, list[int]]:
         """Send `request`; the reply of type `expected` and exactly `num_fds` descriptors with it (owned by the

@@ -1,7 +1,8 @@
 """A backbone daemon's settings and the places it owns: socket, lock file and shared-memory segment names.
 
 One daemon per (home, backbone, device). Its lock file (held with flock for the daemon's life, released by the kernel
-even on SIGKILL) says who owns the pair; its segment (a memfd, no file anywhere) is labelled with the home, backbone, device and owner pid:
+even on SIGKILL) says who owns the pair; its segment (a memfd, no file anywhere) is labelled with the home, backbone,
+device and owner pid:
 
     /memfd:lorafaas-<home tag>.<backbone>.<device>.<pid>      (as /proc/PID/maps shows it)
 

@@ -77,7 +77,7 @@ class BackboneDaemon:
     def start(self) -> None:
         """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
         manifest = self.store.get(self.config.backbone)  # BackboneNotFound before anything is created
-        cuda_ipc.check_transport(self.config.device)  # no cupy or no GPU: say so before loading anything
+        cuda_ipc.check_transport(self.config.device)  # no GPU or driver: say so before loading anything
         self._acquire_lock()
         name = self.paths.segment_name(os.getpid())
         self._adopt(manifest)

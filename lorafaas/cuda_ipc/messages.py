@@ -1,8 +1,8 @@
 """The manifest of an exported segment: where the segment is and which tensor lies where in it.
 
 It crosses the process boundary inside the backbone daemon's protocol, with the segment's file descriptor beside it
-(SCM_RIGHTS); tensors never do. A manifest is checked on receipt (`lorafaas.cuda_ipc.layout.check_manifest`) before anything is
-mapped.
+(SCM_RIGHTS); tensors never do. A manifest is checked on receipt (`lorafaas.cuda_ipc.layout.check_manifest`) before
+anything is mapped.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ the tests drive function instances through it. It holds a duplicate of each CPU 
 and a supervisor thread restarts a daemon that dies, handing it that descriptor (the new one adopts the segment and
 its leases: attached instances notice nothing, and nothing is loaded twice). On a GPU the instances bound to a dead
 daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
-start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. What it started is recorded in `$HOME/run`
-(launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its zygote and instances and
-adopts its daemons (`recover_predecessors`).
+start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. What it started
+is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its
+zygote and instances and adopts its daemons (`recover_predecessors`).
 
     with LocalLauncher(home) as launcher:
         instance = launcher.launch("pirate", "smollm2-135m", adapter_dir)      # forked from the zygote

@@ -104,8 +104,8 @@ def logits_digest(model) -> str:
     import torch
 
     with torch.inference_mode():
-        logits = model(torch.tensor([PROBE_INPUT_IDS])).logits
-    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
+        logits = model(torch.tensor([PROBE_INPUT_IDS], device=model.device)).logits
+    return hashlib.sha256(logits.float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def tensors_digest(tensors: dict) -> str:

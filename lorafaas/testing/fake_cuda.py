@@ -8,8 +8,8 @@ runs on a device: every tensor in the tier is fake. On a build with CUDA it does
 
 `fake_cuda_mode()` is FakeTensorMode plus one more allowance for such a build: `torch.tensor(data, device="cuda:0")`
 builds the data on the CPU and copies it with the Python dispatch key excluded, so the copy meets the missing CUDA
-kernels; inside the mode it becomes a fake tensor of the data's shape and dtype on D (fake tensors carry no data: fake tensors carry no data). A call without `device=` still makes a CPU
-tensor, which is what the tier catches.
+kernels; inside the mode it becomes a fake tensor of the data's shape and dtype on the device (fake tensors carry no
+data). A call without `device=` still makes a CPU tensor, which is what the tier catches.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class Daemons:
         return config, process
 
     def close(self) -> None:
-        for config, process in self._started:
+        for _config, process in self._started:
             if process.poll() is None:
                 process.kill()
             process.wait()

@@ -55,7 +55,8 @@ def test_layout_refuses_duplicates_bad_alignment_and_unknown_dtypes() -> None:
 
 
 def _manifest(*entries: TensorEntry, size: int = 512) -> SegmentManifest:
-    return SegmentManifest(device="cpu", location=MemfdLocation(label="x", inode=1), size=size, alignment=256, tensors=entries)
+    return SegmentManifest(device="cpu", location=MemfdLocation(label="x", inode=1), size=size, alignment=256,
+                           tensors=entries)
 
 
 @pytest.mark.parametrize(
