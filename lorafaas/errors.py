@@ -26,7 +26,7 @@
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
-    │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without cupy or CUDA)
+    │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without CUDA)
     └── ServerError                   lorafaas failed -> CLI exit 1, HTTP 5xx
         ├── DaemonUnavailable         503: no backbone daemon answers at the socket, or it died mid-request
         ├── LeaseRefused              503: the daemon is stopping and grants no new lease
@@ -35,6 +35,7 @@
         ├── PlatformUnavailable       503: the CLI cannot reach the gateway
         ├── StoreUnavailable          503: the state store (SQLite file, Redis server) cannot be reached or refused
         ├── StorageFull               507: a write failed for lack of space (disk full, quota, file size limit)
+        │   └── InsufficientMemory    507: a backbone segment cannot be reserved (needed and free bytes named)
         ├── InvocationTimedOut        504: a request ran past its function's wall-time limit
         ├── ProtocolError             a peer spoke another protocol version or sent a malformed message
         ├── SegmentError              a shared segment is missing, truncated or does not match its manifest
@@ -219,6 +220,10 @@ class HeadersTooLarge(ClientError):
 class StorageFull(ServerError):
     code = "storage_full"
     http_status = 507
+
+
+class InsufficientMemory(StorageFull):
+    code = "insufficient_memory"
 
 
 class InvocationTimedOut(ServerError):

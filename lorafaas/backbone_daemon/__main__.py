@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+import msgspec
 
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
@@ -22,12 +25,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=float, default=None, help="reap leases without a heartbeat this long")
     parser.add_argument("--reap-interval", type=float, default=0.5)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--adopt-fd", type=int, default=None, help="a predecessor's sealed segment (supervisor's)")
+    parser.add_argument("--status-fd", type=int, default=None, help="report a start-up error here (msgpack)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from lorafaas.backbone_daemon.config import DaemonConfig
+    from lorafaas.backbone_daemon.messages import ErrorReply
     from lorafaas.backbone_daemon.server import serve
+
+    def ready(paths) -> None:
+        print(paths.socket, flush=True)
+        if args.status_fd is not None:
+            os.close(args.status_fd)  # serving: nothing to report
+            args.status_fd = None
 
     try:
         config = DaemonConfig(
@@ -36,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             lease_ttl_s=args.lease_ttl,
             reap_interval_s=args.reap_interval,
+            adopt_fd=args.adopt_fd,
         )
-        serve(config, on_ready=lambda paths: print(paths.socket, flush=True))
+        serve(config, on_ready=ready)
     except LorafaasError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
+        if args.status_fd is not None:  # tell the supervisor what failed, typed
+            os.write(args.status_fd, msgspec.msgpack.encode(ErrorReply(code=exc.code, message=exc.message)))
         return 2 if isinstance(exc, ClientError) else 1
     return 0
 

@@ -1,18 +1,18 @@
-"""A restarted daemon adopting the segment of the daemon it replaces, instead of loading a second copy.
+"""A restarted daemon adopting the sealed segment of the daemon it replaces, instead of loading a second copy.
 
-A daemon records its sealed segment and its leases in a file next to its lock (`SegmentRecord`, rewritten when a
-lease comes or goes, removed on a clean stop). Its successor, holding the same lock, adopts the segment only if all
-of these hold; otherwise the segment is stale and removed, as before:
+A memfd lives as long as a descriptor or a mapping of it: the supervisor that starts the daemon (the launcher) keeps
+a duplicate of the sealed segment's descriptor (`HoldSegment`) and hands it to the successor (`--adopt-fd`). The
+daemon records its segment and its leases in a file next to its lock (`SegmentRecord`, rewritten when a lease comes
+or goes, removed on a clean stop). The successor adopts the descriptor only if all of these hold; otherwise it
+closes it and loads the backbone again:
 
-- the record decodes and has this version; its device is this daemon's and is `cpu` (a CUDA allocation dies with
-  the process that made it, so there is nothing to adopt);
+- the record decodes and has this version; its device is this daemon's and is `cpu` (on a GPU the supervisor
+  restarts the bound instances instead: see launcher.py);
 - it names this backbone and its weights digest is the store entry's now (a re-import changes it);
-- the segment is the recorded daemon's (name = prefix + that pid), and the file at that name is the one recorded:
-  same inode, size and last-write time (sealed segments are never written again);
-- the manifest passes the checks an attacher makes.
+- the descriptor is the recorded segment: same inode and size, sealed against writes (nobody can have changed a
+  byte since it was sealed); the manifest passes the checks an attacher makes.
 
-Adopting renames the segment to the new daemon's name (mappings follow the inode, so attached functions notice
-nothing) and re-creates the leases of the recorded functions that still live and still map it.
+The leases of the recorded functions that still live and still map that inode are re-created under the same ids.
 """
 
 from __future__ import annotations
@@ -24,41 +24,15 @@ from pathlib import Path
 import msgspec
 
 from lorafaas.backbone_daemon import messages as m
-from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
-from lorafaas.cuda_ipc import SegmentManifest, ShmLocation
+from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.cuda_ipc import MemfdLocation
 from lorafaas.cuda_ipc.layout import check_manifest
-from lorafaas.cuda_ipc.shm import segment_path, unlink_segment
+from lorafaas.cuda_ipc.memfd import MemfdExport, check_segment_fd
 from lorafaas.errors import SegmentError
 from lorafaas.platform.model_store import BackboneManifest
 
 log = logging.getLogger(__name__)
 _record_decoder = msgspec.msgpack.Decoder(m.SegmentRecord)
-
-
-class AdoptedSegment:
-    """The owner's side of a segment taken over from a killed daemon: already filled and sealed."""
-
-    def __init__(self, manifest: SegmentManifest) -> None:
-        self.manifest = manifest
-        self.name = manifest.location.name
-        self._destroyed = False
-
-    def seal(self) -> None:
-        pass
-
-    def destroy(self) -> None:
-        if not self._destroyed:
-            unlink_segment(self.name)
-            self._destroyed = True
-
-
-def segment_identity(name: str) -> tuple[int, int, int] | None:
-    """(inode, size, mtime_ns) of the segment file, None if there is none."""
-    try:
-        st = os.stat(segment_path(name))
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def write_record(path: Path, record: m.SegmentRecord) -> None:
@@ -84,34 +58,29 @@ def read_record(path: Path) -> m.SegmentRecord | None:
         return None
 
 
-def refusal(
-    record: m.SegmentRecord, config: DaemonConfig, paths: DaemonPaths, backbone: BackboneManifest
-) -> str | None:
-    """Why the recorded segment cannot be adopted, or None if it can."""
+def refusal(record: m.SegmentRecord, config: DaemonConfig, backbone: BackboneManifest, fd: int) -> str | None:
+    """Why the recorded segment (descriptor `fd`) cannot be adopted, or None if it can."""
     if record.record_version != m.RECORD_VERSION:
         return f"record version {record.record_version}, this daemon reads {m.RECORD_VERSION}"
     if record.device != config.device or config.device != "cpu":
-        return f"the segment is on {record.device}; only cpu segments outlive their daemon"
+        return f"the segment is on {record.device}; only cpu segments are adopted"
     if record.backbone.name != config.backbone or record.backbone.weights_sha256 != backbone.weights_sha256:
         return (
             f"the segment holds {record.backbone.name} {record.backbone.weights_sha256[:12]}, the store has "
             f"{backbone.name} {backbone.weights_sha256[:12]}"
         )
-    location = record.manifest.location
-    if not isinstance(location, ShmLocation) or paths.segment_owner(location.name) != record.daemon_pid:
-        return f"the record's segment {location!r} is not daemon {record.daemon_pid}'s"
-    identity = segment_identity(location.name)
-    if identity != (record.inode, record.manifest.size, record.mtime_ns):
-        return f"/dev/shm/{location.name} is {'gone' if identity is None else 'not the segment recorded'}"
+    if not isinstance(record.manifest.location, MemfdLocation):
+        return f"the record's segment is a {record.manifest.transport} segment"
     try:
         check_manifest(record.manifest)
+        check_segment_fd(record.manifest, fd)
     except SegmentError as exc:
         return exc.message
     return None
 
 
 def maps_inode(pid: int, inode: int) -> bool:
-    """Does `pid` map the /dev/shm file with this inode? True when its maps cannot be read (keep its lease)."""
+    """Does `pid` map the memfd with this inode? True when its maps cannot be read (keep its lease)."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             lines = f.read().splitlines()
@@ -121,15 +90,14 @@ def maps_inode(pid: int, inode: int) -> bool:
         return True
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[4] == str(inode).encode() and fields[5].startswith(b"/dev/shm/"):
+        if len(fields) == 6 and fields[4] == str(inode).encode() and fields[5].startswith(b"/memfd:"):
             return True
     return False
 
 
-def adopt(record: m.SegmentRecord, new_name: str) -> tuple[AdoptedSegment, tuple[m.LeaseRecord, ...]]:
-    """Rename the recorded segment to `new_name`; returns it and the recorded leases whose processes still map it."""
-    old_name = record.manifest.location.name
-    os.rename(segment_path(old_name), segment_path(new_name))
-    manifest = msgspec.structs.replace(record.manifest, location=ShmLocation(name=new_name))
-    attached = tuple(lease for lease in record.leases if maps_inode(lease.pid, record.inode))
-    return AdoptedSegment(manifest), attached
+def adopt(record: m.SegmentRecord, fd: int) -> tuple[MemfdExport, tuple[m.LeaseRecord, ...]]:
+    """Own the recorded segment (descriptor `fd`); returns it and the recorded leases whose processes still map it."""
+    segment = MemfdExport.adopt(record.manifest, fd)
+    inode = record.manifest.location.inode
+    attached = tuple(lease for lease in record.leases if maps_inode(lease.pid, inode))
+    return segment, attached

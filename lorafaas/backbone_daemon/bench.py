@@ -105,7 +105,7 @@ def _import_libraries(model_dir: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     import lorafaas.backbone_daemon.client
-    import lorafaas.cuda_ipc.shm
+    import lorafaas.cuda_ipc.memfd
     import lorafaas.function_runtime.binding  # noqa: F401
 
     transformers.utils.logging.disable_progress_bar()
@@ -123,13 +123,12 @@ def _private(model_dir: Path) -> BenchSample:
 
 
 def _attach(socket_path: Path, model_dir: Path) -> BenchSample:
-    from lorafaas import cuda_ipc
     from lorafaas.function_runtime.binding import bind_backbone, build_empty_model
 
     started = time.perf_counter()
     client = DaemonClient.connect(socket_path, client="bench")
     attached = client.attach(f"bench-{os.getpid()}")
-    attachment = cuda_ipc.attach(attached.manifest)
+    attachment = attached.map()
     model = build_empty_model(model_dir)
     bind_started = time.perf_counter()
     bind_backbone(attachment, model_dir, model=model)

@@ -1,13 +1,14 @@
 """A backbone daemon's settings and the places it owns: socket, lock file and shared-memory segment names.
 
 One daemon per (home, backbone, device). Its lock file (held with flock for the daemon's life, released by the kernel
-even on SIGKILL) says who owns the pair; its segment's name carries the home, backbone, device and owner pid:
+even on SIGKILL) says who owns the pair; its segment (a memfd, no file anywhere) is labelled with the home, backbone,
+device and owner pid:
 
-    /dev/shm/lorafaas-<home tag>.<backbone>.<device>.<pid>
+    /memfd:lorafaas-<home tag>.<backbone>.<device>.<pid>      (as /proc/PID/maps shows it)
 
-so a starting daemon recognises the segments of a killed predecessor. Backbone names cannot contain '.', so one
-backbone's prefix never matches another's segments. Next to the lock, the daemon keeps a record of its sealed segment
-and its leases (`<stem>.segment`), so that a successor can adopt the segment instead of loading a second copy.
+Earlier versions kept segments as files of that name in /dev/shm; a starting daemon still removes those of dead
+owners. Next to the lock, the daemon keeps a record of its sealed segment and its leases (`<stem>.segment`), so that
+a successor handed the segment's descriptor can adopt it instead of loading a second copy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class DaemonConfig:
     # A lease not renewed by a heartbeat within this many seconds is reaped; None: leases live as long as their pid.
     lease_ttl_s: float | None = None
     reap_interval_s: float = 0.5
+    # A killed predecessor's sealed segment, handed over by the supervisor (`--adopt-fd`); adopted if the record
+    # still describes it, closed otherwise.
+    adopt_fd: int | None = None
 
     def __post_init__(self) -> None:
         check_name(self.backbone)

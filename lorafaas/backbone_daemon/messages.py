@@ -3,17 +3,22 @@
 A connection opens with `Hello` (the client's protocol version); the daemon answers `Welcome` or an `ErrorReply`
 and closes. Then any number of requests, each answered by one response, in order:
 
-    Attach(function)        -> Attached(lease_id, manifest, backbone, lease_ttl_s)
+    Attach(function)        -> Attached(lease_id, manifest, backbone, lease_ttl_s)  + the segment's descriptor
+    HoldSegment()           -> SegmentHeld(manifest)                              + the segment's descriptor
     Heartbeat(lease_id)     -> HeartbeatAck
     Detach(lease_id)        -> Detached
     Status()                -> DaemonStatus(leases, bytes, uptime, ...)
     Shutdown(force)         -> ShuttingDown, or ErrorReply(code="leases_held") while leases are held unless forced
 
-Frame: 4-byte big-endian payload length, then the msgpack payload (a tagged struct, tag field "type").
+Frame: 4-byte big-endian payload length, then the msgpack payload (a tagged struct, tag field "type"). `Attached`
+and `SegmentHeld` carry the sealed segment's file descriptor as SCM_RIGHTS ancillary data on their first byte
+(`fdpass.py`): attaching needs no name in /dev/shm, only this socket. `HoldSegment` is for the supervisor that
+starts the daemon: it keeps the duplicate and hands it to a successor (`--adopt-fd`) if the daemon dies.
 
 `SegmentRecord` is what a daemon leaves for its successor (a file next to its lock, msgpack, own version): the sealed
-segment's manifest and identity, and the leases held. A daemon restarted after a crash adopts the segment and
-re-creates those leases under the same ids, so attached functions detach from it as from the one they attached to.
+segment's manifest and the leases held. A daemon restarted after a crash with the segment's descriptor (from its
+supervisor) adopts the segment and re-creates those leases under the same ids, so attached functions detach from it
+as from the one they attached to.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import msgspec
 
 from lorafaas.cuda_ipc.messages import SegmentManifest
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: segments passed as descriptors (memfd, CUDA VMM), HoldSegment
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -51,11 +56,15 @@ class Status(_Message, tag="status"):
     pass
 
 
+class HoldSegment(_Message, tag="hold_segment"):
+    """The supervisor asks for a duplicate of the sealed segment's descriptor, to hand to a successor."""
+
+
 class Shutdown(_Message, tag="shutdown"):
     force: bool = False
 
 
-Request = Hello | Attach | Heartbeat | Detach | Status | Shutdown
+Request = Hello | Attach | Heartbeat | Detach | Status | HoldSegment | Shutdown
 
 
 # Responses
@@ -82,10 +91,18 @@ class Welcome(_Message, tag="welcome"):
 
 
 class Attached(_Message, tag="attached"):
+    """Sent with the segment's descriptor (SCM_RIGHTS); the client owns it from then on."""
+
     lease_id: str
     manifest: SegmentManifest
     backbone: BackboneInfo
     lease_ttl_s: float | None  # renew with Heartbeat more often than this; None: the lease lives with the pid
+
+
+class SegmentHeld(_Message, tag="segment_held"):
+    """Sent with a duplicate of the segment's descriptor (SCM_RIGHTS)."""
+
+    manifest: SegmentManifest
 
 
 class HeartbeatAck(_Message, tag="heartbeat_ack"):
@@ -100,7 +117,7 @@ class DaemonStatus(_Message, tag="daemon_status"):
     backbone: str
     device: str
     transport: str
-    segment: str  # the /dev/shm name on cpu, "" on cuda
+    segment: str  # the segment's label (the memfd's name on cpu; the GPU's UUID on cuda)
     daemon_pid: int
     bytes: int  # tensor bytes in the segment
     segment_bytes: int  # with alignment padding
@@ -120,10 +137,10 @@ class ErrorReply(_Message, tag="error"):
     message: str
 
 
-Response = Welcome | Attached | HeartbeatAck | Detached | DaemonStatus | ShuttingDown | ErrorReply
+Response = Welcome | Attached | SegmentHeld | HeartbeatAck | Detached | DaemonStatus | ShuttingDown | ErrorReply
 
 # What a daemon records for its successor
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the segment is a memfd handed over by descriptor
 
 
 class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,9 +156,7 @@ class SegmentRecord(msgspec.Struct, frozen=True, kw_only=True):
     daemon_pid: int
     device: str
     backbone: BackboneInfo  # its weights_sha256 must still be the store entry's
-    manifest: SegmentManifest  # of the sealed segment
-    inode: int  # the segment file's identity and last write: anything else at that name is not this segment
-    mtime_ns: int
+    manifest: SegmentManifest  # of the sealed segment; its location names the memfd's inode
     leases: tuple[LeaseRecord, ...]
 
 

@@ -1,11 +1,12 @@
 """The backbone daemon: load one backbone into one segment on one device, lease it to functions, clean up after.
 
-Life: take the (home, backbone, device) lock -> adopt the segment of a killed predecessor if it is intact and holds
-the same weights (re-creating the leases of the functions still attached to it; see adoption.py), and remove any
-other segment it left -> if nothing was adopted, read the backbone from the store straight into a new segment ->
-serve the protocol on a Unix socket (asyncio; the lease table is owned by the event loop), keeping the segment record
-up to date for a successor -> on Shutdown, SIGTERM or SIGINT: stop, unlink the segment, its record and the socket,
-release the lock. Functions attached when the daemon stops or dies keep their mapping; only new attaches need a daemon.
+Life: take the (home, backbone, device) lock -> adopt the sealed segment of a killed predecessor if the supervisor
+handed it over (`adopt_fd`) and it holds the same weights (re-creating the leases of the functions still attached to
+it; see adoption.py) -> if nothing was adopted, read the backbone from the store straight into a new segment and
+seal it -> serve the protocol on a Unix socket (asyncio; the lease table is owned by the event loop), passing the
+segment's descriptor with every lease and keeping the segment record up to date for a successor -> on Shutdown,
+SIGTERM or SIGINT: stop, close the segment, remove its record and the socket, release the lock. Functions attached
+when the daemon stops or dies keep their mapping; only new attaches need a daemon.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
 from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
+from lorafaas.backbone_daemon.fdpass import send_with_fds
 from lorafaas.backbone_daemon.leases import LeaseTable, process_alive
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.config import LorafaasConfig
@@ -75,10 +77,10 @@ class BackboneDaemon:
     def start(self) -> None:
         """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
         manifest = self.store.get(self.config.backbone)  # BackboneNotFound before anything is created
-        cuda_ipc.check_transport(self.config.device)  # no cupy or no GPU: say so before loading anything
+        cuda_ipc.check_transport(self.config.device)  # no GPU or driver: say so before loading anything
         self._acquire_lock()
         name = self.paths.segment_name(os.getpid())
-        self._adopt(manifest, name)
+        self._adopt(manifest)
         self._remove_stale_segments()
         if self.segment is None:
             self.paths.record.unlink(missing_ok=True)  # it describes a segment that is gone now
@@ -102,27 +104,32 @@ class BackboneDaemon:
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
 
-    def _adopt(self, manifest, name: str) -> None:
-        """Take over the segment a killed predecessor recorded, if it is intact and holds these weights."""
+    def _adopt(self, manifest) -> None:
+        """Take over the sealed segment a killed predecessor recorded and the supervisor handed over (`adopt_fd`), if
+        it holds these weights; the descriptor is closed otherwise."""
         record = adoption.read_record(self.paths.record)
-        if record is None:
+        fd = self.config.adopt_fd
+        if fd is None:
+            if record is not None:
+                log.info("daemon %d: daemon %d's segment was not handed over; loading the backbone again",
+                         os.getpid(), record.daemon_pid)
             return
-        reason = adoption.refusal(record, self.config, self.paths, manifest)
+        reason = "no segment record" if record is None else adoption.refusal(record, self.config, manifest, fd)
         if reason is not None:
-            log.info("daemon %d: not adopting the segment of daemon %d: %s", os.getpid(), record.daemon_pid, reason)
+            os.close(fd)
+            log.info("daemon %d: not adopting the segment handed over: %s", os.getpid(), reason)
             return
-        self.segment, attached = adoption.adopt(record, name)
+        self.segment, attached = adoption.adopt(record, fd)
         restored = self.leases.restore(attached)
         self.adopted_from_pid = record.daemon_pid
         self.num_leases_adopted = len(restored)
         log.info(
-            "daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again) as %s; %d lease(s) "
+            "daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again); %d lease(s) "
             "re-created for functions still attached: %s",
             os.getpid(),
-            record.manifest.location.name,
+            record.manifest.location.label,
             record.daemon_pid,
             record.manifest.size,
-            name,
             len(restored),
             ", ".join(f"{x.function} (pid {x.pid})" for x in restored) or "none",
         )
@@ -160,13 +167,13 @@ class BackboneDaemon:
             await server.wait_closed()
 
     def cleanup(self) -> None:
-        """Unlink the segment and the socket, release the lock. Idempotent; attached functions keep their mapping."""
+        """Close the segment, remove the socket, release the lock. Idempotent; attached functions keep their mapping."""
         if self.segment is not None:
             if self.info is not None:  # this run recorded it; a daemon that failed to start leaves the record be
                 self.paths.record.unlink(missing_ok=True)
             self.segment.destroy()
             log.info(
-                "daemon %d: segment %s removed (%d lease(s) still attached keep their mapping)",
+                "daemon %d: segment %s closed (%d lease(s) still attached keep their mapping)",
                 os.getpid(),
                 self._segment_label(),
                 len(self.leases),
@@ -206,6 +213,9 @@ class BackboneDaemon:
                 backbone=self.info,
                 lease_ttl_s=self.leases.ttl_s,
             )
+        if isinstance(request, m.HoldSegment):
+            log.info("daemon %d: pid %d holds a duplicate of segment %s", os.getpid(), peer_pid, self._segment_label())
+            return m.SegmentHeld(manifest=self.segment.manifest)
         if isinstance(request, m.Heartbeat):
             return m.HeartbeatAck(lease_id=self.leases.renew(request.lease_id).lease_id)
         if isinstance(request, m.Detach):
@@ -279,7 +289,10 @@ class BackboneDaemon:
             while not self._stop.is_set():
                 request = await _read_request(reader)
                 response = self.handle(request, peer_pid)
-                await _send(writer, response)
+                if isinstance(response, (m.Attached, m.SegmentHeld)):  # the segment's descriptor goes with it
+                    await send_with_fds(writer, response, [self.segment.fd])
+                else:
+                    await _send(writer, response)
                 if isinstance(response, m.ShuttingDown):
                     self._stop.set()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -314,14 +327,9 @@ class BackboneDaemon:
             self._save_record()
 
     def _save_record(self) -> None:
-        """What a successor needs to adopt the segment (cpu only: a CUDA allocation dies with this process)."""
-        location = self.segment.manifest.location
-        if not isinstance(location, cuda_ipc.ShmLocation):
+        """What a successor needs to adopt the segment (cpu only: on a GPU the bound instances are restarted)."""
+        if not isinstance(self.segment.manifest.location, cuda_ipc.MemfdLocation):
             return
-        identity = adoption.segment_identity(location.name)
-        if identity is None:
-            return
-        inode, _size, mtime_ns = identity
         adoption.write_record(
             self.paths.record,
             m.SegmentRecord(
@@ -329,8 +337,6 @@ class BackboneDaemon:
                 device=self.config.device,
                 backbone=self.info,
                 manifest=self.segment.manifest,
-                inode=inode,
-                mtime_ns=mtime_ns,
                 leases=self.leases.records(),
             ),
         )
@@ -360,6 +366,7 @@ class BackboneDaemon:
         self._lock_fd = fd
 
     def _remove_stale_segments(self) -> None:
+        """Segments of earlier versions (files in /dev/shm) whose owner is dead."""
         for name in list_segments(self.paths.segment_prefix):
             owner = self.paths.segment_owner(name)
             if owner is None or owner == os.getpid():
@@ -372,7 +379,9 @@ class BackboneDaemon:
 
     def _segment_label(self) -> str:
         location = self.segment.manifest.location if self.segment is not None else None
-        return location.name if isinstance(location, cuda_ipc.ShmLocation) else ""
+        if isinstance(location, cuda_ipc.MemfdLocation):
+            return location.label
+        return location.device_uuid if location is not None else ""
 
 
 def _peer_pid(writer: asyncio.StreamWriter) -> int:

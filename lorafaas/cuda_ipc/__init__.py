@@ -1,12 +1,13 @@
-"""Weight-sharing transports behind one export/attach API: CUDA IPC on GPUs, POSIX shared memory on the CPU.
+"""Weight-sharing transports behind one export/attach API: sealed memfds on the CPU, CUDA VMM allocations on GPUs.
 
-    export(state_dict, device) -> Export      copy tensors into one new segment; `.manifest` describes it
+    export(state_dict, device) -> Export      copy tensors into one new sealed segment; `.manifest` describes it
     create(specs, device, name=...) -> Export an empty segment laid out for `specs`, to fill (e.g. from files)
-    attach(manifest) -> Attachment            the tensors as views on the segment in this process, no copy
+    attach(manifest, fd) -> Attachment        the tensors as views on the segment in this process, no copy
 
-A segment is one contiguous region (a /dev/shm file on `cpu`, one cudaMalloc on `cuda:N`) holding every tensor at an
-aligned offset; its `SegmentManifest` (transport tag, location, tensor table) is the only thing that travels between
-processes. On the CPU attachers map it read-only, so a write faults the writer and nobody else.
+A segment is one contiguous region (a sealed memfd on `cpu`, one exported cuMemCreate allocation on `cuda:N`) holding
+every tensor at an aligned offset. What travels between processes is its `SegmentManifest` (transport tag, location,
+tensor table) and, beside it over a Unix socket (SCM_RIGHTS), the segment's file descriptor (`Export.fd`): there is
+no name to open. Attachers map it read-only on both device kinds, so a write faults the writer and nobody else.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Protocol
 from lorafaas.cuda_ipc.layout import DEFAULT_ALIGNMENT, TensorSpec, dtype_name, plan_layout
 from lorafaas.cuda_ipc.messages import (
     FORMAT_VERSION,
-    CudaIpcLocation,
+    CudaVmmLocation,
+    MemfdLocation,
     SegmentManifest,
-    ShmLocation,
     TensorEntry,
 )
 from lorafaas.errors import TransportUnavailable
@@ -32,10 +33,10 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_VERSION",
     "Attachment",
-    "CudaIpcLocation",
+    "CudaVmmLocation",
     "Export",
+    "MemfdLocation",
     "SegmentManifest",
-    "ShmLocation",
     "TensorEntry",
     "TensorSpec",
     "attach",
@@ -47,9 +48,10 @@ __all__ = [
 
 
 class Export(Protocol):
-    """The owner's side of a segment."""
+    """The owner's side of a segment; `fd` is the descriptor attachers need (owned by the export)."""
 
     manifest: SegmentManifest
+    fd: int | None
 
     def writable_views(self) -> dict[str, torch.Tensor]: ...
     def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None: ...
@@ -82,20 +84,21 @@ def check_device(device: str) -> str:
 def check_transport(device: str) -> None:
     """Fail early (TransportUnavailable) if `device`'s transport cannot run in this process."""
     if check_device(device) != "cpu":
-        from lorafaas.cuda_ipc.cuda import require_cupy
+        from lorafaas.cuda_ipc.cuda import require_cuda
 
-        require_cupy()
+        require_cuda(device)
 
 
 def create(
     specs: Iterable[TensorSpec], device: str, *, name: str | None = None, alignment: int = DEFAULT_ALIGNMENT
 ) -> Export:
-    """An empty, writable segment laid out for `specs` on `device`; `name` names a CPU segment in /dev/shm."""
+    """An empty, writable segment laid out for `specs` on `device`, its memory reserved (InsufficientMemory if it
+    cannot be); `name` labels a CPU segment (the memfd's name in /proc/PID/maps)."""
     entries, size = plan_layout(specs, alignment)
     if check_device(device) == "cpu":
-        from lorafaas.cuda_ipc.shm import ShmExport
+        from lorafaas.cuda_ipc.memfd import MemfdExport
 
-        return ShmExport(name or f"lorafaas-anon.{os.getpid()}.{secrets.token_hex(4)}", entries, size, alignment)
+        return MemfdExport(name or f"lorafaas-anon.{os.getpid()}.{secrets.token_hex(4)}", entries, size, alignment)
     from lorafaas.cuda_ipc.cuda import CudaExport
 
     return CudaExport(device, entries, size, alignment)
@@ -120,12 +123,13 @@ def export(state_dict: Mapping[str, torch.Tensor], device: str, *, name: str | N
     return segment
 
 
-def attach(manifest: SegmentManifest) -> Attachment:
-    """Map a segment described by `manifest` (checked first) and return its tensors as views; nothing is copied."""
-    if isinstance(manifest.location, ShmLocation):
-        from lorafaas.cuda_ipc.shm import ShmAttachment
+def attach(manifest: SegmentManifest, fd: int) -> Attachment:
+    """Map the segment of descriptor `fd`, described by `manifest` (both checked first), and return its tensors as
+    views; nothing is copied. The caller keeps `fd` (it may close it right after: the mapping stays)."""
+    if isinstance(manifest.location, MemfdLocation):
+        from lorafaas.cuda_ipc.memfd import MemfdAttachment
 
-        return ShmAttachment(manifest)
+        return MemfdAttachment(manifest, fd)
     from lorafaas.cuda_ipc.cuda import CudaAttachment
 
-    return CudaAttachment(manifest)
+    return CudaAttachment(manifest, fd)

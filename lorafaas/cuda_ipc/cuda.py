@@ -1,40 +1,28 @@
-"""The GPU transport: one device allocation per segment, shared with CUDA IPC through cupy; tensors via DLPack.
+"""The GPU transport: one CUDA VMM allocation per segment, exported as a POSIX file descriptor, mapped read-only.
 
-The owner allocates the segment with `cudaMalloc` directly (not from a memory pool, so the IPC handle's base is the
-segment's base), fills it, and exports one `cudaIpcMemHandle_t` for all of it. An attacher opens the handle
-(`cudaIpcOpenMemHandle`), wraps the pointer as a cupy array that does not own it, turns that into a torch tensor with
-DLPack and slices the tensors out of it; `close` drops the views and closes the handle. cupy is imported lazily, so
-machines without a GPU never need it. A handle cannot be opened in the process that created it (a CUDA rule), so
-attachers are always other processes. CUDA IPC has no read-only mapping: on a GPU, "functions never write the
-backbone" is kept by the runtime (parameters without gradients, inference mode), not by the MMU.
+The owner (the backbone daemon) creates the allocation (`cuMemCreate`, shareable as a POSIX descriptor), maps it
+read-write only while filling it (from the files, through one pinned staging buffer), then unmaps it (`seal`): from
+then on it holds the allocation's handle and exported descriptor, and no mapping. The descriptor travels over the
+daemon's Unix socket like the CPU's memfd. An attacher imports it (`cuMemImportFromShareableHandle`), maps it and
+grants its device read-only access (`cuMemSetAccess`): a kernel that writes there faults in the writer's context and
+nowhere else. The manifest names the GPU by UUID (indexes differ between containers: CUDA_VISIBLE_DEVICES, the
+device plugin); an attacher that sees no device with that UUID refuses the segment.
+
+Tensors over device memory are made with `__cuda_array_interface__` (torch keeps the owner alive while any view
+lives). The legacy CUDA IPC transport (cudaIpcGetMemHandle) is gone: its handles cannot be opened across PID
+namespaces, it needs hostIPC, it has no read-only mapping, and its allocations die with the exporter.
 """
 
 from __future__ import annotations
 
 import os
 
+from lorafaas.cuda_ipc import cuda_driver
 from lorafaas.cuda_ipc.layout import check_manifest, segment_contains, tensor_views
-from lorafaas.cuda_ipc.messages import CudaIpcLocation, SegmentManifest, TensorEntry
-from lorafaas.errors import SegmentError, TransportUnavailable
+from lorafaas.cuda_ipc.messages import CudaVmmLocation, SegmentManifest, TensorEntry
+from lorafaas.errors import InsufficientMemory, SegmentError, TransportUnavailable
 
-STAGING_BYTES = 64 * 1024 * 1024  # host buffer for file -> device copies
-
-
-def require_cupy():
-    """cupy, once it is known to see a CUDA device; TransportUnavailable otherwise."""
-    try:
-        import cupy
-    except ImportError as exc:
-        raise TransportUnavailable(
-            "CUDA devices need cupy for CUDA IPC: install lorafaas[gpu] (cupy-cuda12x) on a machine with a GPU"
-        ) from exc
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:  # no driver
-        raise TransportUnavailable(f"cupy is installed but CUDA is not usable: {exc}") from exc
-    if count == 0:
-        raise TransportUnavailable("cupy is installed but sees no CUDA device")
-    return cupy
+STAGING_BYTES = 64 * 1024 * 1024  # the pinned host buffer for file -> device copies
 
 
 def device_index(device: str) -> int:
@@ -44,52 +32,91 @@ def device_index(device: str) -> int:
     return int(index)
 
 
-def _as_torch(cupy, ptr: int, size: int, index: int, owner: object):
-    """A flat uint8 torch tensor over device memory this code does not own (DLPack, no copy)."""
+def require_cuda(device: str) -> None:
+    """TransportUnavailable unless torch and the driver see `device` (cuda:N)."""
     import torch
 
-    memory = cupy.cuda.UnownedMemory(ptr, size, owner, index)
-    array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-    return torch.from_dlpack(array)
+    index = device_index(device)
+    if not torch.cuda.is_available():
+        raise TransportUnavailable(f"{device} needs CUDA, and torch sees no GPU here")
+    if index >= cuda_driver.device_count():
+        raise TransportUnavailable(f"{device} does not exist: the driver sees {cuda_driver.device_count()} GPU(s)")
+
+
+def local_index(device_uuid: str) -> int:
+    """This process's index of the GPU with `device_uuid`; SegmentError if it sees no such GPU."""
+    seen = [cuda_driver.device_uuid(i) for i in range(cuda_driver.device_count())]
+    if device_uuid not in seen:
+        raise SegmentError(f"the segment lives on {device_uuid}; this process sees {', '.join(seen) or 'no GPU'}")
+    return seen.index(device_uuid)
+
+
+class _DeviceBytes:
+    """Device memory as `__cuda_array_interface__`, for torch.as_tensor (which keeps this object, and `owner`,
+    alive as long as a tensor views it)."""
+
+    def __init__(self, ptr: int, size: int, owner: object) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+        self.owner = owner
+
+
+def _as_tensor(ptr: int, size: int, index: int, owner: object):
+    import torch
+
+    return torch.as_tensor(_DeviceBytes(ptr, size, owner), device=f"cuda:{index}")
 
 
 class CudaExport:
-    """The owner's side: one cudaMalloc'ed segment, its IPC handle, filling and freeing."""
+    """The owner's side: one exported VMM allocation, filled through a temporary read-write mapping."""
 
     def __init__(self, device: str, entries: tuple[TensorEntry, ...], size: int, alignment: int) -> None:
-        cupy = require_cupy()
-        self._cupy = cupy
+        import torch
+
+        require_cuda(device)
         self.index = device_index(device)
-        with cupy.cuda.Device(self.index):
-            self._ptr: int | None = cupy.cuda.runtime.malloc(size)
-            try:
-                handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._ptr))
-            except cupy.cuda.runtime.CUDARuntimeError:
-                cupy.cuda.runtime.free(self._ptr)
-                raise
+        torch.cuda.init()
+        cuda_driver.use_primary_context(self.index)
+        free, _total = cuda_driver.device_memory(self.index)
+        if size > free:
+            raise InsufficientMemory(f"the backbone segment needs {size} bytes on {device}; {free} bytes are free")
+        self._handle: int | None = None
+        self._ptr: int | None = None
+        self.fd: int | None = None
+        self._handle, self.allocation_size = cuda_driver.create(self.index, size)
+        try:
+            self.fd = cuda_driver.export_fd(self._handle)
+            self._ptr = cuda_driver.map_range(self.index, self._handle, self.allocation_size, writable=True)
+        except BaseException:
+            self.destroy()
+            raise
         self.manifest = SegmentManifest(
             device=device,
-            location=CudaIpcLocation(handle=handle, device_index=self.index, owner_pid=os.getpid()),
+            location=CudaVmmLocation(device_uuid=cuda_driver.device_uuid(self.index),
+                                     allocation_size=self.allocation_size),
             size=size,
             alignment=alignment,
             tensors=entries,
         )
-        self._base = _as_torch(cupy, self._ptr, size, self.index, self)
+        self._base = _as_tensor(self._ptr, size, self.index, self)
         self._staging = None
 
     def writable_views(self) -> dict:
         if self._base is None:
-            raise SegmentError("the CUDA segment was destroyed")
+            raise SegmentError("the CUDA segment is sealed; it cannot be written any more")
         return tensor_views(self._base, self.manifest.tensors)
 
     def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None:
-        """File -> pinned host staging buffer -> device, in chunks."""
+        """File -> pinned host staging buffer -> device, in chunks; refuses a write outside the segment."""
         import torch
 
         if self._base is None:
-            raise SegmentError("the CUDA segment was destroyed")
-        if self._staging is None:  # one pinned buffer, reused for every read into this segment
-            self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8).pin_memory()
+            raise SegmentError("the CUDA segment is sealed; it cannot be written any more")
+        if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
+            raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside the {self.manifest.size}-byte "
+                               "CUDA segment")
+        if self._staging is None:  # allocated pinned (not pageable, then pinned): one buffer for every read
+            self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
         staging = self._staging
         with memoryview(staging.numpy()) as host:
             done = 0
@@ -103,42 +130,58 @@ class CudaExport:
                 done += n
 
     def seal(self) -> None:
+        """Wait for the copies, then drop the owner's mapping: it keeps the handle and the descriptor only."""
         import torch
 
         torch.cuda.synchronize(self.index)
         self._staging = None
+        self._unmap()
+
+    def _unmap(self) -> None:
+        if self._ptr is not None:
+            self._base = None
+            cuda_driver.unmap_range(self._ptr, self.allocation_size)
+            self._ptr = None
 
     def destroy(self) -> None:
-        if self._ptr is None:
-            return
-        self._base = self._staging = None
-        with self._cupy.cuda.Device(self.index):
-            self._cupy.cuda.runtime.free(self._ptr)
-        self._ptr = None
+        self._staging = None
+        self._unmap()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self._handle is not None:
+            cuda_driver.release(self._handle)
+            self._handle = None
 
 
 class CudaAttachment:
-    """An attacher's mapping of a CUDA segment through its IPC handle."""
+    """An attacher's read-only mapping of an exported CUDA segment."""
 
-    def __init__(self, manifest: SegmentManifest) -> None:
+    def __init__(self, manifest: SegmentManifest, fd: int) -> None:
+        import torch
+
         check_manifest(manifest)
-        if not isinstance(manifest.location, CudaIpcLocation):
-            raise SegmentError(f"manifest is for transport {manifest.transport}, not cuda_ipc")
-        cupy = require_cupy()
-        self._cupy = cupy
-        self.index = manifest.location.device_index
-        if manifest.location.owner_pid == os.getpid():
-            raise SegmentError("a CUDA IPC handle cannot be opened by the process that exported it")
-        with cupy.cuda.Device(self.index):
-            try:
-                self._ptr: int | None = cupy.cuda.runtime.ipcOpenMemHandle(
-                    manifest.location.handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
-                )
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
-                raise SegmentError(f"cannot open the CUDA IPC handle of cuda:{self.index}: {exc}") from exc
-        base = _as_torch(cupy, self._ptr, manifest.size, self.index, self)
+        location = manifest.location
+        if not isinstance(location, CudaVmmLocation):
+            raise SegmentError(f"manifest is for transport {manifest.transport}, not cuda_vmm")
+        if location.allocation_size < manifest.size:
+            raise SegmentError(f"the CUDA allocation has {location.allocation_size} bytes; the manifest says "
+                               f"{manifest.size}")
+        require_cuda("cuda:0")
+        self.index = local_index(location.device_uuid)
+        torch.cuda.init()
+        cuda_driver.use_primary_context(self.index)
+        self.allocation_size = location.allocation_size
+        self._handle: int | None = cuda_driver.import_fd(fd)
+        try:
+            self._ptr: int | None = cuda_driver.map_range(self.index, self._handle, self.allocation_size,
+                                                          writable=False)
+        except BaseException:
+            cuda_driver.release(self._handle)
+            raise
+        base = _as_tensor(self._ptr, manifest.size, self.index, self)
         self.manifest = manifest
-        self.device = manifest.device
+        self.device = f"cuda:{self.index}"
         self.base_ptr = base.data_ptr()
         self.size = manifest.size
         self.tensors = tensor_views(base, manifest.tensors)
@@ -147,13 +190,13 @@ class CudaAttachment:
         return segment_contains(self.base_ptr, self.size, tensor)
 
     def close(self) -> None:
-        """Drop the views and close the handle; tensors still viewing the segment must not be used afterwards."""
+        """Drop the views, unmap and release; tensors still viewing the segment must not be used afterwards."""
         self.tensors = {}
         if self._ptr is None:
             return
         import torch
 
         torch.cuda.synchronize(self.index)
-        with self._cupy.cuda.Device(self.index):
-            self._cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
-        self._ptr = None
+        cuda_driver.unmap_range(self._ptr, self.allocation_size)
+        cuda_driver.release(self._handle)
+        self._ptr = self._handle = None

@@ -1,15 +1,15 @@
 """The manifest of an exported segment: where the segment is and which tensor lies where in it.
 
-It is the only thing that crosses the process boundary (inside the backbone daemon's protocol, or as JSON in tests);
-tensors never do. A manifest is checked on receipt (`lorafaas.cuda_ipc.layout.check_manifest`) before anything is
-mapped.
+It crosses the process boundary inside the backbone daemon's protocol, with the segment's file descriptor beside it
+(SCM_RIGHTS); tensors never do. A manifest is checked on receipt (`lorafaas.cuda_ipc.layout.check_manifest`) before
+anything is mapped.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: memfd and CUDA VMM locations, passed as descriptors
 
 
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -20,21 +20,23 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
 
 
-class ShmLocation(msgspec.Struct, frozen=True, kw_only=True, tag="shm", tag_field="transport"):
-    """A POSIX shared-memory segment: the file /dev/shm/NAME, mapped read-only by attachers."""
+class MemfdLocation(msgspec.Struct, frozen=True, kw_only=True, tag="memfd", tag_field="transport"):
+    """A sealed memfd on the CPU. It has no name anywhere in a filesystem: its descriptor travels beside the manifest
+    (SCM_RIGHTS over the daemon's socket) and an attacher checks that the descriptor it got is this file, sealed."""
 
-    name: str
-
-
-class CudaIpcLocation(msgspec.Struct, frozen=True, kw_only=True, tag="cuda_ipc", tag_field="transport"):
-    """One device allocation shared with cudaIpcGetMemHandle: one handle for the whole segment."""
-
-    handle: bytes
-    device_index: int
-    owner_pid: int
+    label: str  # the memfd's name, for people: /proc/PID/maps shows "/memfd:LABEL (deleted)"
+    inode: int  # the descriptor received must be this inode
 
 
-SegmentLocation = ShmLocation | CudaIpcLocation
+class CudaVmmLocation(msgspec.Struct, frozen=True, kw_only=True, tag="cuda_vmm", tag_field="transport"):
+    """One allocation of the CUDA virtual memory API, exported as a POSIX file descriptor (passed beside the manifest,
+    like a memfd). The GPU is named by its UUID: an index means nothing across containers (CUDA_VISIBLE_DEVICES)."""
+
+    device_uuid: str  # "GPU-8f3c...": an attacher refuses the segment unless its own device has this UUID
+    allocation_size: int  # the exported allocation: `size` rounded up to the allocation granularity
+
+
+SegmentLocation = MemfdLocation | CudaVmmLocation
 
 
 class SegmentManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,7 +49,7 @@ class SegmentManifest(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def transport(self) -> str:
-        return "shm" if isinstance(self.location, ShmLocation) else "cuda_ipc"
+        return "memfd" if isinstance(self.location, MemfdLocation) else "cuda_vmm"
 
     @property
     def tensor_bytes(self) -> int:

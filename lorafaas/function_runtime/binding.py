@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lorafaas.cuda_ipc import Attachment, SegmentManifest, attach
+from lorafaas.cuda_ipc import Attachment
 from lorafaas.errors import BindingFailed
 
 if TYPE_CHECKING:
@@ -48,13 +48,12 @@ def _no_init_weights():
     return no_init_weights()
 
 
-def bind_backbone(source: SegmentManifest | Attachment, model_dir: Path, *, model: nn.Module | None = None):
-    """Return the model of `model_dir` whose parameters are the shared segment's tensors (attached if a manifest).
+def bind_backbone(attachment: Attachment, model_dir: Path, *, model: nn.Module | None = None):
+    """Return the model of `model_dir` whose parameters are the attached shared segment's tensors.
 
     `model`, if given, is an empty model from `build_empty_model`. Raises BindingFailed if the segment does not fit
     the model or anything would end up outside the segment.
     """
-    attachment = attach(source) if isinstance(source, SegmentManifest) else source
     if model is None:
         model = build_empty_model(model_dir)
     _assign(model, attachment.tensors)

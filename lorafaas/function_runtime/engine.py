@@ -7,6 +7,11 @@ tokens). Finished rows leave the batch at once.
 
 The engine is driven by one thread (the worker's compute loop); `add` and `cancel` may be called from another thread
 between steps.
+
+Every tensor the engine makes is made on the model's device (`self.device`): ids, masks, positions, indices. The one
+place device data comes back to the host is `_sample` (a row's logits -> a token id), the data-dependent boundary;
+everything else is computed from host-side lengths, so a step never waits on the device except there.
+`tests/unit/test_engine_fake_cuda.py` runs prefill and decode on `cuda:0` under FakeTensorMode up to that boundary.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class GenerationEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.clock = clock
+        self.device = model.device
         self.max_context = self.config.max_context or int(model.config.max_position_embeddings)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
@@ -148,7 +154,7 @@ class GenerationEngine:
 
     def _decode(self) -> list[StepOutput]:
         rows = len(self._running)
-        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype)], dim=1)
+        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype, device=self.device)], dim=1)
         out = self.model(
             input_ids=self._next_input.unsqueeze(1),
             attention_mask=mask,
@@ -161,7 +167,7 @@ class GenerationEngine:
         logits = out.logits[:, -1, :]
         outputs, done = [], set()
         for row, seq in enumerate(self._running):
-            output = self._sample(seq, logits[row])
+            output = self._next(seq, logits[row])
             outputs.append(output)
             if output.finish_reason is not None:
                 done.add(row)
@@ -175,15 +181,18 @@ class GenerationEngine:
         on join the batch. One pass for the lot: every one of them has its first token when the last would have had
         it prefilled alone, and sooner in total time."""
         width = max(len(seq.prompt_ids) for seq in seqs)
-        ids = torch.tensor([[self.pad_id] * (width - len(seq.prompt_ids)) + seq.prompt_ids for seq in seqs])
-        mask = torch.tensor([[0] * (width - len(seq.prompt_ids)) + [1] * len(seq.prompt_ids) for seq in seqs])
+        ids = torch.tensor([[self.pad_id] * (width - len(seq.prompt_ids)) + seq.prompt_ids for seq in seqs],
+                           device=self.device)
+        mask = torch.tensor([[0] * (width - len(seq.prompt_ids)) + [1] * len(seq.prompt_ids) for seq in seqs],
+                            device=self.device)
         started = self.clock()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True)
+        self._synchronize()  # on a GPU the forward only launched kernels: time them, not their launch
         prefill_s = self.clock() - started
         outputs, joining = [], []
         for row, seq in enumerate(seqs):
-            output = dataclasses.replace(self._sample(seq, out.logits[row, -1, :]), prefill_s=prefill_s,
+            output = dataclasses.replace(self._next(seq, out.logits[row, -1, :]), prefill_s=prefill_s,
                                          prefill_batch=len(seqs))
             outputs.append(output)
             if output.finish_reason is None:
@@ -192,15 +201,23 @@ class GenerationEngine:
             self._join(joining, out.past_key_values, mask)
         return outputs
 
-    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput:
+    def _next(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput:
         """The sequence's next token, or its failure alone: one request's sampling parameters must never fail the
         requests batched with it."""
         try:
-            token_id = next_token(logits, seq.params, seq.generator)
+            token_id = self._sample(logits, seq)
         except (RuntimeError, ValueError) as exc:
             failed = self._finished(seq, None, "", "error")
             return dataclasses.replace(failed, error=f"sampling failed for this request: {exc}")
         return self._emit(seq, token_id)
+
+    def _sample(self, logits: torch.Tensor, seq: _Sequence) -> int:
+        """The data-dependent boundary: one row's logits ([vocab], on the device) -> the next token id, on the host."""
+        return next_token(logits, seq.params, seq.generator)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
         if token_id in self.eos_ids and not seq.params.ignore_eos:
@@ -224,15 +241,16 @@ class GenerationEngine:
     def _join(self, joining: list[tuple[int, _Sequence, int]], cache, mask: torch.Tensor) -> None:
         """Append prefilled rows (row of the prefill batch, sequence, first token) to the batch, left-padding whichever
         side is shorter."""
-        index = torch.tensor([row for row, _, _ in joining])
+        index = torch.tensor([row for row, _, _ in joining], device=self.device)
         new_mask = mask[index]
-        first_real = int(new_mask.any(dim=0).nonzero()[0])  # columns that are padding in every joining row go
+        # Columns that are padding in every joining row go (from host-side lengths: no device sync).
+        first_real = mask.shape[1] - max(_cached_len(seq) for _, seq, _ in joining)
         new_mask = new_mask[:, first_real:]
         for layer in cache.layers:
             layer.keys = layer.keys[index, :, first_real:]
             layer.values = layer.values[index, :, first_real:]
         lengths = new_mask.sum(dim=1)
-        tokens = torch.tensor([token_id for _, _, token_id in joining])
+        tokens = torch.tensor([token_id for _, _, token_id in joining], device=self.device)
         if not self._running:
             self._cache, self._mask, self._positions, self._next_input = cache, new_mask, lengths, tokens
         else:
@@ -255,15 +273,20 @@ class GenerationEngine:
         if not keep:
             self._cache = self._mask = self._positions = self._next_input = None
             return
-        index = torch.tensor(keep)
-        # Columns that are padding in every remaining row can go.
-        first_real = int(self._mask[index].any(dim=0).nonzero()[0])
+        index = torch.tensor(keep, device=self.device)
+        # Columns that are padding in every remaining row can go (from host-side lengths: no device sync).
+        first_real = self._mask.shape[1] - max(_cached_len(self._running[i]) for i in range(len(keep)))
         for layer in self._cache.layers:
             layer.keys = layer.keys[index, :, first_real:]
             layer.values = layer.values[index, :, first_real:]
         self._mask = self._mask[index, first_real:]
         self._positions = self._positions[index]
         self._next_input = self._next_input[index]
+
+
+def _cached_len(seq: _Sequence) -> int:
+    """Tokens of `seq` in the KV cache between steps: its prompt and every output token but the last (fed next)."""
+    return len(seq.prompt_ids) + len(seq.output_ids) - 1
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:

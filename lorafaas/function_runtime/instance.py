@@ -129,7 +129,7 @@ class FunctionInstance:
             with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
-            self.model = bind_backbone(attached.manifest, model_dir)
+            self.model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
         else:
             from lorafaas.function_runtime.reference import load_backbone
 

@@ -1,10 +1,13 @@
 """Starting function workers as local processes: the backbone daemons, the zygote and the workers themselves.
 
 `LocalLauncher` owns every process it starts and stops them all on `close()`; the node agent, the benchmarks and
-the tests drive function instances through it. A supervisor thread restarts a backbone daemon that dies (the new one
-adopts its segment and leases: attached instances notice nothing). What it started is recorded in `$HOME/run`
-(launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its zygote and instances and
-adopts its daemons (`recover_predecessors`).
+the tests drive function instances through it. It holds a duplicate of each CPU daemon's sealed segment descriptor,
+and a supervisor thread restarts a daemon that dies, handing it that descriptor (the new one adopts the segment and
+its leases: attached instances notice nothing, and nothing is loaded twice). On a GPU the instances bound to a dead
+daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
+start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. What it started
+is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its
+zygote and instances and adopts its daemons (`recover_predecessors`).
 
     with LocalLauncher(home) as launcher:
         instance = launcher.launch("pirate", "smollm2-135m", adapter_dir)      # forked from the zygote
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.25  # how soon a dead daemon is noticed
 MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the supervisor gives up (a crash loop)
 RESTART_WINDOW_S = 60.0
+START_BACKOFF_S = (30.0, 600.0)  # after a failed start: first wait, doubling up to the second
 
 
 def process_alive(process: subprocess.Popen | None, pid: int) -> bool:
@@ -99,12 +103,30 @@ class DaemonProcess:
     config: DaemonConfig
     ref: ProcessRef
     process: subprocess.Popen | None  # None when adopted: not our child
+    segment_fd: int | None = None  # a duplicate of its sealed segment, for a successor (cpu)
+
+    def hold_segment(self) -> None:
+        """Keep a duplicate of the daemon's sealed segment descriptor (cpu), to hand to a successor."""
+        if self.config.device != "cpu" or self.segment_fd is not None:
+            return
+        try:
+            with DaemonClient.connect(self.config.paths.socket) as client:
+                _manifest, self.segment_fd = client.hold_segment()
+        except LorafaasError as exc:
+            log.warning("cannot hold the segment of backbone daemon %d (%s); a restart will load it again",
+                        self.ref.pid, exc.message)
+
+    def release_segment(self) -> None:
+        if self.segment_fd is not None:
+            os.close(self.segment_fd)
+            self.segment_fd = None
 
     def alive(self) -> bool:
         return self.process.poll() is None if self.process is not None else self.ref.alive()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Shut it down (forced: its leases go with it) and wait; kill it if it does not answer or stop."""
+        self.release_segment()
         socket_path = self.config.paths.socket
         if self.process is not None:
             try:
@@ -141,6 +163,7 @@ class LocalLauncher:
         self.instances: list[InstanceHandle] = []
         self.num_daemon_restarts: dict[str, int] = {}
         self._restarted_at: dict[str, list[float]] = {}
+        self._start_failures: dict[str, tuple[int, float, LorafaasError]] = {}  # backbone -> (count, retry at, error)
         self._record = RecordFile(self.run_dir)
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -189,11 +212,31 @@ class LocalLauncher:
             self._ensure_supervisor()
         return config.paths.socket
 
-    def _spawn_daemon(self, config: DaemonConfig) -> DaemonProcess:
+    def _spawn_daemon(self, config: DaemonConfig, adopt_fd: int | None = None) -> DaemonProcess:
+        """Start a daemon (handing it a predecessor's segment if given) and hold its segment. A failed start is
+        raised as the daemon reported it, once: the same error is raised again without starting anything until the
+        backoff has passed (a node without the memory for a backbone is not asked again every few seconds)."""
+        backbone = config.backbone
+        failure = self._start_failures.get(backbone)
+        if failure is not None and time.monotonic() < failure[1]:
+            count, retry_at, error = failure
+            raise type(error)(f"{error.message} (failed {count} time(s); next try in "
+                              f"{retry_at - time.monotonic():.0f} s)")
         private_dir(self.log_dir)
-        with open(self.log_dir / f"daemon-{config.backbone}.log", "ab") as log_file:
-            process = spawn_daemon(config, stderr=log_file)
-        return DaemonProcess(config, ProcessRef.of(process.pid), process)
+        try:
+            with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
+                process = spawn_daemon(config, stderr=log_file, adopt_fd=adopt_fd)
+        except LorafaasError as exc:
+            count = failure[0] + 1 if failure is not None else 1
+            backoff_s = min(START_BACKOFF_S[0] * 2 ** (count - 1), START_BACKOFF_S[1])
+            self._start_failures[backbone] = (count, time.monotonic() + backoff_s, exc)
+            log.error("the backbone daemon of %s failed to start (%s); not trying again for %.0f s",
+                      backbone, exc.message, backoff_s)
+            raise
+        self._start_failures.pop(backbone, None)
+        daemon = DaemonProcess(config, ProcessRef.of(process.pid), process)
+        daemon.hold_segment()
+        return daemon
 
     def _restart_daemon(self, backbone: str, daemon: DaemonProcess) -> None:
         """Replace a daemon that died (the new one adopts its segment and leases); give up on a crash loop."""
@@ -207,6 +250,7 @@ class LocalLauncher:
                 len(recent) + 1,
                 RESTART_WINDOW_S,
             )
+            daemon.release_segment()
             del self._daemons[backbone]
             self._write_record()
             return
@@ -214,15 +258,29 @@ class LocalLauncher:
         log.warning(
             "backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid, backbone, code
         )
+        if daemon.config.device != "cpu":
+            self._stop_bound_instances(daemon.config)
         try:
-            self._daemons[backbone] = self._spawn_daemon(daemon.config)
+            self._daemons[backbone] = self._spawn_daemon(daemon.config, adopt_fd=daemon.segment_fd)
         except (LorafaasError, OSError) as exc:
             log.error("restarting the backbone daemon of %s failed: %s", backbone, exc)
             del self._daemons[backbone]
         else:
             self.num_daemon_restarts[backbone] = self.num_daemon_restarts.get(backbone, 0) + 1
             log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[backbone].ref.pid)
+        finally:
+            daemon.release_segment()  # the successor has its own duplicate (or loaded anew)
         self._write_record()
+
+    def _stop_bound_instances(self, config: DaemonConfig) -> None:
+        """A GPU daemon's death is not survived by the instances bound to its memory: stop them (SIGKILL, they may
+        be mid-kernel); the node agent sees them gone and starts new ones on the restarted daemon."""
+        socket_path = str(config.paths.socket)
+        for instance in [i for i in self.instances if i.spec.daemon_socket == socket_path]:
+            log.warning("stopping instance %s (pid %d): its GPU backbone daemon died", instance.spec.instance_id,
+                        instance.pid)
+            instance.kill(signal.SIGKILL, timeout_s=5.0)
+            self.instances.remove(instance)
 
     def _ensure_supervisor(self) -> None:
         if self._supervisor is None or not self._supervisor.is_alive():
@@ -280,6 +338,7 @@ class LocalLauncher:
                         num_stopped += 1
                         continue
                     self._daemons[backbone] = daemon
+                    daemon.hold_segment()
                     log.info("adopted the backbone daemon %d of %s on %s", ref.pid, backbone, self.device)
                 log.info(
                     "launcher %d: stopped %d process(es) it left; %d daemon(s) adopted",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from lorafaas.errors import InvalidInput
+from lorafaas.errors import InvalidInput, SegmentError
 from lorafaas.function_runtime.lora_servers import LoraServers
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
@@ -72,13 +72,14 @@ def scheduler_config(policy: str) -> SchedulerConfig:
 
 
 def parse_devices(text: str) -> tuple[Device, ...]:
-    """`cpu`, `cpu=8G`, `cuda:0` ...; a device without a budget gets 80% of available memory (CPU)."""
+    """`cpu`, `cpu=8G`, `cuda:0` ...; a device without a budget gets 80% of its available memory (the host's for
+    `cpu`, the GPU's own for `cuda:N`)."""
     devices = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
         name, _, budget = item.partition("=")
         if name != "cpu" and not re.fullmatch(r"cuda:\d+", name):
             raise InvalidInput(f"device {name!r} is not 'cpu' or 'cuda:N'")
-        devices.append(Device(name, _parse_size(budget) if budget else _default_budget()))
+        devices.append(Device(name, _parse_size(budget) if budget else _default_budget(name)))
     if not devices:
         raise InvalidInput("--devices names no device; use e.g. 'cpu' or 'cpu=8G'")
     if len(devices) > 1:
@@ -93,8 +94,18 @@ def _parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
 
 
-def _default_budget() -> int:
-    return int(psutil.virtual_memory().available * 0.8)
+def _default_budget(device: str) -> int:
+    if device == "cpu":
+        return int(psutil.virtual_memory().available * 0.8)
+    from lorafaas.cuda_ipc import cuda_driver
+    from lorafaas.errors import TransportUnavailable
+
+    try:
+        free, _total = cuda_driver.device_memory(int(device.partition(":")[2]))
+    except (TransportUnavailable, SegmentError) as exc:
+        raise InvalidInput(f"{device} has no memory budget and its memory cannot be read here ({exc.message}); "
+                           f"give one, e.g. {device}=20G") from exc
+    return int(free * 0.8)
 
 
 class Platform:

@@ -1,11 +1,13 @@
 """A function-like child process for tests: attach to a shared backbone, bind a model, run it, report over stdout.
 
     python -m lorafaas.testing.attach_probe daemon SOCKET NAME   # lease from a daemon, bind, forward
-    python -m lorafaas.testing.attach_probe manifest FILE        # attach a SegmentManifest (JSON file), no model
+    python -m lorafaas.testing.attach_probe manifest FILE FD     # attach a SegmentManifest (JSON file) and the
+                                                                 # inherited descriptor FD, no model
 
 After its first report the probe reads one `ProbeCommand` (JSON) per stdin line and answers each with a
 `ProbeReport` (JSON) line: `report` again (a fresh forward), `write` (write into a backbone tensor: on a read-only
-mapping the probe dies with SIGSEGV and answers nothing), `detach`, `exit`. `ProbeProcess` drives one from a test,
+mapping the probe dies with SIGSEGV and answers nothing), `attack` (every way a compromised function might try to
+write the weights, each outcome in `attacks`), `detach`, `exit`. `ProbeProcess` drives one from a test,
 with timeouts, and always kills it.
 """
 
@@ -30,7 +32,7 @@ PROBE_THREADS = 1  # one intra-op thread everywhere, so results compare bitwise 
 
 
 class ProbeCommand(msgspec.Struct, frozen=True):
-    action: Literal["report", "write", "detach", "exit"]
+    action: Literal["report", "write", "attack", "detach", "exit"]
 
 
 class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -44,6 +46,57 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
     tensors_sha256: str = ""  # manifest mode: digest over every tensor's bytes in table order
     attach_s: float = 0.0  # lease + map + empty model + bind, first-use imports included (not the bench's figure)
     bind_s: float = 0.0
+    attacks: dict[str, str] = {}  # attempt -> "ok" (it worked) or the errno name it failed with
+
+
+def attack_segment(fd: int, base_ptr: int, size: int) -> dict[str, str]:
+    """Try every way this process (same uid as the daemon) could write the segment it holds the descriptor of and
+    maps at [base_ptr, base_ptr + size); each attempt's outcome: "ok" or the errno name."""
+    import ctypes
+    import errno
+    import fcntl
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def attempt(fn) -> str:
+        try:
+            fn()
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno, str(exc.errno))
+        return "ok"
+
+    def mprotect() -> None:
+        page = base_ptr - base_ptr % mmap.PAGESIZE
+        if libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect")
+
+    def reopen_for_write() -> None:
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            os.pwrite(reopened, b"x", 0)
+        finally:
+            os.close(reopened)
+
+    def shared_writable_mapping() -> None:
+        mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()
+
+    def proc_mem() -> None:  # what a debugger (or ptrace-capable attacker) would write through
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(base_ptr)
+            mem.write(b"x")
+
+    return {
+        "write": attempt(lambda: os.pwrite(fd, b"x", 0)),
+        "ftruncate": attempt(lambda: os.ftruncate(fd, size * 2)),
+        "fallocate": attempt(lambda: os.posix_fallocate(fd, 0, size * 2)),
+        "reopen_for_write": attempt(reopen_for_write),
+        "mmap_shared_writable": attempt(shared_writable_mapping),
+        "mprotect_write": attempt(mprotect),
+        "proc_self_mem": attempt(proc_mem),
+        "change_seals": attempt(lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0)),  # F_SEAL_SEAL: refused
+    }
 
 
 def logits_digest(model) -> str:
@@ -51,8 +104,8 @@ def logits_digest(model) -> str:
     import torch
 
     with torch.inference_mode():
-        logits = model(torch.tensor([PROBE_INPUT_IDS])).logits
-    return hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest()
+        logits = model(torch.tensor([PROBE_INPUT_IDS], device=model.device)).logits
+    return hashlib.sha256(logits.float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def tensors_digest(tensors: dict) -> str:
@@ -74,7 +127,8 @@ def _run_daemon_mode(socket_path: str, function: str) -> None:
     started = time.perf_counter()
     client = DaemonClient.connect(Path(socket_path), client=function)
     attached = client.attach(function)
-    attachment = cuda_ipc.attach(attached.manifest)
+    fd = attached.segment_fd  # kept open (a function closes it; a compromised one would keep it)
+    attachment = cuda_ipc.attach(attached.manifest, fd)
     model = build_empty_model(Path(attached.backbone.model_dir))
     bind_started = time.perf_counter()
     model = bind_backbone(attachment, Path(attached.backbone.model_dir), model=model)
@@ -93,17 +147,20 @@ def _run_daemon_mode(socket_path: str, function: str) -> None:
         with torch.no_grad():
             params[0].view(-1)[0] += 1.0
 
-    _command_loop(report, write, lambda: client.detach(attached.lease_id))
+    def attack() -> ProbeReport:
+        return msgspec.structs.replace(report(), attacks=attack_segment(fd, attachment.base_ptr, attachment.size))
+
+    _command_loop(report, write, lambda: client.detach(attached.lease_id), attack)
 
 
-def _run_manifest_mode(manifest_file: str) -> None:
+def _run_manifest_mode(manifest_file: str, fd: str) -> None:
     import torch
 
     from lorafaas import cuda_ipc
 
     manifest = msgspec.json.decode(Path(manifest_file).read_bytes(), type=cuda_ipc.SegmentManifest)
     started = time.perf_counter()
-    attachment = cuda_ipc.attach(manifest)
+    attachment = cuda_ipc.attach(manifest, int(fd))
     attach_s = time.perf_counter() - started
 
     def report() -> ProbeReport:
@@ -115,10 +172,13 @@ def _run_manifest_mode(manifest_file: str) -> None:
         with torch.no_grad():
             next(iter(attachment.tensors.values())).view(-1)[0] += 1
 
-    _command_loop(report, write, attachment.close)
+    def attack() -> ProbeReport:
+        return msgspec.structs.replace(report(), attacks=attack_segment(int(fd), attachment.base_ptr, attachment.size))
+
+    _command_loop(report, write, attachment.close, attack)
 
 
-def _command_loop(report, write, detach) -> None:
+def _command_loop(report, write, detach, attack) -> None:
     out = sys.stdout.buffer
     out.write(msgspec.json.encode(report()) + b"\n")
     out.flush()
@@ -130,19 +190,19 @@ def _command_loop(report, write, detach) -> None:
             write()  # faults on a read-only mapping
         elif command.action == "detach":
             detach()
-        out.write(msgspec.json.encode(report()) + b"\n")
+        out.write(msgspec.json.encode(attack() if command.action == "attack" else report()) + b"\n")
         out.flush()
 
 
 class ProbeProcess:
     """A probe child driven from a test; `kill` (or the context manager's exit) always reaps it."""
 
-    def __init__(self, args: list[str], timeout_s: float = 120.0) -> None:
+    def __init__(self, args: list[str], timeout_s: float = 120.0, pass_fds: tuple[int, ...] = ()) -> None:
         # a file, not a pipe: a chatty child never blocks on it; closed in kill()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lorafaas.testing.attach_probe", *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, pass_fds=pass_fds,
         )
         self.pid = self.process.pid
         self._timeout_s = timeout_s

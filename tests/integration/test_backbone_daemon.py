@@ -1,8 +1,8 @@
 """The backbone daemon as a real process on tiny-dense: protocol, leases, reaping, faults, adopting or removing a
 killed daemon's segment, stop.
 
-Daemons and probes are real child processes, bounded by timeouts and always killed; every test that stops a daemon
-checks that nothing of ours is left in /dev/shm.
+Daemons and probes are real child processes, bounded by timeouts and always killed. Segments are sealed memfds passed
+over the socket: nothing of ours ever appears in /dev/shm.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon
 from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.backbone_daemon.server import BackboneDaemon
-from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
+from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, LeaseNotFound, LeasesHeld
 from lorafaas.function_runtime.reference import load_backbone
 from lorafaas.platform.model_store import ModelStore
@@ -45,21 +45,19 @@ class Daemons:
         ModelStore(home / "models").import_dir(BACKBONE, self._source)
         return home
 
-    def start(self, home: Path):
+    def start(self, home: Path, adopt_fd: int | None = None):
         config = DaemonConfig(home=home, backbone=BACKBONE, reap_interval_s=0.2)
         log = (home / "daemon.log").open("ab")
-        process = spawn_daemon(config, timeout_s=READY_TIMEOUT_S, stderr=log)
+        process = spawn_daemon(config, timeout_s=READY_TIMEOUT_S, stderr=log, adopt_fd=adopt_fd)
         log.close()
         self._started.append((config, process))
         return config, process
 
     def close(self) -> None:
-        for config, process in self._started:
+        for _config, process in self._started:
             if process.poll() is None:
                 process.kill()
             process.wait()
-            for name in list_segments(config.paths.segment_prefix):
-                unlink_segment(name)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +113,12 @@ def test_attach_heartbeat_status_detach(running) -> None:
     with DaemonClient.connect(config.paths.socket, client="test") as client:
         assert client.welcome.daemon_pid == process.pid and client.welcome.backbone == BACKBONE
         attached = client.attach("fn-status")
-        assert attached.manifest.transport == "shm" and attached.backbone.name == BACKBONE
+        assert attached.manifest.transport == "memfd" and attached.backbone.name == BACKBONE
+        assert os.fstat(attached.segment_fd).st_ino == attached.manifest.location.inode  # the descriptor came along
+        attached.close_fd()
         status = client.status()
         assert status.bytes == attached.manifest.tensor_bytes > 0 and status.uptime_s > 0
-        assert status.segment == attached.manifest.location.name
+        assert status.segment == attached.manifest.location.label == config.paths.segment_name(process.pid)
         assert {x.function: x.pid for x in status.leases}["fn-status"] == os.getpid()  # from SO_PEERCRED
         client.heartbeat(attached.lease_id)
         client.detach(attached.lease_id)
@@ -139,10 +139,9 @@ def test_a_client_of_another_protocol_version_is_refused(running) -> None:
 
 def test_a_second_daemon_for_the_same_backbone_is_refused_and_harms_nothing(running) -> None:
     config, _ = running
-    before = list_segments(config.paths.segment_prefix)
     with pytest.raises(DaemonAlreadyRunning, match="already running"):
         BackboneDaemon(config).start()
-    assert list_segments(config.paths.segment_prefix) == before and len(before) == 1
+    assert list_segments(config.paths.segment_prefix) == []  # memfds: no name in /dev/shm, ever
     assert _leases(config) is not None  # the first one still serves
 
 
@@ -176,45 +175,43 @@ def test_the_lease_of_a_sigkilled_function_is_reaped(running) -> None:
 
 def test_shutdown_is_refused_while_leases_are_held_unless_forced(daemons) -> None:
     config, process = daemons.start(daemons.home())
-    prefix = config.paths.segment_prefix
-    assert list_segments(prefix) == [config.paths.segment_name(process.pid)]
     with DaemonClient.connect(config.paths.socket) as client:
-        client.attach("fn-holder")
+        client.attach("fn-holder").close_fd()
         with pytest.raises(LeasesHeld, match="fn-holder"):
             client.shutdown()
         time.sleep(0.3)
         assert process.poll() is None and len(client.status().leases) == 1
         assert client.shutdown(force=True).num_leases_dropped == 1
     assert process.wait(30) == 0
-    assert list_segments(prefix) == []  # a clean stop leaves no segment
-    assert not config.paths.socket.exists()
+    assert not config.paths.socket.exists() and not config.paths.record.exists()
     with pytest.raises(DaemonUnavailable):
         DaemonClient.connect(config.paths.socket)
 
 
-def _inode(name: str) -> int:
-    return os.stat(Path("/dev/shm", name)).st_ino
-
-
-def _segment_digest(config: DaemonConfig) -> tuple[str, str]:
-    """(segment name, digest of its tensors) as a new attacher sees them."""
+def _segment_digest(config: DaemonConfig) -> tuple[int, str]:
+    """(inode of the segment, digest of its tensors) as a new attacher sees them."""
     with DaemonClient.connect(config.paths.socket) as client:
         attached = client.attach("fn-digest")
-        attachment = cuda_ipc.attach(attached.manifest)
+        inode = os.fstat(attached.segment_fd).st_ino
+        attachment = attached.map()
         try:
-            return attached.manifest.location.name, tensors_digest(attachment.tensors)
+            return inode, tensors_digest(attachment.tensors)
         finally:
             attachment.close()
             client.detach(attached.lease_id)
 
 
-def test_a_killed_daemons_segment_and_leases_are_adopted_by_the_next_daemon(daemons) -> None:
+def _hold(config: DaemonConfig) -> int:
+    """What the launcher does: keep a duplicate of the daemon's sealed segment."""
+    with DaemonClient.connect(config.paths.socket) as client:
+        return client.hold_segment()[1]
+
+
+def test_a_killed_daemons_segment_and_leases_are_adopted_by_a_successor_handed_its_descriptor(daemons) -> None:
     home = daemons.home()
     config, first = daemons.start(home)
-    prefix = config.paths.segment_prefix
-    segment = config.paths.segment_name(first.pid)
-    inode = _inode(segment)
-    _name, contents = _segment_digest(config)
+    inode, contents = _segment_digest(config)
+    held = _hold(config)
     with _probe(config, "fn-survivor") as survivor, _probe(config, "fn-leaver") as leaver:
         before = survivor.wait_report()
         leaver.wait_report()
@@ -222,41 +219,46 @@ def test_a_killed_daemons_segment_and_leases_are_adopted_by_the_next_daemon(daem
             leases = {x.function: (x.lease_id, x.pid) for x in client.status().leases}
         first.kill()
         first.wait()
-        assert list_segments(prefix) == [segment]  # SIGKILL: no chance to clean up
         leaver.kill()  # dies while no daemon watches: its lease must not come back
         assert survivor.request("report").logits_sha256 == before.logits_sha256  # the mapping outlives the daemon
-        _config, second = daemons.start(home)
+        try:
+            _config, second = daemons.start(home, adopt_fd=held)
+        finally:
+            os.close(held)  # the successor has its own
         with DaemonClient.connect(config.paths.socket) as client:
             status = client.status()
         assert status.adopted_from_pid == first.pid and status.num_leases_adopted == 1
-        # The same segment (same inode, not a second copy), renamed to its new owner; no other segment.
-        assert list_segments(prefix) == [config.paths.segment_name(second.pid)] == [status.segment]
-        assert _inode(status.segment) == inode
         assert {x.function: (x.lease_id, x.pid) for x in status.leases} == {"fn-survivor": leases["fn-survivor"]}
         assert survivor.request("report").logits_sha256 == before.logits_sha256
-        assert _segment_digest(config) == (status.segment, contents)  # a new attach maps the adopted segment
+        assert _segment_digest(config) == (inode, contents)  # a new attach maps the same file: not a second copy
         with pytest.raises(LeasesHeld, match="fn-survivor"):  # an adopted lease holds the daemon like any other
             stop_daemon(second, config.paths.socket)
     _wait_for(lambda: _leases(config) == {})
     assert stop_daemon(second, config.paths.socket) == 0
-    assert list_segments(prefix) == [] and not config.paths.record.exists()  # a clean stop leaves nothing
+    assert not config.paths.record.exists()  # a clean stop leaves nothing
 
 
-def test_a_killed_daemons_segment_that_is_not_intact_is_removed_and_the_backbone_loaded_again(daemons) -> None:
+def test_a_descriptor_that_is_not_the_recorded_sealed_segment_is_refused_and_the_backbone_loaded_again(
+    daemons,
+) -> None:
     home = daemons.home()
     config, first = daemons.start(home)
-    prefix = config.paths.segment_prefix
+    inode, _contents = _segment_digest(config)
     first.kill()
     first.wait()
-    stale = config.paths.segment_name(first.pid)
-    os.utime(Path("/dev/shm", stale))  # written after it was sealed: not what the record describes
-    for spoil in (lambda: None, lambda: config.paths.record.write_bytes(b"not a record")):
-        spoil()
-        successor = BackboneDaemon(config)  # in this process: fast, and it holds the lock like any daemon
-        try:
-            successor.start()
-            assert successor.adopted_from_pid is None
-            assert list_segments(prefix) == [config.paths.segment_name(os.getpid())]  # loaded anew; stale one gone
-        finally:
-            successor.cleanup()
-        assert list_segments(prefix) == [] and not config.paths.record.exists()
+    impostor = cuda_ipc.export({"w": torch.zeros(4)}, "cpu")  # sealed, but another file
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        for fd in (impostor.fd, unsealed, None):
+            successor = BackboneDaemon(DaemonConfig(home=home, backbone=BACKBONE,
+                                                    adopt_fd=None if fd is None else os.dup(fd)))
+            try:
+                successor.start()  # in this process: fast, and it holds the lock like any daemon
+                assert successor.adopted_from_pid is None
+                assert successor.segment.manifest.location.inode != inode  # loaded anew
+            finally:
+                successor.cleanup()
+            assert not config.paths.record.exists()
+    finally:
+        impostor.destroy()
+        os.close(unsealed)

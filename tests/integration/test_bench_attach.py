@@ -81,5 +81,5 @@ def test_serving_on_a_device_without_its_transport_exits_2_before_loading(tmp_pa
         pytest.skip("CUDA is present here: cuda:0 is a valid device")
     ModelStore(tmp_path / "models").import_dir(BACKBONE, tiny_dense_dir)
     assert _run_cli(["--home", str(tmp_path), "backbone", "serve", BACKBONE, "--device", "cuda:0"]) == 2
-    assert "cupy" in capsys.readouterr().err
+    assert "cuda:0 needs CUDA" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before taking the lock or creating anything

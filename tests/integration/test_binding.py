@@ -25,7 +25,7 @@ def shared(request, tiny_store: ModelStore):
     manifest = tiny_store.get(name)
     segment = load_into_segment(tiny_store.path(name), manifest.weight_files, "cpu",
                                 f"lorafaas-test.{name}.{os.getpid()}")
-    attachment = cuda_ipc.attach(segment.manifest)
+    attachment = cuda_ipc.attach(segment.manifest, segment.fd)
     yield name, tiny_store.path(name), segment, attachment
     attachment.close()
     segment.destroy()
@@ -79,7 +79,7 @@ def test_binding_another_backbones_segment_is_refused(tiny_store: ModelStore) ->
                                 f"lorafaas-test.mismatch.{os.getpid()}")
     try:
         with pytest.raises(BindingFailed, match=r"no module|no such parameter"):
-            bind_backbone(segment.manifest, tiny_store.path("tiny-dense"))
+            bind_backbone(cuda_ipc.attach(segment.manifest, segment.fd), tiny_store.path("tiny-dense"))
     finally:
         segment.destroy()
 

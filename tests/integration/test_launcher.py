@@ -1,14 +1,39 @@
-"""The local launcher's own guarantees, on real processes: workers forked by the zygote die with it."""
+"""The local launcher's own guarantees, on real processes: workers forked by the zygote die with it; the instances
+bound to a GPU daemon that died are stopped (its memory is gone with it) and the others are left alone."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
+from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.backbone_daemon.leases import process_alive, process_start_ticks
-from lorafaas.function_runtime.launcher import LocalLauncher
+from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
+from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.platform.model_store import ModelStore
+
+
+def test_the_instances_bound_to_a_dead_gpu_daemon_are_stopped_and_no_others(tmp_path) -> None:
+    launcher = LocalLauncher(tmp_path, device="cuda:0")
+    config = DaemonConfig(home=tmp_path, backbone="b", device="cuda:0")
+    other = DaemonConfig(home=tmp_path, backbone="c", device="cuda:0")
+    handles = []
+    for name, daemon in (("bound", config), ("elsewhere", other)):
+        process = subprocess.Popen(["sleep", "60"])
+        spec = WorkerSpec(function=name, instance_id=name, socket_path=str(tmp_path / f"{name}.sock"), model_dir="",
+                          daemon_socket=str(daemon.paths.socket), device="cuda:0")
+        handles.append(InstanceHandle(spec, process.pid, Path(os.devnull), process))
+    launcher.instances.extend(handles)
+    try:
+        launcher._stop_bound_instances(config)
+        assert handles[0].process.returncode == -signal.SIGKILL and launcher.instances == [handles[1]]
+        assert handles[1].alive()
+    finally:
+        for handle in handles:
+            handle.kill(signal.SIGKILL)
 
 
 def test_workers_forked_by_the_zygote_die_with_it(tmp_path, tiny_dense_dir) -> None:

@@ -10,7 +10,7 @@ import pytest
 from lorafaas.backbone_daemon import messages as m
 from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
 from lorafaas.backbone_daemon.leases import LeaseTable, process_alive, process_start_ticks
-from lorafaas.cuda_ipc.messages import SegmentManifest, ShmLocation
+from lorafaas.cuda_ipc.messages import MemfdLocation, SegmentManifest
 from lorafaas.errors import InvalidInput, InvalidName, LeaseNotFound
 from lorafaas.wire import MAX_FRAME_BYTES, encode_frame, frame_length
 
@@ -70,7 +70,8 @@ def test_process_liveness_sees_pid_reuse() -> None:
 
 
 def test_requests_and_responses_round_trip_in_frames() -> None:
-    manifest = SegmentManifest(device="cpu", location=ShmLocation(name="s"), size=256, alignment=256, tensors=())
+    manifest = SegmentManifest(device="cpu", location=MemfdLocation(label="s", inode=7), size=256, alignment=256,
+                               tensors=())
     info = m.BackboneInfo(name="b", model_dir="/x", architecture="LlamaForCausalLM", weights_sha256="0" * 64)
     for request in (
         m.Hello(protocol_version=m.PROTOCOL_VERSION),
@@ -78,6 +79,7 @@ def test_requests_and_responses_round_trip_in_frames() -> None:
         m.Heartbeat(lease_id="l"),
         m.Detach(lease_id="l"),
         m.Status(),
+        m.HoldSegment(),
         m.Shutdown(force=True),
     ):
         frame = encode_frame(request)
@@ -85,6 +87,8 @@ def test_requests_and_responses_round_trip_in_frames() -> None:
         assert m.request_decoder.decode(frame[4:]) == request
     attached = m.Attached(lease_id="l", manifest=manifest, backbone=info, lease_ttl_s=None)
     assert m.response_decoder.decode(encode_frame(attached)[4:]) == attached
+    held = m.SegmentHeld(manifest=manifest)
+    assert m.response_decoder.decode(encode_frame(held)[4:]) == held
     with pytest.raises(msgspec.ValidationError):
         m.request_decoder.decode(msgspec.msgpack.encode({"type": "attach"}))  # no function
     with pytest.raises(ValueError, match="exceeds"):

@@ -11,8 +11,8 @@ import torch
 
 from lorafaas import cuda_ipc
 from lorafaas.cuda_ipc.layout import TensorSpec, check_manifest, plan_layout
-from lorafaas.cuda_ipc.messages import CudaIpcLocation, SegmentManifest, ShmLocation, TensorEntry
-from lorafaas.cuda_ipc.shm import SHM_DIR
+from lorafaas.cuda_ipc.memfd import available_memory_bytes
+from lorafaas.cuda_ipc.messages import CudaVmmLocation, MemfdLocation, SegmentManifest, TensorEntry
 from lorafaas.errors import SegmentError, TransportUnavailable
 
 
@@ -55,7 +55,8 @@ def test_layout_refuses_duplicates_bad_alignment_and_unknown_dtypes() -> None:
 
 
 def _manifest(*entries: TensorEntry, size: int = 512) -> SegmentManifest:
-    return SegmentManifest(device="cpu", location=ShmLocation(name="x"), size=size, alignment=256, tensors=entries)
+    return SegmentManifest(device="cpu", location=MemfdLocation(label="x", inode=1), size=size, alignment=256,
+                           tensors=entries)
 
 
 @pytest.mark.parametrize(
@@ -77,25 +78,25 @@ def test_check_manifest_refuses_overlaps_and_other_versions() -> None:
     b = TensorEntry(name="b", dtype="float32", shape=(1,), offset=256, nbytes=4)
     with pytest.raises(SegmentError, match="overlaps"):
         check_manifest(_manifest(a, b))
-    with pytest.raises(SegmentError, match="format version 2"):
-        check_manifest(msgspec.structs.replace(_manifest(b), format_version=2))
+    with pytest.raises(SegmentError, match="format version 1"):
+        check_manifest(msgspec.structs.replace(_manifest(b), format_version=1))
     check_manifest(_manifest(b))  # the same table without the overlap is fine
 
 
 def test_manifests_round_trip_through_msgpack_and_json_with_their_transport_tag() -> None:
-    cuda = SegmentManifest(device="cuda:1", location=CudaIpcLocation(handle=bytes(range(64)), device_index=1,
-                                                                    owner_pid=42), size=256, alignment=256, tensors=())
+    cuda = SegmentManifest(device="cuda:1", location=CudaVmmLocation(device_uuid="GPU-0f", allocation_size=2 << 20),
+                           size=256, alignment=256, tensors=())
     for manifest in (_manifest(), cuda):
         for codec in (msgspec.msgpack, msgspec.json):
             decoded = codec.decode(codec.encode(manifest), type=SegmentManifest)
             assert decoded == manifest
-    assert _manifest().transport == "shm" and cuda.transport == "cuda_ipc"
-    assert b'"transport":"cuda_ipc"' in msgspec.json.encode(cuda)
+    assert _manifest().transport == "memfd" and cuda.transport == "cuda_vmm"
+    assert b'"transport":"cuda_vmm"' in msgspec.json.encode(cuda)
 
 
 def test_round_trip_gives_equal_tensors_viewing_one_segment(exported) -> None:
     source = _state_dict()
-    attachment = cuda_ipc.attach(exported.manifest)
+    attachment = cuda_ipc.attach(exported.manifest, exported.fd)
     try:
         assert set(attachment.tensors) == set(source)
         for name, tensor in attachment.tensors.items():
@@ -111,23 +112,53 @@ def test_round_trip_gives_equal_tensors_viewing_one_segment(exported) -> None:
         attachment.close()
 
 
-def test_the_owner_holds_no_mapping_after_sealing_and_destroy_unlinks(exported) -> None:
-    name = exported.manifest.location.name
-    assert (SHM_DIR / name).stat().st_size == exported.manifest.size
-    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
-    assert name not in maps
+def test_the_owner_holds_no_mapping_after_sealing_and_the_file_is_sealed(exported) -> None:
+    label = exported.manifest.location.label
+    assert os.fstat(exported.fd).st_size == exported.manifest.size
+    assert f"/memfd:{label}" not in Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert not (Path("/dev/shm") / label).exists()  # no name anywhere
     with pytest.raises(SegmentError, match="sealed"):
         exported.writable_views()
-    exported.destroy()
-    assert not (SHM_DIR / name).exists()
-    with pytest.raises(SegmentError, match="does not exist"):
-        cuda_ipc.attach(exported.manifest)
+    with pytest.raises(PermissionError):
+        os.pwrite(exported.fd, b"x", 0)
 
 
-def test_attach_refuses_a_segment_of_another_size(exported) -> None:
+def test_attach_refuses_a_descriptor_that_is_not_the_manifests_sealed_file(exported) -> None:
     wrong = msgspec.structs.replace(exported.manifest, size=exported.manifest.size * 2)
     with pytest.raises(SegmentError, match="manifest says"):
-        cuda_ipc.attach(wrong)
+        cuda_ipc.attach(wrong, exported.fd)
+    other = cuda_ipc.export({"x": torch.zeros(3)}, "cpu")
+    unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    try:
+        with pytest.raises(SegmentError, match="inode"):
+            cuda_ipc.attach(exported.manifest, other.fd)
+        location = msgspec.structs.replace(exported.manifest.location, inode=os.fstat(unsealed).st_ino)
+        os.ftruncate(unsealed, exported.manifest.size)
+        with pytest.raises(SegmentError, match="not sealed"):
+            cuda_ipc.attach(msgspec.structs.replace(exported.manifest, location=location), unsealed)
+    finally:
+        other.destroy()
+        os.close(unsealed)
+
+
+def test_available_memory_is_the_lower_of_meminfo_and_the_cgroup_headroom(tmp_path: Path) -> None:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   1000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/pod\n")
+    (root / "pod").mkdir(parents=True)
+    (root / "pod" / "memory.max").write_text("max\n")
+    (root / "pod" / "memory.current").write_text("5\n")
+    assert available_memory_bytes(proc, root) == 1_024_000
+    (root / "pod" / "memory.max").write_text("204805\n")
+    assert available_memory_bytes(proc, root) == 204_800  # v2: max - current
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n")
+    (root / "memory" / "job").mkdir(parents=True)
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (root / "memory" / "job" / "memory.usage_in_bytes").write_text("7")
+    assert available_memory_bytes(proc, root) == 1_024_000  # v1 without a limit
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text("107")
+    assert available_memory_bytes(proc, root) == 100
 
 
 def test_unknown_devices_are_refused() -> None:

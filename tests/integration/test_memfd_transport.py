@@ -1,4 +1,5 @@
-"""The POSIX shared-memory transport across real processes: same bytes, no copy, writes fault the writer only."""
+"""The sealed-memfd transport across real processes (the descriptor inherited, as it would arrive over a socket):
+same bytes, no copy, writes fault the writer only."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def segment():
     exported.destroy()
 
 
-def _manifest_file(tmp_path: Path, manifest: cuda_ipc.SegmentManifest) -> str:
+def _probe_args(tmp_path: Path, exported) -> tuple[list[str], tuple[int, ...]]:
     path = tmp_path / "manifest.json"
-    path.write_bytes(msgspec.json.encode(manifest))
-    return str(path)
+    path.write_bytes(msgspec.json.encode(exported.manifest))
+    return ["manifest", str(path), str(exported.fd)], (exported.fd,)
 
 
 def _pss_shmem_kb(pid: int) -> int:
@@ -42,8 +43,8 @@ def _pss_shmem_kb(pid: int) -> int:
 
 def test_other_processes_see_the_same_bytes_in_the_segment(segment, tmp_path: Path) -> None:
     state, exported = segment
-    manifest = _manifest_file(tmp_path, exported.manifest)
-    with ProbeProcess(["manifest", manifest], timeout_s=60) as a, ProbeProcess(["manifest", manifest]) as b:
+    args, fds = _probe_args(tmp_path, exported)
+    with ProbeProcess(args, timeout_s=60, pass_fds=fds) as a, ProbeProcess(args, pass_fds=fds) as b:
         ra, rb = a.wait_report(), b.wait_report()
         assert ra.tensors_sha256 == rb.tensors_sha256 == tensors_digest(state)
         assert ra.params_in_segment and rb.params_in_segment and ra.segment_size == exported.manifest.size
@@ -54,14 +55,14 @@ def test_other_processes_see_the_same_bytes_in_the_segment(segment, tmp_path: Pa
 
 def test_a_write_through_an_attachment_faults_the_writer_and_nobody_else(segment, tmp_path: Path) -> None:
     state, exported = segment
-    manifest = _manifest_file(tmp_path, exported.manifest)
-    with ProbeProcess(["manifest", manifest], timeout_s=60) as writer, ProbeProcess(["manifest", manifest]) as other:
+    args, fds = _probe_args(tmp_path, exported)
+    with ProbeProcess(args, timeout_s=60, pass_fds=fds) as writer, ProbeProcess(args, pass_fds=fds) as other:
         writer.wait_report()
         before = other.wait_report()
         writer.send("write")
         assert writer.wait_exit() == -signal.SIGSEGV
         assert other.request("report").tensors_sha256 == before.tensors_sha256 == tensors_digest(state)
-    mine = cuda_ipc.attach(exported.manifest)
+    mine = cuda_ipc.attach(exported.manifest, exported.fd)
     try:
         assert tensors_digest(mine.tensors) == tensors_digest(state)
     finally:
