@@ -100,8 +100,12 @@ def test_a_deleted_function_never_answers_again_not_even_for_whoever_deploys_its
 
             async def delete_under_load() -> list[dict]:
                 async with http_client(platform, key_a) as http:
-                    streams = [asyncio.create_task(stream(http, "x", long)) for _ in range(12)]
-                    await asyncio.sleep(0.3)
+                    streams = [asyncio.create_task(stream(http, "x", long)) for _ in range(24)]
+                    for _ in range(500):  # the worker's batch (8) is full: the other 16 are queued
+                        instances = (await http.get("/v1/functions/x")).json()["instances"]
+                        if instances and instances[0]["in_flight"] >= 8:
+                            break
+                        await asyncio.sleep(0.01)
                     deleted = await http.delete("/v1/functions/x")
                     assert deleted.status_code == 200, deleted.text
                     return await asyncio.gather(*streams)
