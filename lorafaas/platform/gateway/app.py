@@ -6,8 +6,10 @@ Every failure is a JSON body `{"error": {"code", "message", "type"}}` with a 4xx
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import BinaryIO
 
 import msgspec
 from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
@@ -18,9 +20,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from lorafaas import __version__
-from lorafaas.errors import Forbidden, InvalidInput, LorafaasError
+from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge
 from lorafaas.function_runtime import messages as m
-from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
 from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
@@ -60,14 +62,16 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         # Its labels name every tenant's functions: the admin key only (Prometheus sends it as a bearer token).
         if not who.is_admin:
             raise Forbidden("only the admin key can read /metrics, which covers every tenant's functions")
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: a scrape renders every series and reads each instance's memory from /proc.
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/functions", status_code=201, tags=["functions"])
     async def deploy(spec: str = Form(..., description="DeploySpec as JSON"),
                      adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
                      who: ApiKeyRecord = Depends(caller)) -> dict:
         fields = _parse_spec(spec)
-        deployed = await service.deploy(who, fields, await _read_upload(adapter))
+        deployed = await service.deploy(who, fields, _spooled(adapter))
         return msgspec.to_builtins(deployed)
 
     @app.get("/v1/functions", tags=["functions"])
@@ -84,7 +88,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         fields = _parse_spec(spec)
         if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):
             raise InvalidInput("PATCH cannot change a function's name, backbone or tenant; deploy a new function")
-        archive = await _read_upload(adapter) if adapter is not None else None
+        archive = _spooled(adapter) if adapter is not None else None
         return msgspec.to_builtins(await service.update(who, name, fields, archive))
 
     @app.delete("/v1/functions/{name}", tags=["functions"])
@@ -125,8 +129,14 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     @app.get("/v1/keys", tags=["keys"])
     async def list_keys(who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
-        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at}
-                         for k in service.store.list_keys()]}
+        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at,
+                          "last_used_at": k.last_used_at} for k in service.store.list_keys()]}
+
+    @app.delete("/v1/keys/{key_id}", tags=["keys"])
+    async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        _require_admin(who)
+        record = revoke_key(service.store, key_id)
+        return {"revoked": record.key_id, "tenant": record.tenant}
 
     from lorafaas.platform.gateway.openai_api import openai_router
 
@@ -167,11 +177,12 @@ def _parse_spec(raw: str) -> dict:
         raise InvalidInput(f"invalid spec: {_first_problem(exc.errors())}") from exc
 
 
-async def _read_upload(upload: UploadFile) -> bytes:
-    data = await upload.read(MAX_ADAPTER_UPLOAD_BYTES + 1)
-    if len(data) > MAX_ADAPTER_UPLOAD_BYTES:
-        raise InvalidInput(f"the adapter upload exceeds {MAX_ADAPTER_UPLOAD_BYTES} bytes")
-    return data
+def _spooled(upload: UploadFile) -> BinaryIO:
+    """The uploaded archive as the file Starlette spooled it to (on disk past 1 MiB), read as a stream."""
+    if upload.size is not None and upload.size > MAX_ADAPTER_UPLOAD_BYTES:
+        raise PayloadTooLarge(f"the adapter upload is {upload.size} bytes; the limit is {MAX_ADAPTER_UPLOAD_BYTES}")
+    upload.file.seek(0)
+    return upload.file
 
 
 def _first_problem(errors: list[dict]) -> str:

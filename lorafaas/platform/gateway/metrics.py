@@ -36,18 +36,25 @@ class _AgentCollector:
         self.agent = agent
 
     def collect(self):
+        # Runs in a worker thread (a scrape is rendered off the event loop): read the agent's live dicts only through
+        # one-step copies (atomic under the GIL), never by iterating them while the loop may change them.
+        pools = [(name, list(pool)) for name, pool in list(self.agent.instances.items())]
         cold = GaugeMetricFamily("lorafaas_cold_starts", "Cold starts by function and kind",
                                  labels=["function", "kind"])
-        for (function, kind), count in sorted(self.agent.num_cold_starts.items()):
+        for (function, kind), count in sorted(list(self.agent.num_cold_starts.items())):
             cold.add_metric([function, kind], count)
         instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
                                       labels=["function", "state"])
-        for (function, state), count in sorted(self.agent.count_by_state().items()):
+        by_state: dict[tuple[str, str], int] = {}
+        for function, pool in pools:
+            for instance in pool:
+                by_state[function, instance.state] = by_state.get((function, instance.state), 0) + 1
+        for (function, state), count in sorted(by_state.items()):
             instances.add_metric([function, state], count)
         memory = GaugeMetricFamily("lorafaas_instance_memory_bytes", "PSS of the function instances by device",
                                    labels=["device"])
         per_device: dict[str, int] = {}
-        for pool in self.agent.instances.values():
+        for _, pool in pools:
             for instance in pool:
                 if instance.pid is not None and instance.state == "ready":
                     try:

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.gateway.schemas import MessageIn, make_request
+from lorafaas.platform.gateway.schemas import MessageIn, make_request, seed_field
 from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
@@ -29,12 +29,12 @@ class StreamOptions(BaseModel):
 class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI parameters are accepted and ignored
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
-    seed: int | None = None
+    seed: int | None = seed_field()
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

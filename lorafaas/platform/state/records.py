@@ -23,6 +23,7 @@ MAX_KEEP_ALIVE_S = 86_400.0
 MAX_INSTANCES = 64
 MAX_TOKENS_LIMIT = 131_072
 MAX_REQUEST_S = 3600.0
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer: what torch's generator and msgpack carry
 InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
@@ -127,6 +128,8 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
         _check_range("temperature", self.temperature, 0.0, 2.0)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInput(f"top_p is {self.top_p:g}; it must be greater than 0 and at most 1")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise InvalidInput(f"seed is {self.seed}; it must be a 64-bit signed integer ({MIN_SEED} to {MAX_SEED})")
         return self
 
 
@@ -161,3 +164,5 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     key_hash: str
     is_admin: bool = False
     created_at: float
+    # When the key last authenticated a request, to the minute (auth.KEY_USE_RESOLUTION_S); None: never.
+    last_used_at: float | None = None
