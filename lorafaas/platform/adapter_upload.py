@@ -35,7 +35,7 @@ def unpack_adapter(archive: bytes | BinaryIO, out_dir: Path) -> Path:
     try:
         tar = tarfile.open(fileobj=source, mode="r:*")  # noqa: SIM115 (closed by the with below)
     except (*_BROKEN_STREAM, OSError) as exc:
-        raise AdapterInvalid(f"the adapter upload is not a tar archive ({exc})") from exc
+        raise AdapterInvalid("the adapter upload is not a tar archive (plain, gzip, bzip2 or xz)") from exc
     found: set[str] = set()
     with tar:
         try:

@@ -57,6 +57,9 @@ class FunctionService:
         self.adapters = adapters
         self.agent = agent
         self.limits = limits or AdapterLimits()
+        # Where this server keeps its files: named in logs, never in an answer to a client (`public_message`).
+        self._private_roots = sorted({str(p) for root in (models.models_dir.parent, adapters.root)
+                                      for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: set[asyncio.Task] = set()
 
     # -- start-up --------------------------------------------------------------------------------------------------
@@ -71,6 +74,12 @@ class FunctionService:
             if record.status in ("queued", "running"):
                 self._run_in_background(record)
         return len(specs)
+
+    def public_message(self, message: str) -> str:
+        """`message` with this server's own paths (the home, the adapter store, sockets under run/) replaced."""
+        for root in self._private_roots:
+            message = message.replace(root, "$LORAFAAS_HOME")
+        return message
 
     # -- functions -------------------------------------------------------------------------------------------------
 
@@ -259,8 +268,8 @@ class FunctionService:
                 updated_at=time.time(),
             )
         except LorafaasError as exc:
-            done = msgspec.structs.replace(record, status="failed", error_code=exc.code, error_message=exc.message,
-                                           updated_at=time.time())
+            done = msgspec.structs.replace(record, status="failed", error_code=exc.code,
+                                           error_message=self.public_message(exc.message), updated_at=time.time())
         self.store.put_invocation(done)
 
     def expire_invocations(self) -> int:

@@ -28,16 +28,18 @@ def up(
                                              help="Instances the device runs at full speed at once; a function "
                                                   "scales out only while fewer are busy (default: cores on a CPU, "
                                                   "1 on a GPU)."),
+    tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
+                                             help="Adapter storage each tenant's functions may take (e.g. 10G)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
-    from lorafaas.platform.server import ServerConfig, parse_devices, run_server
+    from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
 
     config: LorafaasConfig = ctx.obj
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=os.environ.get("LORAFAAS_ADMIN_KEY"), demo=demo, policy=policy, backend=backend,
-        compute_slots=compute_slots,
+        compute_slots=compute_slots, tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{host}:{port}"
     if demo:  # the one long step of a first start, with its progress bar, before the server starts

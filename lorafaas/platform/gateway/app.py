@@ -40,7 +40,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
                   description="Each LoRA adapter deployed as an isolated serverless function.")
     app.state.service = service
     app.state.metrics = metrics
-    _install_error_handlers(app)
+    _install_error_handlers(app, service)
     app.add_middleware(RequestLimitsMiddleware)
 
     def caller(request: Request) -> ApiKeyRecord:
@@ -113,7 +113,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
             )
         events = await start_invocation(service, metrics, who, name, invocation)
         if body.stream:
-            return StreamingResponse(_native_sse(events), media_type="text/event-stream")
+            return StreamingResponse(_native_sse(events, service), media_type="text/event-stream")
         return JSONResponse(await _collect(events, name))
 
     @app.get("/v1/invocations/{invocation_id}", tags=["invoke"])
@@ -153,7 +153,7 @@ async def _collect(events: InvocationEvents, name: str) -> dict:
     raise LorafaasError("the instance ended the request without a result")
 
 
-async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
+async def _native_sse(events: InvocationEvents, service: FunctionService) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             if isinstance(event, m.Token):
@@ -162,7 +162,7 @@ async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
                 yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
                            "usage": usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
     except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
-        yield sse(error_body(exc), event="error")
+        yield sse(error_body(exc, service), event="error")
 
 
 def _require_admin(who: ApiKeyRecord) -> None:
@@ -198,11 +198,11 @@ def _error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, "type": kind}}, status_code=status)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
     async def lorafaas_error(_: Request, exc: LorafaasError) -> JSONResponse:
         if exc.http_status >= 500:
             log.warning("%s: %s", exc.code, exc.message)
-        return _error_response(exc.http_status, exc.code, exc.message)
+        return _error_response(exc.http_status, exc.code, service.public_message(exc.message))
 
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()

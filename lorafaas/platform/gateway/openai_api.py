@@ -60,7 +60,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     async def respond(body: _OpenAIBody, request, chat: bool, who: ApiKeyRecord) -> Response:
         """Run the invocation and shape it as a (chat) completion, or as its stream of chunks."""
         events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat)
+        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat, service=service)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
@@ -93,7 +93,8 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 class _Reply:
     """Shapes one invocation's events as an OpenAI (chat) completion or its stream of chunks."""
 
-    def __init__(self, prefix: str, model: str, chat: bool) -> None:
+    def __init__(self, prefix: str, model: str, chat: bool, service: FunctionService) -> None:
+        self.service = service
         self.id = f"{prefix}-{secrets.token_hex(12)}"
         self.model = model
         self.chat = chat
@@ -123,7 +124,7 @@ class _Reply:
                         yield sse(self._envelope(chunk_object, []) | {"usage": usage(event)})
             yield sse("[DONE]")
         except LorafaasError as exc:
-            yield sse(error_body(exc))
+            yield sse(error_body(exc, self.service))
 
     def _delta(self, delta: dict, finish_reason: str | None, text: str = "") -> dict:
         if self.chat:

@@ -71,6 +71,6 @@ def usage(event: m.Finished) -> dict:
             "total_tokens": event.prompt_tokens + event.completion_tokens}
 
 
-def error_body(exc: LorafaasError) -> dict:
+def error_body(exc: LorafaasError, service: FunctionService) -> dict:
     kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
-    return {"error": {"code": exc.code, "message": exc.message, "type": kind}}
+    return {"error": {"code": exc.code, "message": service.public_message(exc.message), "type": kind}}
