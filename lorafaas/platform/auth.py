@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+
 from lorafaas.errors import ApiKeyNotFound, Forbidden, InvalidInput, Unauthorized
 from lorafaas.platform.model_store import check_name
 from lorafaas.platform.state.interface import StateStore
@@ -86,9 +88,10 @@ def authenticate(store: StateStore, authorization_header_value: str | None) -> A
     if record is None:
         shown = key_id_of(key)
         raise Unauthorized(f"unknown API key{f' {shown!r}' if shown else ''}: it was never issued or was revoked")
-    now = time.time()
+    now = round(time.time(), 3)  # milliseconds: exact through SQLite's JSON (15 significant digits)
     if record.last_used_at is None or now - record.last_used_at >= KEY_USE_RESOLUTION_S:
         store.touch_key(record.key_id, now)
+        record = msgspec.structs.replace(record, last_used_at=now)
     return record
 
 
