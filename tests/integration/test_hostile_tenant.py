@@ -17,6 +17,7 @@ from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.gateway.limits import MAX_CONCURRENT_UPLOADS
 from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.state.records import MAX_SEED
 from lorafaas.testing.hostile import (
     multipart_head,
     redos_adapter,
@@ -104,7 +105,7 @@ def test_invocations_of_unknown_functions_add_no_metric_series(platform, admin_h
 # -- item 11: seeds, truncated tars, no server paths ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30, 2**53])
 def test_out_of_range_seeds_are_422_on_every_route(platform, admin_headers, seed) -> None:
     routes = {
         "invoke": ("/v1/functions/alpha/invoke", {"prompt": "hi", "max_tokens": 1, "seed": seed}),
@@ -117,7 +118,7 @@ def test_out_of_range_seeds_are_422_on_every_route(platform, admin_headers, seed
         reply = httpx.post(f"{platform.url}{path}", headers=admin_headers, json=body, timeout=30)
         assert "seed" in error_of(reply, 422, "invalid_input"), (route, reply.text)
     edge = httpx.post(f"{platform.url}/v1/functions/alpha/invoke", headers=admin_headers, timeout=60,
-                      json={"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "seed": 2**63 - 1})
+                      json={"prompt": "hi", "max_tokens": 2, "temperature": 1.0, "seed": MAX_SEED})
     assert edge.status_code == 200, edge.text
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,10 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorafaas.errors import InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import MessageIn, make_request, seed_field
 from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
+
+OPENAI_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "A (chat) completion, or with `stream: true` its chunks as server-sent events ending [DONE]",
+          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
+    **errors(404, 504),
+}
 
 
 class StreamOptions(BaseModel):
@@ -35,7 +43,7 @@ class _OpenAIBody(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
     seed: int | None = seed_field()
-    n: int = 1
+    n: int = Field(1, ge=1, le=1, description="choices per request: lorafaas returns one")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -46,11 +54,12 @@ class _OpenAIBody(BaseModel):
 
 
 class ChatBody(_OpenAIBody):
-    messages: list[MessageIn]
+    messages: list[MessageIn] = Field(min_length=1)
 
 
 class CompletionBody(_OpenAIBody):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+        description="one prompt (a string, or a list holding one string)")
 
 
 def openai_router(service: FunctionService, metrics: GatewayMetrics,
@@ -66,20 +75,20 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
         return JSONResponse(await reply.whole(events))
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=errors())
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
         return {"object": "list", "data": [
             {"id": s.name, "object": "model", "created": int(s.created_at), "owned_by": s.tenant}
             for s in service.list(who)
         ]}
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
                                body.seed)
         return await respond(body, request, chat=True, who=who)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=OPENAI_RESPONSES)
     async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput
+from lorafaas.platform.model_store import NAME_PATTERN
 from lorafaas.platform.state.records import (
     MAX_INSTANCES,
     MAX_KEEP_ALIVE_S,
@@ -21,7 +22,8 @@ from lorafaas.platform.state.records import (
 # The same bounds the records check (InvocationRequest.check, FunctionSpec.check), stated here so /openapi.json
 # shows them; a value outside them is a 422 naming the field either way.
 def seed_field():
-    return Field(None, ge=MIN_SEED, le=MAX_SEED, description="64-bit signed; the same seed gives the same sample")
+    return Field(None, ge=MIN_SEED, le=MAX_SEED,
+                 description="an integer within +-(2^53 - 1); the same seed gives the same sample")
 
 
 
@@ -36,7 +38,7 @@ class InvokeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
-    messages: list[MessageIn] | None = None
+    messages: list[MessageIn] | None = Field(None, min_length=1)
     max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_LIMIT, description="at most the function's max_tokens_limit")
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy by default: the same prompt gives the same answer
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -67,7 +69,7 @@ class DeploySpec(BaseModel):
 
 class KeyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tenant: str
+    tenant: str = Field(pattern=NAME_PATTERN.pattern, description="1-63 lowercase letters, digits and '-'")
 
 
 def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -> InvocationRequest:

@@ -23,7 +23,9 @@ MAX_KEEP_ALIVE_S = 86_400.0
 MAX_INSTANCES = 64
 MAX_TOKENS_LIMIT = 131_072
 MAX_REQUEST_S = 3600.0
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer: what torch's generator and msgpack carry
+# JSON's safe integers: every client (JavaScript, OpenAPI tooling) parses them exactly, as doubles; well inside what
+# torch's generator and msgpack carry. A seed outside is a 422 on every route (sync, streaming, async, OpenAI).
+MIN_SEED, MAX_SEED = -(2**53 - 1), 2**53 - 1
 InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
