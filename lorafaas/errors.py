@@ -24,6 +24,8 @@
     │   │       └── AdapterIncompatible   well-formed, but not for this backbone
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
+    │   │   └── QuotaExceeded         a tenant's stored adapters would pass its quota
+    │   ├── TooManyRequests           429: too many uploads at once
     │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
     │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without CUDA)
@@ -229,3 +231,12 @@ class InsufficientMemory(StorageFull):
 class InvocationTimedOut(ServerError):
     code = "invocation_timeout"
     http_status = 504
+
+
+class QuotaExceeded(PayloadTooLarge):
+    code = "quota_exceeded"
+
+
+class TooManyRequests(ClientError):
+    code = "too_many_requests"
+    http_status = 429

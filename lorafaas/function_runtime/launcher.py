@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import threading
@@ -385,6 +386,7 @@ class LocalLauncher:
         shared: bool = True,
         max_batch_size: int = 8,
         num_threads: int | None = 1,
+        deployment: str | None = None,
     ) -> WorkerSpec:
         """One intra-op thread by default: instances share the node's cores, and oversubscribed OpenMP threads
         spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core
@@ -394,6 +396,7 @@ class LocalLauncher:
         return WorkerSpec(
             function=function,
             instance_id=instance_id,
+            deployment=deployment,
             socket_path=str(self.run_dir / f"{instance_id}.sock"),
             model_dir=str(self.store.path(backbone)),
             adapter_dir=str(adapter_dir) if adapter_dir else None,
@@ -405,8 +408,9 @@ class LocalLauncher:
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceHandle:
         """Start a worker for `spec`: forked from the zygote (libraries pre-loaded) or, if `fresh`, a new process."""
+        log_path = instance_log_path(self.log_dir, spec)
         private_dir(self.log_dir)
-        log_path = self.log_dir / f"{spec.instance_id}.log"
+        private_dir(log_path.parent)
         if fresh:
             process = start_fresh_worker(spec, log_path)
             handle = InstanceHandle(spec, process.pid, log_path, process)
@@ -438,3 +442,24 @@ class LocalLauncher:
             daemon.stop()
         with self._lock:
             self._record.remove()
+
+
+DEPLOYMENT_LOGS_DIR = "functions"
+
+
+def deployment_log_dir(log_dir: Path, deployment: str) -> Path:
+    """Where the instances of one deployment (FunctionSpec.uid) log: a directory of its own, so reading a function's
+    logs never matches another function's files, and deleting the function removes exactly its logs."""
+    if not deployment or not deployment.isalnum():
+        raise ValueError(f"deployment uid {deployment!r} is not alphanumeric")
+    return Path(log_dir) / DEPLOYMENT_LOGS_DIR / deployment
+
+
+def instance_log_path(log_dir: Path, spec: WorkerSpec) -> Path:
+    if spec.deployment is None:  # a worker outside any deployment (benches, tests): the node's log directory
+        return Path(log_dir) / f"{spec.instance_id}.log"
+    return deployment_log_dir(log_dir, spec.deployment) / f"{spec.instance_id}.log"
+
+
+def remove_deployment_logs(log_dir: Path, deployment: str) -> None:
+    shutil.rmtree(deployment_log_dir(log_dir, deployment), ignore_errors=True)

@@ -62,6 +62,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     function: str
     instance_id: str
     socket_path: str  # where the worker listens
+    deployment: str | None = None  # the function's deployment uid: its log file belongs to that deployment only
     model_dir: str  # the backbone's store entry (config and tokenizer)
     adapter_dir: str | None = None  # None: serve the plain backbone
     daemon_socket: str | None = None  # the backbone daemon to attach to; None: load the backbone privately

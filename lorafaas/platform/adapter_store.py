@@ -4,6 +4,11 @@ An entry holds exactly adapter_config.json and adapter_model.safetensors; its na
 files' bytes, in that order. Entries are written to a hidden staging directory beside them and renamed into place, so
 a reader never sees half an adapter and a failed copy leaves nothing. An entry never changes once visible: putting
 the same bytes again is a no-op, and a function spec naming a digest always gets the bytes it was deployed with.
+
+Entries no function references are removed by `collect` (after a delete, an update that replaced an adapter, a
+failed deploy). A digest `put` returns is pinned until `unpin`: the caller writes the function that references it in
+between, so a concurrent collect never removes an adapter a deploy is about to use. Pins live in this process: one
+gateway per adapter store (the chart runs one).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from lorafaas.errors import AdapterNotFound, ServerError
@@ -36,15 +43,40 @@ STALE_STAGING_S = 3600.0  # a staging directory this old belongs to a put that w
 class AdapterStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._lock = threading.Lock()  # orders pins against collect (puts run in worker threads)
+        self._pins: Counter[str] = Counter()
 
     def path(self, digest: str) -> Path:
         """The entry's directory; AdapterNotFound if there is none."""
         if not self.exists(digest):
             raise AdapterNotFound(
-                f"adapter {digest[:12]} is not in the adapter store at {self.root}; deploy its function again to "
-                "store it"
+                f"adapter {digest[:12]} is not in the adapter store; deploy its function again to store it"
             )
         return self.root / digest
+
+    def size_bytes(self, digest: str) -> int:
+        """Bytes the entry takes (its two files); 0 if it is absent."""
+        entry = self.root / check_digest(digest)
+        return sum((entry / name).stat().st_size for name in ADAPTER_FILES if (entry / name).is_file())
+
+    def unpin(self, digest: str) -> None:
+        """Release the pin `put` took: the digest is referenced by a stored function now, or abandoned."""
+        with self._lock:
+            self._pins[digest] -= 1
+            if self._pins[digest] <= 0:
+                del self._pins[digest]
+
+    def collect(self, referenced: set[str]) -> list[str]:
+        """Remove every entry neither in `referenced` nor pinned; returns the digests removed."""
+        removed = []
+        with self._lock:
+            for digest in self.list_digests():
+                if digest not in referenced and digest not in self._pins:
+                    self._remove(self.root / digest)
+                    removed.append(digest)
+        for digest in removed:
+            logger.info("removed adapter %s: no function uses it", digest[:12])
+        return removed
 
     def exists(self, digest: str) -> bool:
         entry = self.root / check_digest(digest)
@@ -56,7 +88,7 @@ class AdapterStore:
         return sorted(p.name for p in self.root.iterdir() if DIGEST_PATTERN.match(p.name) and self.exists(p.name))
 
     def put(self, adapter_dir: Path, store: ModelStore, backbone: str) -> str:
-        """Validate the adapter against `backbone`, store it, and return its digest.
+        """Validate the adapter against `backbone`, store it, and return its digest, pinned (see `unpin`).
 
         Raises what `validate_adapter` raises (AdapterInvalid, AdapterIncompatible, PickledWeightsRefused,
         BackboneNotFound) before anything is written, and ServerError if the copy fails (nothing is left then).
@@ -72,29 +104,34 @@ class AdapterStore:
                 for name in ADAPTER_FILES:
                     copy_hashing(adapter_dir / name, staging / name, hasher)
             except OSError as exc:  # disk full, source gone: nothing was stored
-                raise storage_error(exc, f"cannot copy adapter {adapter_dir} into the adapter store {self.root}") \
-                    from exc
+                raise storage_error(exc, "cannot copy the adapter into the adapter store") from exc
             digest = hasher.hexdigest()
-            if self.exists(digest):
-                return digest
-            entry = self.root / digest
-            if entry.exists():  # files removed from an entry by hand: replace it whole
-                logger.warning("adapter %s at %s is incomplete; replacing it", digest[:12], entry)
-                self._remove(entry)
-            for name in ADAPTER_FILES:  # shared read-only with every function process
-                (staging / name).chmod(0o644)
-            staging.chmod(0o755)
-            try:
-                os.rename(staging, entry)
-            except OSError as exc:
-                if self.exists(digest):  # a concurrent put of the same bytes won the race
-                    return digest
-                raise ServerError(f"cannot move adapter {digest[:12]} into place at {entry}: {exc}") from exc
-            _fsync_dir(self.root)
+            with self._lock:
+                self._move_into_place(staging, digest)
+                self._pins[digest] += 1
             logger.info("stored adapter %s from %s", digest[:12], adapter_dir)
             return digest
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def _move_into_place(self, staging: Path, digest: str) -> None:
+        if self.exists(digest):
+            return
+        entry = self.root / digest
+        if entry.exists():  # files removed from an entry by hand: replace it whole
+            logger.warning("adapter %s at %s is incomplete; replacing it", digest[:12], entry)
+            self._remove(entry)
+        for name in ADAPTER_FILES:  # shared read-only with every function process
+            (staging / name).chmod(0o644)
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, entry)
+        except OSError as exc:
+            if self.exists(digest):  # a concurrent put of the same bytes won the race
+                return
+            logger.error("cannot move adapter %s into place at %s: %s", digest[:12], entry, exc)
+            raise ServerError(f"cannot move adapter {digest[:12]} into place ({exc.strerror})") from exc
+        _fsync_dir(self.root)
 
     def delete(self, digest: str) -> None:
         """Remove an entry (AdapterNotFound if absent); it disappears at once, then its files are removed."""

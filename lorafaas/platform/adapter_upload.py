@@ -2,8 +2,9 @@
 adapter_model.safetensors, unpacked safely into a scratch directory for validation.
 
 Only those two regular files are taken, at the archive's root or inside one top-level folder; anything else
-(links, devices, absolute or `..` paths, other names, oversized members) is refused with a message naming it, and
-nothing outside the scratch directory is ever written.
+(links, devices, absolute or `..` paths, other names, oversized members, more than `MAX_MEMBERS` entries, a truncated
+or corrupt stream) is refused with a message naming it, and nothing outside the scratch directory is ever written.
+The archive is read as a stream from a file (the gateway spools an upload to disk), never held whole in memory.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import errno
 import io
 import tarfile
+import zlib
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from lorafaas.errors import AdapterInvalid, PickledWeightsRefused, ServerError, StorageFull
 from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
@@ -20,34 +23,50 @@ from lorafaas.weights import PICKLE_SUFFIXES
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_WEIGHTS_BYTES = 2 * 1024**3
 ALLOWED = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: MAX_WEIGHTS_BYTES}
+# Two files and a folder or two; a tar of 200,000 empty folders would otherwise cost the gateway seconds of CPU.
+MAX_MEMBERS = 16
+# A broken stream: gzip or tar framing cut short or corrupt (zlib.error: a damaged deflate block).
+_BROKEN_STREAM = (tarfile.TarError, EOFError, zlib.error)
 
 
-def unpack_adapter(archive: bytes, out_dir: Path) -> Path:
+def unpack_adapter(archive: bytes | BinaryIO, out_dir: Path) -> Path:
     """Write the archive's two adapter files into `out_dir`; returns `out_dir`."""
+    source = io.BytesIO(archive) if isinstance(archive, bytes | bytearray) else archive
     try:
-        tar = tarfile.open(fileobj=io.BytesIO(archive), mode="r:*")  # noqa: SIM115 (closed by the with below)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise AdapterInvalid(f"the adapter upload is not a tar archive ({exc})") from exc
+        tar = tarfile.open(fileobj=source, mode="r:*")  # noqa: SIM115 (closed by the with below)
+    except (*_BROKEN_STREAM, OSError) as exc:
+        raise AdapterInvalid("the adapter upload is not a tar archive (plain, gzip, bzip2 or xz)") from exc
     found: set[str] = set()
     with tar:
-        for member in tar:
-            name = _checked_name(member)
-            if name is None:
-                continue
-            if member.size > ALLOWED[name]:
-                raise AdapterInvalid(f"{member.name} is {member.size} bytes; the limit is {ALLOWED[name]} bytes")
-            if name in found:
-                raise AdapterInvalid(f"the archive holds {name} twice")
-            try:
-                _copy_member(tar.extractfile(member), Path(out_dir) / name)
-            except OSError as exc:
-                action = f"cannot unpack the uploaded {name} ({member.size} bytes) into {out_dir}"
-                raise storage_error(exc, action) from exc
-            found.add(name)
+        try:
+            _unpack_members(tar, Path(out_dir), found)
+        except _BROKEN_STREAM as exc:
+            raise AdapterInvalid(f"the adapter archive is truncated or corrupt ({exc})") from exc
     missing = set(ALLOWED) - found
     if missing:
         raise AdapterInvalid(f"the adapter archive lacks {', '.join(sorted(missing))}")
     return Path(out_dir)
+
+
+def _unpack_members(tar: tarfile.TarFile, out_dir: Path, found: set[str]) -> None:
+    for index, member in enumerate(tar):
+        if index >= MAX_MEMBERS:
+            raise AdapterInvalid(
+                f"the adapter archive has more than {MAX_MEMBERS} entries; it should hold {CONFIG_FILE} and "
+                f"{WEIGHTS_FILE} (and at most one folder)"
+            )
+        name = _checked_name(member)
+        if name is None:
+            continue
+        if member.size > ALLOWED[name]:
+            raise AdapterInvalid(f"{member.name} is {member.size} bytes; the limit is {ALLOWED[name]} bytes")
+        if name in found:
+            raise AdapterInvalid(f"the archive holds {name} twice")
+        try:
+            _copy_member(tar.extractfile(member), out_dir / name)
+        except OSError as exc:
+            raise storage_error(exc, f"cannot unpack the uploaded {name} ({member.size} bytes)") from exc
+        found.add(name)
 
 
 def _copy_member(source, target: Path, chunk_bytes: int = 1 << 20) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -105,6 +106,9 @@ class ApiClient:
 
     def list_keys(self) -> list[dict]:
         return self._call("GET", "/v1/keys").json()["keys"]
+
+    def revoke_key(self, key_id: str) -> dict:
+        return self._call("DELETE", f"/v1/keys/{quote(key_id, safe='')}").json()
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:

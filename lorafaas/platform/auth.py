@@ -1,7 +1,8 @@
 """API keys: `lf_<key_id>_<secret>`, stored only as a sha256, presented as `Authorization: Bearer <key>`.
 
 The secret is 256 random bits, so an unsalted sha256 is as strong as a slow hash here and costs one lookup per
-request. The key id is public (listings, logs, revocation); the plaintext is shown once, when the key is made.
+request. The key id is public (listings, logs, revocation); the plaintext is shown once, when the key is made. Each
+key's last use is stored to the minute (one write per key and minute, not one per request).
 
 The admin key comes from `LORAFAAS_ADMIN_KEY` when set (any string of 16+ characters; stored under the fixed id
 `admin-env`, so changing the variable revokes the previous one); otherwise it is made at first start and kept in
@@ -19,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafaas.errors import InvalidInput, Unauthorized
+import msgspec
+
+from lorafaas.errors import ApiKeyNotFound, Forbidden, InvalidInput, Unauthorized
 from lorafaas.platform.model_store import check_name
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import ApiKeyRecord
@@ -34,6 +37,9 @@ ADMIN_KEY_FILE = "admin.key"
 ENV_ADMIN_KEY_ID = "admin-env"
 MIN_ENV_KEY_CHARS = 16
 BEARER = "bearer"
+# Tenant names a key may not be made for: the admin key's own tenant, and names that read as the platform's.
+RESERVED_TENANTS = frozenset({ADMIN_TENANT, "root", "system", "lorafaas", "platform"})
+KEY_USE_RESOLUTION_S = 60.0
 
 
 def new_key() -> tuple[str, str]:
@@ -49,6 +55,9 @@ def hash_key(key: str) -> str:
 def create_key(store: StateStore, tenant: str, is_admin: bool = False) -> str:
     """Store a new key for `tenant` and return its plaintext, which is not kept anywhere."""
     check_name(tenant, "tenant")
+    if tenant in RESERVED_TENANTS and not is_admin:
+        raise Forbidden(f"tenant name {tenant!r} is reserved (reserved: {', '.join(sorted(RESERVED_TENANTS))}); "
+                        "choose another")
     key, key_id = new_key()
     store.put_key(
         ApiKeyRecord(key_id=key_id, tenant=tenant, key_hash=hash_key(key), is_admin=is_admin, created_at=time.time())
@@ -79,6 +88,24 @@ def authenticate(store: StateStore, authorization_header_value: str | None) -> A
     if record is None:
         shown = key_id_of(key)
         raise Unauthorized(f"unknown API key{f' {shown!r}' if shown else ''}: it was never issued or was revoked")
+    now = round(time.time(), 3)  # milliseconds: exact through SQLite's JSON (15 significant digits)
+    if record.last_used_at is None or now - record.last_used_at >= KEY_USE_RESOLUTION_S:
+        store.touch_key(record.key_id, now)
+        record = msgspec.structs.replace(record, last_used_at=now)
+    return record
+
+
+def revoke_key(store: StateStore, key_id: str) -> ApiKeyRecord:
+    """Delete a tenant's key: the next request with it is 401. Admin keys are not revoked here (that would lock
+    the platform out): change LORAFAAS_ADMIN_KEY, or delete admin.key and restart."""
+    record = next((k for k in store.list_keys() if k.key_id == key_id), None)
+    if record is None:
+        raise ApiKeyNotFound(f"API key {key_id!r} does not exist")
+    if record.is_admin:
+        raise Forbidden(f"key {key_id!r} is the admin key; replace it by changing LORAFAAS_ADMIN_KEY (or deleting "
+                        "admin.key) and restarting the platform")
+    store.delete_key(key_id)
+    logger.info("revoked API key %s of tenant %s", key_id, record.tenant)
     return record
 
 

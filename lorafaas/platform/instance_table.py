@@ -168,7 +168,7 @@ class InstanceTable:
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         counts: dict[tuple[str, str], int] = {}
-        for instance in self._instances:
+        for instance in list(self._instances):  # a copy: /metrics reads it from another thread
             key = (instance.function, instance.state)
             counts[key] = counts.get(key, 0) + 1
         return counts

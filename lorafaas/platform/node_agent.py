@@ -368,7 +368,7 @@ class NodeAgent:
         try:
             worker_spec = await asyncio.to_thread(  # may start the backbone daemon: off the event loop
                 self.launcher.spec, spec.name, spec.backbone, self.adapter_path(spec.adapter_digest),
-                max_batch_size=self.config.max_batch_size, num_threads=self.config.num_threads,
+                max_batch_size=self.config.max_batch_size, num_threads=self.config.num_threads, deployment=spec.uid,
             )
             worker_spec = await asyncio.to_thread(  # an expert adapter's mode; may start the LoRA server
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
@@ -604,7 +604,7 @@ class NodeAgent:
                 "most_in_flight": self.most_in_flight.get(spec.name, 0)}
 
     def failure_counts(self) -> dict[tuple[str, str], int]:
-        return dict(self.num_failures)
+        return dict(list(self.num_failures.items()))  # a one-step copy: /metrics reads it from another thread
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         return self.table.count_by_state()

@@ -18,6 +18,7 @@ import psutil
 
 from lorafaas.errors import InvalidInput, SegmentError
 from lorafaas.function_runtime.lora_servers import LoraServers
+from lorafaas.platform.adapter_limits import DEFAULT_TENANT_ADAPTER_BYTES, AdapterLimits
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
 from lorafaas.platform.backends import open_backend
@@ -53,6 +54,7 @@ class ServerConfig:
     backend: str = "local"  # or "kubernetes": function instances as pods (in the chart's controller)
     compute_slots: int | None = None  # AgentConfig.compute_slots (None: cores on a CPU, 1 on a GPU)
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
+    tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
 
 
 # The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
@@ -79,7 +81,7 @@ def parse_devices(text: str) -> tuple[Device, ...]:
         name, _, budget = item.partition("=")
         if name != "cpu" and not re.fullmatch(r"cuda:\d+", name):
             raise InvalidInput(f"device {name!r} is not 'cpu' or 'cuda:N'")
-        devices.append(Device(name, _parse_size(budget) if budget else _default_budget(name)))
+        devices.append(Device(name, parse_size(budget) if budget else _default_budget(name)))
     if not devices:
         raise InvalidInput("--devices names no device; use e.g. 'cpu' or 'cpu=8G'")
     if len(devices) > 1:
@@ -87,10 +89,10 @@ def parse_devices(text: str) -> tuple[Device, ...]:
     return tuple(devices)
 
 
-def _parse_size(text: str) -> int:
+def parse_size(text: str, what: str = "memory budget") -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", text.strip().lower())
-    if not match:
-        raise InvalidInput(f"memory budget {text!r} is not a size like 8G or 512M")
+    if not match or float(match.group(1)) <= 0:
+        raise InvalidInput(f"{what} {text!r} is not a size like 8G or 512M")
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
 
 
@@ -131,7 +133,8 @@ class Platform:
             lora_servers = LoraServers(home / "run", home / "logs", device=device.name,
                                        num_threads=agent_config.num_threads)
         self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config, lora_servers=lora_servers)
-        self.service = FunctionService(self.store, self.models, self.adapters, self.agent)
+        self.service = FunctionService(self.store, self.models, self.adapters, self.agent,
+                                       AdapterLimits(max_tenant_bytes=config.tenant_adapter_bytes))
         self.metrics = GatewayMetrics(self.agent)
         self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
         self.ready = False

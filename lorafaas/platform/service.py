@@ -1,8 +1,11 @@
 """The platform's operations, independent of HTTP: deploy, update, delete, list, invoke (sync, streaming, async).
 
 Every operation takes the caller's key record: a tenant sees and touches only its own functions (another tenant's
-function is reported as not found, so names leak nothing); the admin key sees all. Desired state is written to the
-store before the node agent acts on it, so a restarted platform rebuilds everything from the store.
+function is reported as not found); the admin key sees all. Function names are one namespace across tenants, so a
+deploy under a name another tenant holds is refused with 409 (which tells that the name is taken, nothing else).
+Desired state is written to the store before the node agent acts on it, so a restarted platform rebuilds everything
+from the store. Adapters no function references are removed from the adapter store after a delete, an update that
+replaced one and a failed deploy.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
 from lorafaas.errors import (
     AlreadyExists,
+    Forbidden,
     FunctionNotFound,
     InvalidInput,
     InvocationNotFound,
@@ -27,6 +32,8 @@ from lorafaas.errors import (
     ServerError,
 )
 from lorafaas.function_runtime import messages as m
+from lorafaas.function_runtime.launcher import deployment_log_dir, remove_deployment_logs
+from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, check_tenant_quota
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
 from lorafaas.platform.model_store import ModelStore, read_model_config
@@ -43,11 +50,16 @@ MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mi
 
 
 class FunctionService:
-    def __init__(self, store: StateStore, models: ModelStore, adapters: AdapterStore, agent: NodeAgent) -> None:
+    def __init__(self, store: StateStore, models: ModelStore, adapters: AdapterStore, agent: NodeAgent,
+                 limits: AdapterLimits | None = None) -> None:
         self.store = store
         self.models = models
         self.adapters = adapters
         self.agent = agent
+        self.limits = limits or AdapterLimits()
+        # Where this server keeps its files: named in logs, never in an answer to a client (`public_message`).
+        self._private_roots = sorted({str(p) for root in (models.models_dir.parent, adapters.root)
+                                      for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: set[asyncio.Task] = set()
 
     # -- start-up --------------------------------------------------------------------------------------------------
@@ -57,16 +69,23 @@ class FunctionService:
         specs = self.store.list_functions()
         for spec in specs:
             self.agent.apply(spec)
+        await self._collect_adapters()  # left by a platform stopped between storing an adapter and using it
         for record in self.store.list_invocations():
             if record.status in ("queued", "running"):
                 self._run_in_background(record)
         return len(specs)
 
+    def public_message(self, message: str) -> str:
+        """`message` with this server's own paths (the home, the adapter store, sockets under run/) replaced."""
+        for root in self._private_roots:
+            message = message.replace(root, "$LORAFAAS_HOME")
+        return message
+
     # -- functions -------------------------------------------------------------------------------------------------
 
-    async def deploy(self, caller: ApiKeyRecord, fields: dict, adapter_archive: bytes) -> FunctionSpec:
+    async def deploy(self, caller: ApiKeyRecord, fields: dict, adapter_archive: bytes | BinaryIO) -> FunctionSpec:
         name = fields.get("name", "")
-        tenant = fields.get("tenant") if caller.is_admin and fields.get("tenant") else caller.tenant
+        tenant = _tenant_of(caller, fields.get("tenant"))
         now = time.time()
         spec = FunctionSpec(name=name, tenant=tenant, backbone=fields.get("backbone", ""), adapter_digest="0" * 64,
                             uid=secrets.token_hex(8), created_at=now, updated_at=now, **_spec_values(fields)).check()
@@ -75,26 +94,34 @@ class FunctionService:
         if self._exists(spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
-        digest = await self._store_adapter(adapter_archive, spec.backbone)
+        digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant)
         spec = msgspec.structs.replace(spec, adapter_digest=digest)
-        self.store.put_function(spec, create=True)
+        try:
+            self.store.put_function(spec, create=True)
+        finally:
+            await self._release_adapter(digest)  # a failed deploy leaves no adapter behind
         self.agent.apply(spec)
         log.info("deployed %s (tenant %s, backbone %s, adapter %s)", spec.name, spec.tenant, spec.backbone,
                  digest[:12])
         return spec
 
-    async def update(self, caller: ApiKeyRecord, name: str, fields: dict, adapter_archive: bytes | None
+    async def update(self, caller: ApiKeyRecord, name: str, fields: dict, adapter_archive: bytes | BinaryIO | None
                      ) -> FunctionSpec:
         """Change a function's settings and/or adapter; a new adapter rolls out atomically."""
         current = self.get(caller, name)
         changes = _spec_values(fields)
         if adapter_archive is not None:
-            changes["adapter_digest"] = await self._store_adapter(adapter_archive, current.backbone)
-        spec = msgspec.structs.replace(current, **changes, version=current.version + 1,
-                                       updated_at=max(time.time(), current.created_at)).check()
-        if "lora_mode" in changes:
-            self._check_lora_mode(spec)
-        self.store.put_function(spec, create=False)
+            changes["adapter_digest"] = await self._store_adapter(adapter_archive, current.backbone, current.tenant,
+                                                                  replacing=current.name)
+        try:
+            spec = msgspec.structs.replace(current, **changes, version=current.version + 1,
+                                           updated_at=max(time.time(), current.created_at)).check()
+            if "lora_mode" in changes:
+                self._check_lora_mode(spec)
+            self.store.put_function(spec, create=False)
+        finally:
+            if "adapter_digest" in changes:  # the replaced adapter, or the refused new one, may be unused now
+                await self._release_adapter(changes["adapter_digest"])
         self.agent.apply(spec)
         return spec
 
@@ -114,6 +141,8 @@ class FunctionService:
         spec = self.get(caller, name)
         self.store.delete_function(spec.name)
         await self.agent.remove(spec.name)
+        await asyncio.to_thread(remove_deployment_logs, self.agent.launcher.log_dir, spec.uid)
+        await self._collect_adapters()
 
     def describe(self, caller: ApiKeyRecord, name: str) -> dict:
         spec = self.get(caller, name)
@@ -125,9 +154,13 @@ class FunctionService:
                 "failures": self.agent.failures(spec.name)}
 
     def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
+        """The tail of each instance log of this deployment of the function (never a predecessor's or a
+        namesake's: the files live in the deployment's own directory)."""
         spec = self.get(caller, name)
+        directory = deployment_log_dir(self.agent.launcher.log_dir, spec.uid)
+        paths = sorted(directory.glob("*.log"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
         parts = []
-        for path in sorted(self.agent.launcher.log_dir.glob(f"{spec.name}-*.log"), key=lambda p: p.stat().st_mtime):
+        for path in paths:
             with path.open("rb") as f:
                 f.seek(max(0, path.stat().st_size - tail_bytes))
                 parts.append(f"==> {path.stem} <==\n" + f.read().decode(errors="replace"))
@@ -152,17 +185,39 @@ class FunctionService:
             return False
         return True
 
-    async def _store_adapter(self, archive: bytes, backbone: str) -> str:
+    async def _store_adapter(self, archive: bytes | BinaryIO, backbone: str, tenant: str,
+                             replacing: str | None = None) -> str:
+        """Unpack, check against the limits and the tenant's quota, validate and store; returns the digest, pinned
+        until `_release_adapter`."""
         def unpack_and_store() -> str:
             with tempfile.TemporaryDirectory(prefix="lorafaas-upload-") as scratch:
                 try:
-                    return self.adapters.put(unpack_adapter(archive, Path(scratch)), self.models, backbone)
+                    adapter_dir = unpack_adapter(archive, Path(scratch))
+                    manifest = self.models.get(backbone)
+                    new_bytes = check_adapter_size(adapter_dir, backbone, manifest.num_parameters, self.limits)
+                    check_tenant_quota(tenant, self._tenant_adapter_bytes(tenant, replacing), new_bytes,
+                                       self.limits)
+                    return self.adapters.put(adapter_dir, self.models, backbone)
                 except LorafaasError as exc:  # name files as they are in the archive, not where this server put them
                     exc.message = exc.message.replace(f"{scratch}/", "").replace(scratch, "the archive")
                     exc.args = (exc.message,)
                     raise
 
         return await asyncio.to_thread(unpack_and_store)
+
+    def _tenant_adapter_bytes(self, tenant: str, replacing: str | None) -> int:
+        """What the tenant's functions (but `replacing`, whose adapter an update swaps) hold in the adapter store."""
+        digests = {s.adapter_digest for s in self.store.list_functions(tenant) if s.name != replacing}
+        return sum(self.adapters.size_bytes(d) for d in digests)
+
+    async def _release_adapter(self, digest: str) -> None:
+        self.adapters.unpin(digest)
+        await self._collect_adapters()
+
+    async def _collect_adapters(self) -> None:
+        """Remove the adapters no stored function references (and no deploy in progress holds)."""
+        referenced = {spec.adapter_digest for spec in self.store.list_functions()}
+        await asyncio.to_thread(self.adapters.collect, referenced)
 
     # -- invocations -----------------------------------------------------------------------------------------------
 
@@ -217,15 +272,15 @@ class FunctionService:
                 updated_at=time.time(),
             )
         except LorafaasError as exc:
-            done = msgspec.structs.replace(record, status="failed", error_code=exc.code, error_message=exc.message,
-                                           updated_at=time.time())
+            done = msgspec.structs.replace(record, status="failed", error_code=exc.code,
+                                           error_message=self.public_message(exc.message), updated_at=time.time())
         except asyncio.CancelledError:  # the platform is stopping: the record stays running and resumes at restart
             raise
         except Exception as exc:  # an accepted invocation always ends: a bug fails it, with its reason
             log.exception("invocation %s of %s failed", record.invocation_id, record.function)
             done = msgspec.structs.replace(record, status="failed", error_code=ServerError.code,
                                            error_message=f"the invocation failed inside lorafaas "
-                                                         f"({type(exc).__name__}: {exc})", updated_at=time.time())
+                                                         f"({type(exc).__name__})", updated_at=time.time())
         self.store.put_invocation(done)
 
     def expire_invocations(self) -> int:
@@ -266,6 +321,16 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
         messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
         return m.Generate(request_id=request_id, messages=messages, params=params)
     return m.Generate(request_id=request_id, prompt=request.prompt, params=params)
+
+
+def _tenant_of(caller: ApiKeyRecord, requested: str | None) -> str:
+    """The tenant a deploy is for: the caller's own; another one only with the admin key."""
+    if requested is None or requested == caller.tenant:
+        return caller.tenant
+    if not caller.is_admin:
+        raise Forbidden(f"the spec names tenant {requested!r}, but this key belongs to another tenant; a tenant's key "
+                        "deploys for its own tenant only (leave 'tenant' out)")
+    return requested
 
 
 def _spec_values(fields: dict) -> dict:

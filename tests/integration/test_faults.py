@@ -246,7 +246,7 @@ def test_a_full_disk_during_a_deploy_is_a_clear_error_and_leaves_no_half_written
     big = save_tiny_adapter(
         tmp_path_factory.mktemp("big-adapter"),
         tiny_dense_dir,
-        rank=64,
+        rank=16,  # within the adapter limits (rank per layer, half the backbone), still larger than the disk
         base_model_name="tiny-dense",
         target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     )

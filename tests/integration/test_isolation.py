@@ -18,6 +18,7 @@ import pytest
 from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
+from lorafaas.platform.auth import key_id_of
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.attach_probe import ProbeProcess
 from lorafaas.testing.platform_process import PlatformProcess
@@ -83,7 +84,8 @@ def request_body(method: str, operation: dict, components: dict, world) -> dict:
 
 
 def path_for(path: str, world) -> str:
-    values = {"name": SECRET_FUNCTION, "invocation_id": world["invocation"]["invocation_id"]}
+    values = {"name": SECRET_FUNCTION, "invocation_id": world["invocation"]["invocation_id"],
+              "key_id": key_id_of(world["keys"]["a"])}
     for param in [part[1:-1] for part in path.split("/") if part.startswith("{")]:
         assert param in values, f"route {path} has a path parameter {param!r} this test cannot fill: add it"
         path = path.replace(f"{{{param}}}", values[param])

@@ -217,6 +217,24 @@ def test_a_hash_belongs_to_one_key_id(store: StateStore) -> None:
     assert [k.key_id for k in store.list_keys()] == ["k1"]
 
 
+def test_a_keys_last_use_is_recorded_durably_and_leaves_with_the_key(open_backend: OpenStore) -> None:
+    store = open_backend()
+    store.put_key(key("k1"))
+    store.put_key(key("k2", "beta-co"))
+    assert store.find_key("hash-k1").last_used_at is None
+    store.touch_key("k1", 1234.5)
+    store.touch_key("k1", 1300.25)
+    store.touch_key("gone", 1.0)  # a key deleted meanwhile stays deleted
+    assert store.find_key("hash-gone") is None and [k.key_id for k in store.list_keys()] == ["k1", "k2"]
+    store.close()
+    reopened = open_backend()
+    assert reopened.find_key("hash-k1").last_used_at == 1300.25
+    assert {k.key_id: k.last_used_at for k in reopened.list_keys()} == {"k1": 1300.25, "k2": None}
+    reopened.delete_key("k1")
+    reopened.put_key(key("k1"))  # the same id issued again starts unused
+    assert reopened.find_key("hash-k1").last_used_at is None
+
+
 def test_everything_survives_reopening_the_store(open_backend: OpenStore) -> None:
     first = open_backend()
     first.put_function(spec(), create=True)

@@ -160,3 +160,25 @@ def test_delete_and_missing_digests(adapters: AdapterStore, adapter_copy: Path, 
     with pytest.raises(InvalidInput, match="64 lowercase hex"):
         adapters.path("../../etc")
     assert AdapterStore(adapters.root / "never-created").list_digests() == []
+
+
+def test_collect_removes_unreferenced_entries_but_not_pinned_ones(
+    adapters: AdapterStore, adapter_copy: Path, tiny_store: ModelStore
+) -> None:
+    first = adapters.put(adapter_copy, tiny_store, "tiny-dense")
+    (adapter_copy / CONFIG_FILE).write_text((adapter_copy / CONFIG_FILE).read_text() + "\n")
+    second = adapters.put(adapter_copy, tiny_store, "tiny-dense")
+    assert adapters.collect(set()) == [], "a pinned digest (a deploy in progress) was removed"
+    adapters.unpin(first)
+    adapters.unpin(second)
+    assert adapters.size_bytes(first) == sum((adapters.root / first / n).stat().st_size
+                                             for n in (CONFIG_FILE, WEIGHTS_FILE))
+    assert adapters.collect({second}) == [first]
+    assert adapters.list_digests() == [second] and adapters.size_bytes(first) == 0
+    assert adapters.collect(set()) == [second] and root_entries(adapters) == []
+
+
+def test_missing_adapter_messages_name_no_server_path(adapters: AdapterStore) -> None:
+    with pytest.raises(AdapterNotFound) as err:
+        adapters.path("0" * 64)
+    assert str(adapters.root) not in err.value.message

@@ -6,15 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from lorafaas.errors import InvalidInput, InvalidName, Unauthorized
+from lorafaas.errors import ApiKeyNotFound, Forbidden, InvalidInput, InvalidName, Unauthorized
 from lorafaas.platform.auth import (
     ADMIN_KEY_FILE,
     authenticate,
     create_key,
     ensure_admin_key,
     hash_key,
+    key_id_of,
     new_key,
     read_admin_key,
+    revoke_key,
 )
 from lorafaas.platform.state.sqlite import SQLiteStore
 
@@ -160,3 +162,34 @@ def test_a_loose_key_file_mode_is_tightened(store: SQLiteStore, tmp_path: Path) 
     (tmp_path / ADMIN_KEY_FILE).chmod(0o644)
     assert read_admin_key(tmp_path) == key
     assert (tmp_path / ADMIN_KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_keys_last_use_is_stored_once_a_minute(store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = create_key(store, "acme")
+    assert store.list_keys()[0].last_used_at is None
+    first = authenticate(store, f"Bearer {key}").last_used_at
+    assert store.list_keys()[0].last_used_at == first
+    writes = []
+    monkeypatch.setattr(store, "touch_key", lambda key_id, at: writes.append(at))
+    authenticate(store, f"Bearer {key}")
+    assert writes == []  # within the minute: no write per request
+
+
+@pytest.mark.parametrize("tenant", ["admin", "system", "lorafaas"])
+def test_reserved_tenant_names_get_no_key(store: SQLiteStore, tenant: str) -> None:
+    with pytest.raises(Forbidden, match="reserved"):
+        create_key(store, tenant)
+
+
+def test_tenant_keys_are_revoked_and_admin_keys_are_not(store: SQLiteStore, tmp_path: Path) -> None:
+    key = create_key(store, "acme")
+    admin = ensure_admin_key(store, tmp_path, None)
+    revoked = revoke_key(store, key_id_of(key))
+    assert revoked.tenant == "acme"
+    with pytest.raises(Unauthorized, match="revoked"):
+        authenticate(store, f"Bearer {key}")
+    with pytest.raises(ApiKeyNotFound):
+        revoke_key(store, key_id_of(key))
+    with pytest.raises(Forbidden, match="admin key"):
+        revoke_key(store, key_id_of(admin))
+    assert authenticate(store, f"Bearer {admin}").is_admin

@@ -52,6 +52,7 @@ class Backend(Protocol):
         shared: bool = True,
         max_batch_size: int = 8,
         num_threads: int | None = 1,
+        deployment: str | None = None,
     ) -> WorkerSpec: ...
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceRef: ...

@@ -262,10 +262,12 @@ class KubernetesBackend:
         shared: bool = True,
         max_batch_size: int = 8,
         num_threads: int | None = 1,
+        deployment: str | None = None,
     ) -> WorkerSpec:
         return WorkerSpec(
             function=function,
             instance_id=f"{function}-{secrets.token_hex(3)}",
+            deployment=deployment,
             socket_path=f"tcp://0.0.0.0:{self.config.worker_port}",
             model_dir=str(self.store.path(backbone)),
             adapter_dir=str(adapter_dir) if adapter_dir else None,

@@ -207,6 +207,25 @@ def soak(
     _show(result, as_json, f"soak for {duration_s:g} s")
 
 
+@app.command("edge")
+def edge(
+    redos: bool = typer.Option(True, "--redos/--no-redos", help="Also upload a target_modules regex that backtracks."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """/healthz latency while one tenant attacks: 1 MB unknown names, scrapes, hostile and huge adapter uploads."""
+    from lorafaas.platform.bench_edge import run_edge_bench
+
+    with RichProgress() as progress:
+        result = run_edge_bench(redos, progress)
+    if as_json:
+        print_json(result)
+        return
+    table = Table("measure", "value", title="/healthz while a tenant attacks")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
 @app.command("moe-transport")
 def moe_transport(
     repeats: int = typer.Option(20, "--repeats", min=3, max=500, help="Timed layers per transport and size (median)."),

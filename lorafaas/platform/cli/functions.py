@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -248,7 +249,22 @@ def list_keys(ctx: typer.Context, url: str = URL, as_json: bool = JSON) -> None:
     if as_json:
         print_json(keys)
         return
-    table = Table("key id", "tenant", "admin")
+    table = Table("key id", "tenant", "admin", "created", "last used")
     for k in keys:
-        table.add_row(k["key_id"], k["tenant"], "yes" if k["is_admin"] else "")
+        table.add_row(k["key_id"], k["tenant"], "yes" if k["is_admin"] else "", _when(k.get("created_at")),
+                      _when(k.get("last_used_at")) or "never")
     console.print(table)
+
+
+@keys_app.command("revoke")
+def revoke_key(ctx: typer.Context, key_id: str, url: str = URL) -> None:
+    """Revoke the key KEY_ID (see `keys list`): requests with it get 401 from now on."""
+    with _client(ctx, url) as client:
+        revoked = client.revoke_key(key_id)
+    err_console.print(f"revoked key {revoked['revoked']} of tenant {revoked['tenant']}")
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return ""
+    return datetime.fromtimestamp(timestamp, tz=UTC).strftime("%Y-%m-%d %H:%M UTC")

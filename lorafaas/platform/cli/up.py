@@ -34,9 +34,11 @@ def up(
                                        help="Seconds an instance holding requests may leave a heartbeat unanswered "
                                             "before it is declared hung: its requests are retried or failed, and "
                                             "it is killed and replaced."),
+    tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
+                                             help="Adapter storage each tenant's functions may take (e.g. 10G)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
-    from lorafaas.platform.server import ServerConfig, parse_devices, run_server
+    from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
 
     config: LorafaasConfig = ctx.obj
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -44,6 +46,7 @@ def up(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, hang_timeout_s=hang_timeout,
+        tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{host}:{port}"
     if demo:  # the one long step of a first start, with its progress bar, before the server starts

@@ -6,23 +6,29 @@ Every failure is a JSON body `{"error": {"code", "message", "type"}}` with a 4xx
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import BinaryIO
 
 import msgspec
 from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from lorafaas import __version__
-from lorafaas.errors import Forbidden, InvalidInput, LorafaasError
+from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge
 from lorafaas.function_runtime import messages as m
-from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
 from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
 from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.openapi_docs import INVOKE_RESPONSES, METRICS_RESPONSES, TEXT_RESPONSES, bearer, errors
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
@@ -38,65 +44,70 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
                   description="Each LoRA adapter deployed as an isolated serverless function.")
     app.state.service = service
     app.state.metrics = metrics
-    _install_error_handlers(app)
+    _install_error_handlers(app, service)
     app.add_middleware(RequestLimitsMiddleware)
 
-    def caller(request: Request) -> ApiKeyRecord:
+    def caller(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> ApiKeyRecord:
         return authenticate(service.store, request.headers.get("authorization"))
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"])
+    @app.get("/readyz", tags=["health"], responses={
+        200: {"description": "Serving", "content": {"application/json": {"schema": {"type": "object"}}}},
+        503: {"description": "Starting, or the state store is unreachable",
+              "content": {"application/json": {"schema": {"type": "object"}}}}})
     async def readyz() -> JSONResponse:
         service.store.ping()
         if not is_ready():
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", tags=["health"])
+    @app.get("/metrics", tags=["health"], responses=METRICS_RESPONSES)
     async def prometheus(who: ApiKeyRecord = Depends(caller)) -> Response:
         # Its labels name every tenant's functions: the admin key only (Prometheus sends it as a bearer token).
         if not who.is_admin:
             raise Forbidden("only the admin key can read /metrics, which covers every tenant's functions")
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: a scrape renders every series and reads each instance's memory from /proc.
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/functions", status_code=201, tags=["functions"])
+    @app.post("/v1/functions", status_code=201, tags=["functions"], responses=errors(403, 404, 409, 429, 507))
     async def deploy(spec: str = Form(..., description="DeploySpec as JSON"),
                      adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
                      who: ApiKeyRecord = Depends(caller)) -> dict:
         fields = _parse_spec(spec)
-        deployed = await service.deploy(who, fields, await _read_upload(adapter))
+        deployed = await service.deploy(who, fields, _spooled(adapter))
         return msgspec.to_builtins(deployed)
 
-    @app.get("/v1/functions", tags=["functions"])
+    @app.get("/v1/functions", tags=["functions"], responses=errors())
     async def list_functions(who: ApiKeyRecord = Depends(caller)) -> dict:
         return {"functions": [msgspec.to_builtins(s) for s in service.list(who)]}
 
-    @app.get("/v1/functions/{name}", tags=["functions"])
+    @app.get("/v1/functions/{name}", tags=["functions"], responses=errors(404))
     async def describe(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return service.describe(who, name)
 
-    @app.patch("/v1/functions/{name}", tags=["functions"])
+    @app.patch("/v1/functions/{name}", tags=["functions"], responses=errors(404, 429, 507))
     async def update(name: str, spec: str = Form("{}"), adapter: UploadFile | None = File(None),
                      who: ApiKeyRecord = Depends(caller)) -> dict:
         fields = _parse_spec(spec)
         if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):
             raise InvalidInput("PATCH cannot change a function's name, backbone or tenant; deploy a new function")
-        archive = await _read_upload(adapter) if adapter is not None else None
+        archive = _spooled(adapter) if adapter is not None else None
         return msgspec.to_builtins(await service.update(who, name, fields, archive))
 
-    @app.delete("/v1/functions/{name}", tags=["functions"])
+    @app.delete("/v1/functions/{name}", tags=["functions"], responses=errors(404))
     async def delete(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         await service.delete(who, name)
         return {"deleted": name}
 
-    @app.get("/v1/functions/{name}/logs", tags=["functions"], response_class=PlainTextResponse)
-    async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> str:
-        return service.logs(who, name)
+    @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})
+    async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> PlainTextResponse:
+        return PlainTextResponse(service.logs(who, name))
 
-    @app.post("/v1/functions/{name}/invoke", tags=["invoke"])
+    @app.post("/v1/functions/{name}/invoke", tags=["invoke"], responses=INVOKE_RESPONSES)
     async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
                      who: ApiKeyRecord = Depends(caller)) -> Response:
         invocation = body.to_request()
@@ -109,24 +120,30 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
             )
         events = await start_invocation(service, metrics, who, name, invocation)
         if body.stream:
-            return StreamingResponse(_native_sse(events), media_type="text/event-stream")
+            return StreamingResponse(_native_sse(events, service), media_type="text/event-stream")
         return JSONResponse(await _collect(events, name))
 
-    @app.get("/v1/invocations/{invocation_id}", tags=["invoke"])
+    @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return msgspec.to_builtins(service.get_invocation(who, invocation_id))
 
-    @app.post("/v1/keys", status_code=201, tags=["keys"])
+    @app.post("/v1/keys", status_code=201, tags=["keys"], responses=errors(403))
     async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
         key = create_key(service.store, body.tenant)
         return {"tenant": body.tenant, "key_id": key_id_of(key), "key": key}
 
-    @app.get("/v1/keys", tags=["keys"])
+    @app.get("/v1/keys", tags=["keys"], responses=errors(403))
     async def list_keys(who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
-        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at}
-                         for k in service.store.list_keys()]}
+        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at,
+                          "last_used_at": k.last_used_at} for k in service.store.list_keys()]}
+
+    @app.delete("/v1/keys/{key_id}", tags=["keys"], responses=errors(403, 404))
+    async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        _require_admin(who)
+        record = revoke_key(service.store, key_id)
+        return {"revoked": record.key_id, "tenant": record.tenant}
 
     from lorafaas.platform.gateway.openai_api import openai_router
 
@@ -143,7 +160,7 @@ async def _collect(events: InvocationEvents, name: str) -> dict:
     raise LorafaasError("the instance ended the request without a result")
 
 
-async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
+async def _native_sse(events: InvocationEvents, service: FunctionService) -> AsyncIterator[bytes]:
     try:
         async for event in events:
             if isinstance(event, m.Token):
@@ -152,7 +169,7 @@ async def _native_sse(events: InvocationEvents) -> AsyncIterator[bytes]:
                 yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
                            "usage": usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
     except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
-        yield sse(error_body(exc), event="error")
+        yield sse(error_body(exc, service), event="error")
 
 
 def _require_admin(who: ApiKeyRecord) -> None:
@@ -167,11 +184,12 @@ def _parse_spec(raw: str) -> dict:
         raise InvalidInput(f"invalid spec: {_first_problem(exc.errors())}") from exc
 
 
-async def _read_upload(upload: UploadFile) -> bytes:
-    data = await upload.read(MAX_ADAPTER_UPLOAD_BYTES + 1)
-    if len(data) > MAX_ADAPTER_UPLOAD_BYTES:
-        raise InvalidInput(f"the adapter upload exceeds {MAX_ADAPTER_UPLOAD_BYTES} bytes")
-    return data
+def _spooled(upload: UploadFile) -> BinaryIO:
+    """The uploaded archive as the file Starlette spooled it to (on disk past 1 MiB), read as a stream."""
+    if upload.size is not None and upload.size > MAX_ADAPTER_UPLOAD_BYTES:
+        raise PayloadTooLarge(f"the adapter upload is {upload.size} bytes; the limit is {MAX_ADAPTER_UPLOAD_BYTES}")
+    upload.file.seek(0)
+    return upload.file
 
 
 def _first_problem(errors: list[dict]) -> str:
@@ -187,11 +205,11 @@ def _error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, "type": kind}}, status_code=status)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
     async def lorafaas_error(_: Request, exc: LorafaasError) -> JSONResponse:
         if exc.http_status >= 500:
             log.warning("%s: %s", exc.code, exc.message)
-        return _error_response(exc.http_status, exc.code, exc.message)
+        return _error_response(exc.http_status, exc.code, service.public_message(exc.message))
 
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -199,12 +217,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             return _error_response(400, "malformed_json", "the request body is not valid JSON")
         return _error_response(422, "invalid_input", _first_problem(errors))
 
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific
             bad = exc.__cause__
             return _error_response(400, "malformed_json", f"the request body is not valid UTF-8 (byte "
                                    f"0x{bad.object[bad.start]:02x} at offset {bad.start})")
-        return _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+        reply = _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+        reply.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not only those of the one route Starlette tried
+            methods = {method for route in app.routes if isinstance(route, APIRoute)
+                       and route.matches(request.scope)[0] is not Match.NONE for method in route.methods}
+            reply.headers["Allow"] = ", ".join(sorted(methods))
+        return reply
 
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not a user's mistake: logged with its traceback once, and still answered as JSON.

@@ -4,6 +4,8 @@ Headers over `max_header_bytes` are refused with 431; a body over its route's li
 Content-Length says so, otherwise as soon as the bytes received pass the limit (a chunked body), so a client can
 neither make the gateway buffer an unbounded body nor hold a route waiting for gigabytes it will never send. Adapter
 uploads (multipart) get a large limit, everything else (JSON) a small one. Both answers are the usual JSON error body.
+An upload is spooled to disk as it arrives (Starlette keeps at most 1 MiB of a file part in memory), and at most
+`max_concurrent_uploads` are received at once: one more is refused with 429 before its body is read.
 
 A pure ASGI middleware: Starlette's BaseHTTPMiddleware would buffer streamed responses (SSE).
 """
@@ -13,12 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from lorafaas.errors import ClientError, HeadersTooLarge, PayloadTooLarge
+from lorafaas.errors import ClientError, HeadersTooLarge, PayloadTooLarge, TooManyRequests
 
 MAX_HEADER_BYTES = 32 * 1024
 MAX_JSON_BODY_BYTES = 4 * 1024**2  # a prompt at the end of a long context window is well under 1 MiB
 MAX_UPLOAD_BODY_BYTES = 2 * 1024**3 + 1024**2  # the adapter archive's own limit plus the multipart envelope
 UPLOAD_PATHS = ("/v1/functions",)  # POST deploys and PATCH /v1/functions/{name} replaces an adapter
+MAX_CONCURRENT_UPLOADS = 4
+UPLOAD_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -26,18 +30,23 @@ class RequestLimits:
     max_header_bytes: int = MAX_HEADER_BYTES
     max_json_body_bytes: int = MAX_JSON_BODY_BYTES
     max_upload_body_bytes: int = MAX_UPLOAD_BODY_BYTES
+    max_concurrent_uploads: int = MAX_CONCURRENT_UPLOADS
 
     def max_body_bytes(self, method: str, path: str) -> int:
-        is_upload = method in ("POST", "PATCH") and (
-            path in UPLOAD_PATHS or (path.startswith("/v1/functions/") and path.count("/") == 3)
-        )
-        return self.max_upload_body_bytes if is_upload else self.max_json_body_bytes
+        return self.max_upload_body_bytes if is_upload(method, path) else self.max_json_body_bytes
+
+
+def is_upload(method: str, path: str) -> bool:
+    return method in ("POST", "PATCH") and (
+        path in UPLOAD_PATHS or (path.startswith("/v1/functions/") and path.count("/") == 3)
+    )
 
 
 class RequestLimitsMiddleware:
     def __init__(self, app, limits: RequestLimits | None = None) -> None:
         self.app = app
         self.limits = limits or RequestLimits()
+        self.num_uploads = 0  # uploads being received or unpacked now (one event loop: no lock needed)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -63,7 +72,24 @@ class RequestLimitsMiddleware:
                 ),
             )
             return
-        await _LimitedRequest(self.app, limit, scope, receive, send).run()
+        if not is_upload(scope["method"], scope["path"]):
+            await _LimitedRequest(self.app, limit, scope, receive, send).run()
+            return
+        if self.num_uploads >= self.limits.max_concurrent_uploads:
+            await _send_error(
+                send,
+                TooManyRequests(
+                    f"{self.num_uploads} adapter uploads are in progress, the most the gateway takes at once; "
+                    f"retry in a few seconds"
+                ),
+                [(b"retry-after", str(UPLOAD_RETRY_AFTER_S).encode())],
+            )
+            return
+        self.num_uploads += 1
+        try:
+            await _LimitedRequest(self.app, limit, scope, receive, send).run()
+        finally:
+            self.num_uploads -= 1
 
 
 class _LimitedRequest:
@@ -120,7 +146,7 @@ def _content_length(headers) -> int | None:
     return None
 
 
-async def _send_error(send, exc: ClientError) -> None:
+async def _send_error(send, exc: ClientError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"error": {"code": exc.code, "message": exc.message, "type": "invalid_request_error"}})
     await send(
         {
@@ -130,6 +156,7 @@ async def _send_error(send, exc: ClientError) -> None:
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close"),
+                *extra_headers,
             ],
         }
     )

@@ -39,9 +39,11 @@ class _AgentCollector:
         self.agent = agent
 
     def collect(self):
+        # Runs in a worker thread (a scrape is rendered off the event loop): read the agent's live structures only
+        # through one-step copies (atomic under the GIL), never by iterating them while the loop may change them.
         cold = GaugeMetricFamily("lorafaas_cold_starts", "Cold starts by function and kind",
                                  labels=["function", "kind"])
-        for (function, kind), count in sorted(self.agent.num_cold_starts.items()):
+        for (function, kind), count in sorted(list(self.agent.num_cold_starts.items())):
             cold.add_metric([function, kind], count)
         instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
                                       labels=["function", "state"])

@@ -8,18 +8,26 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.gateway.schemas import MessageIn, make_request
+from lorafaas.platform.gateway.openapi_docs import SSE, errors
+from lorafaas.platform.gateway.schemas import MessageIn, make_request, seed_field
 from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
+
+OPENAI_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "A (chat) completion, or with `stream: true` its chunks as server-sent events ending [DONE]",
+          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
+    **errors(404, 504),
+}
 
 
 class StreamOptions(BaseModel):
@@ -29,13 +37,13 @@ class StreamOptions(BaseModel):
 class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI parameters are accepted and ignored
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
-    seed: int | None = None
-    n: int = 1
+    seed: int | None = seed_field()
+    n: int = Field(1, ge=1, le=1, description="choices per request: lorafaas returns one")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -46,11 +54,12 @@ class _OpenAIBody(BaseModel):
 
 
 class ChatBody(_OpenAIBody):
-    messages: list[MessageIn]
+    messages: list[MessageIn] = Field(min_length=1)
 
 
 class CompletionBody(_OpenAIBody):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+        description="one prompt (a string, or a list holding one string)")
 
 
 def openai_router(service: FunctionService, metrics: GatewayMetrics,
@@ -60,26 +69,26 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     async def respond(body: _OpenAIBody, request, chat: bool, who: ApiKeyRecord) -> Response:
         """Run the invocation and shape it as a (chat) completion, or as its stream of chunks."""
         events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat)
+        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat, service=service)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
         return JSONResponse(await reply.whole(events))
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=errors())
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
         return {"object": "list", "data": [
             {"id": s.name, "object": "model", "created": int(s.created_at), "owned_by": s.tenant}
             for s in service.list(who)
         ]}
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
                                body.seed)
         return await respond(body, request, chat=True, who=who)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=OPENAI_RESPONSES)
     async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
@@ -93,7 +102,8 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 class _Reply:
     """Shapes one invocation's events as an OpenAI (chat) completion or its stream of chunks."""
 
-    def __init__(self, prefix: str, model: str, chat: bool) -> None:
+    def __init__(self, prefix: str, model: str, chat: bool, service: FunctionService) -> None:
+        self.service = service
         self.id = f"{prefix}-{secrets.token_hex(12)}"
         self.model = model
         self.chat = chat
@@ -123,7 +133,7 @@ class _Reply:
                         yield sse(self._envelope(chunk_object, []) | {"usage": usage(event)})
             yield sse("[DONE]")
         except LorafaasError as exc:
-            yield sse(error_body(exc))
+            yield sse(error_body(exc, self.service))
 
     def _delta(self, delta: dict, finish_reason: str | None, text: str = "") -> dict:
         if self.chat:

@@ -5,7 +5,26 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.state.records import ChatMessage, InvocationRequest
+from lorafaas.platform.model_store import NAME_PATTERN
+from lorafaas.platform.state.records import (
+    MAX_INSTANCES,
+    MAX_KEEP_ALIVE_S,
+    MAX_REQUEST_S,
+    MAX_SEED,
+    MAX_SLO_TTFT_MS,
+    MAX_TOKENS_LIMIT,
+    MIN_SEED,
+    ChatMessage,
+    InvocationRequest,
+)
+
+
+# The same bounds the records check (InvocationRequest.check, FunctionSpec.check), stated here so /openapi.json
+# shows them; a value outside them is a 422 naming the field either way.
+def seed_field():
+    return Field(None, ge=MIN_SEED, le=MAX_SEED,
+                 description="an integer within +-(2^53 - 1); the same seed gives the same sample")
+
 
 
 class MessageIn(BaseModel):
@@ -19,12 +38,12 @@ class InvokeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
-    messages: list[MessageIn] | None = None
-    max_tokens: int = 128
-    temperature: float = 0.0  # greedy by default: the same prompt gives the same answer
-    top_p: float = 1.0
+    messages: list[MessageIn] | None = Field(None, min_length=1)
+    max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_LIMIT, description="at most the function's max_tokens_limit")
+    temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy by default: the same prompt gives the same answer
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
-    seed: int | None = None
+    seed: int | None = seed_field()
     stream: bool = False
 
     def to_request(self) -> InvocationRequest:
@@ -39,18 +58,18 @@ class DeploySpec(BaseModel):
     name: str | None = None
     backbone: str | None = None
     tenant: str | None = None  # admin only: deploy on behalf of a tenant
-    slo_ttft_ms: int | None = None
-    keep_alive_s: float | None = None
-    min_instances: int | None = None
-    max_instances: int | None = None
-    max_tokens_limit: int | None = None
-    max_request_s: float | None = None
-    lora_mode: str | None = None  # MoE backbones only: "remote" (default) or "local"
+    slo_ttft_ms: int | None = Field(None, ge=1, le=MAX_SLO_TTFT_MS)
+    keep_alive_s: float | None = Field(None, ge=0, le=MAX_KEEP_ALIVE_S)
+    min_instances: int | None = Field(None, ge=0, le=MAX_INSTANCES)
+    max_instances: int | None = Field(None, ge=1, le=MAX_INSTANCES)
+    max_tokens_limit: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_request_s: float | None = Field(None, ge=0.1, le=MAX_REQUEST_S)
+    lora_mode: str | None = Field(None, description="MoE backbones only: remote (the default) or local")
 
 
 class KeyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tenant: str
+    tenant: str = Field(pattern=NAME_PATTERN.pattern, description="1-63 lowercase letters, digits and '-'")
 
 
 def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -> InvocationRequest:

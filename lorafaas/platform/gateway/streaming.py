@@ -9,11 +9,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from lorafaas.errors import ClientError, LorafaasError
+from lorafaas.errors import ClientError, FunctionNotFound, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord, InvocationRequest
+
+UNKNOWN_FUNCTION = "(unknown)"  # no function name can contain parentheses
 
 
 class InvocationEvents:
@@ -51,7 +53,10 @@ async def start_invocation(service: FunctionService, metrics: GatewayMetrics, wh
     try:
         first = await anext(stream)
     except LorafaasError as exc:
-        metrics.observe(name, "rejected" if isinstance(exc, ClientError) else "failed")
+        # A name that is not (the caller's) function gets one shared label: requested names are the caller's to
+        # choose, and one series per name would let a client grow /metrics and the gateway's memory without bound.
+        label = UNKNOWN_FUNCTION if isinstance(exc, FunctionNotFound) else name
+        metrics.observe(label, "rejected" if isinstance(exc, ClientError) else "failed")
         raise
     return InvocationEvents(first, stream, name, metrics, started)
 
@@ -66,6 +71,6 @@ def usage(event: m.Finished) -> dict:
             "total_tokens": event.prompt_tokens + event.completion_tokens}
 
 
-def error_body(exc: LorafaasError) -> dict:
+def error_body(exc: LorafaasError, service: FunctionService) -> dict:
     kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
-    return {"error": {"code": exc.code, "message": exc.message, "type": kind}}
+    return {"error": {"code": exc.code, "message": service.public_message(exc.message), "type": kind}}

@@ -71,6 +71,11 @@ class StateStore(Protocol):
         """ApiKeyNotFound if absent."""
         ...
 
+    def touch_key(self, key_id: str, used_at: float) -> None:
+        """Record that the key authenticated a request at `used_at` (its record's `last_used_at`, as `find_key` and
+        `list_keys` return it); a key deleted meanwhile is left deleted."""
+        ...
+
     def ping(self) -> None:
         """Return if the backend answers; StoreUnavailable otherwise."""
         ...

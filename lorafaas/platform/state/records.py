@@ -23,17 +23,19 @@ MAX_KEEP_ALIVE_S = 86_400.0
 MAX_INSTANCES = 64
 MAX_TOKENS_LIMIT = 131_072
 MAX_REQUEST_S = 3600.0
+# JSON's safe integers: every client (JavaScript, OpenAPI tooling) parses them exactly, as doubles; well inside what
+# torch's generator and msgpack carry. A seed outside is a 422 on every route (sync, streaming, async, OpenAI).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as the wire and torch's generators take it
 InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as the wire and torch's generators take it
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-        raise InvalidInput(f"seed is {seed}; it must be a signed 64-bit integer (between {SEED_MIN} and {SEED_MAX})")
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise InvalidInput(f"seed is {seed}; it must be a signed 64-bit integer (between {MIN_SEED} and {MAX_SEED})")
 
 
 def check_digest(digest: str, what: str = "adapter digest") -> str:
@@ -171,3 +173,5 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     key_hash: str
     is_admin: bool = False
     created_at: float
+    # When the key last authenticated a request, to the minute (auth.KEY_USE_RESOLUTION_S); None: never.
+    last_used_at: float | None = None

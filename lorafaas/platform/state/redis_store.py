@@ -10,7 +10,7 @@ exactly one wins. Layout (P = prefix):
     P invocations:status:<s>     set of ids               P invocations:expires      sorted set id by expires_at
     P key:<key_id>               JSON ApiKeyRecord        P key_hash:<sha256>        key_id
     P keys:hash                  hash key_id -> sha256    P keys:tenant              hash key_id -> tenant
-    P keys:tenant:<t>            set of key_ids
+    P keys:tenant:<t>            set of key_ids           P keys:used                hash key_id -> last use
 
 Connections are lazy and re-made after a failure; a call retries a few times with backoff, so a restarted Redis is
 picked up by the next call. Anything Redis raises becomes StoreUnavailable, once, here. A Redis Cluster is not
@@ -107,13 +107,21 @@ redis.call('HSET', KEYS[4], ARGV[2], ARGV[4])
 redis.call('SADD', ARGV[6] .. ARGV[4], ARGV[2])
 return 1
 """
-# KEYS: hash -> id. ARGV: record prefix.
+# KEYS: hash -> id, keys:used. ARGV: record prefix. Returns {record, last use or ''}.
 FIND_KEY = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
-return redis.call('GET', ARGV[1] .. id)
+local data = redis.call('GET', ARGV[1] .. id)
+if not data then return false end
+return {data, redis.call('HGET', KEYS[2], id) or ''}
 """
-# KEYS: record, keys:hash, keys:tenant. ARGV: key_id, hash prefix, tenant set prefix.
+# KEYS: record, keys:hash, keys:used. ARGV: key_id, time. Only a key that exists gets a last use.
+TOUCH_KEY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+# KEYS: record, keys:hash, keys:tenant, keys:used. ARGV: key_id, hash prefix, tenant set prefix.
 DELETE_KEY = """
 local hash = redis.call('HGET', KEYS[2], ARGV[1])
 if not hash then return 0 end
@@ -121,6 +129,7 @@ local tenant = redis.call('HGET', KEYS[3], ARGV[1])
 redis.call('DEL', KEYS[1], ARGV[2] .. hash)
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
 if tenant then redis.call('SREM', ARGV[3] .. tenant, ARGV[1]) end
 return 1
 """
@@ -168,6 +177,7 @@ class RedisStore:
         self._delete_expired = script(DELETE_EXPIRED)
         self._put_key = script(PUT_KEY)
         self._find_key = script(FIND_KEY)
+        self._touch_key = script(TOUCH_KEY)
         self._delete_key = script(DELETE_KEY)
 
     def __repr__(self) -> str:
@@ -311,8 +321,12 @@ class RedisStore:
 
     def find_key(self, key_hash: str) -> ApiKeyRecord | None:
         with self._redis("look up an API key"):
-            data = self._find_key(keys=[self._key("key_hash", key_hash)], args=[self._key("key", "")])
-        return None if data is None else self._decode(data, ApiKeyRecord, key_hash[:12])
+            found = self._find_key(keys=[self._key("key_hash", key_hash), self._key("keys", "used")],
+                                   args=[self._key("key", "")])
+        if found is None:
+            return None
+        data, used = found
+        return _with_last_use(self._decode(data, ApiKeyRecord, key_hash[:12]), used)
 
     def list_keys(self, tenant: str | None = None) -> list[ApiKeyRecord]:
         with self._redis("list API keys") as client:
@@ -320,17 +334,24 @@ class RedisStore:
                 ids = client.hkeys(self._key("keys", "tenant"))
             else:
                 ids = client.smembers(self._key("keys", "tenant", tenant))
+            used = client.hgetall(self._key("keys", "used"))
         records = self._get_many("key", [i.decode() for i in ids], ApiKeyRecord, "list API keys")
+        records = [_with_last_use(r, used.get(r.key_id.encode())) for r in records]
         return sorted(records, key=lambda r: (r.tenant, r.key_id))
 
     def delete_key(self, key_id: str) -> None:
         with self._redis(f"delete API key {key_id!r}"):
             done = self._delete_key(
-                keys=[self._key("key", key_id), self._key("keys", "hash"), self._key("keys", "tenant")],
+                keys=[self._key("key", key_id), self._key("keys", "hash"), self._key("keys", "tenant"),
+                      self._key("keys", "used")],
                 args=[key_id, self._key("key_hash", ""), self._key("keys", "tenant", "")],
             )
         if not done:
             raise ApiKeyNotFound(f"API key {key_id!r} does not exist")
+
+    def touch_key(self, key_id: str, used_at: float) -> None:
+        with self._redis(f"record the use of API key {key_id!r}"):
+            self._touch_key(keys=[self._key("key", key_id), self._key("keys", "used")], args=[key_id, repr(used_at)])
 
     def ping(self) -> None:
         with self._redis("answer a ping") as client:
@@ -338,3 +359,7 @@ class RedisStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _with_last_use(record: ApiKeyRecord, used: bytes | None) -> ApiKeyRecord:
+    return msgspec.structs.replace(record, last_used_at=float(used)) if used else record

@@ -244,6 +244,11 @@ class SQLiteStore:
         if cursor.rowcount == 0:
             raise ApiKeyNotFound(f"API key {key_id!r} does not exist")
 
+    def touch_key(self, key_id: str, used_at: float) -> None:
+        with self._connection(f"record the use of API key {key_id!r}") as conn:
+            conn.execute("UPDATE api_keys SET data = json_set(data, '$.last_used_at', ?) WHERE key_id = ?",
+                         (used_at, key_id))
+
     def ping(self) -> None:
         with self._connection("answer a ping") as conn:
             conn.execute("SELECT count(*) FROM functions").fetchone()

@@ -1,0 +1,76 @@
+"""What /openapi.json says beyond the routes' own signatures: the error body every failure has, which statuses each
+route answers, the bearer-key scheme, the async (202) and streaming (SSE) answers of invoke, /metrics as text.
+
+The gateway's tests run schemathesis with every check against this document, so it must describe the API as served.
+"""
+
+from __future__ import annotations
+
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, Field
+
+# `auto_error=False`: the scheme is documented; a missing or bad key is still answered by auth.authenticate (401
+# with the usual error body), not by FastAPI's own 403.
+bearer = HTTPBearer(auto_error=False, scheme_name="apiKey",
+                    description="An API key `lf_<key_id>_<secret>` (`lorafaas keys create TENANT`) or the admin key")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. function_not_found")
+    message: str = Field(description="what was wrong, naming the field or value and the limit")
+    type: str = Field(description="invalid_request_error (4xx) or server_error (5xx)")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class AsyncAccepted(BaseModel):
+    invocation_id: str
+    status: str
+    location: str
+
+
+STATUS_MEANINGS = {
+    400: "Malformed request (the body is not JSON or not UTF-8)",
+    401: "Missing, malformed or unknown API key",
+    403: "The key may not do this (admin-only, another tenant, a reserved name)",
+    404: "No such function, invocation, key or backbone (another tenant's function is not found either)",
+    409: "The name is taken (function names are one namespace across tenants)",
+    413: "The body is over its limit, or the tenant's adapters would pass its storage quota",
+    422: "A field is out of bounds or of the wrong type, or the adapter is invalid or unsupported",
+    429: "Too many adapter uploads at once; retry after the Retry-After header's seconds",
+    431: "Request headers over 32 KiB",
+    503: "The state store, the backbone daemon or a function instance is unavailable",
+    504: "The invocation ran past its function's max_request_s",
+    507: "The platform's disk is full",
+}
+COMMON = (400, 401, 413, 422, 431, 503)  # any authenticated route can answer these
+
+
+def errors(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for these error statuses (plus COMMON), each with the error body."""
+    return {status: {"model": ErrorBody, "description": STATUS_MEANINGS[status]}
+            for status in sorted({*COMMON, *statuses})}
+
+
+SSE = {"text/event-stream": {"schema": {"type": "string",
+                                        "description": "server-sent events: `data: {json}` lines"}}}
+
+INVOKE_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "The result as JSON, or with `stream: true` a stream of server-sent events",
+          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
+    202: {"model": AsyncAccepted, "description": "Accepted (`Prefer: respond-async` or `?mode=async`): poll Location",
+          "headers": {"Location": {"schema": {"type": "string"}, "description": "/v1/invocations/{id}"}}},
+    **errors(404, 504),
+}
+
+METRICS_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "Prometheus text exposition format",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+    **errors(403),
+}
+
+TEXT_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "Plain text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+}
