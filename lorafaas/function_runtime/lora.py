@@ -163,8 +163,9 @@ def attach_adapter(model: nn.Module, adapter: HostAdapter, device: torch.device 
         # to the base's dtype as PEFT's ModulesToSaveWrapper (a deep copy loaded with load_state_dict) has them.
         replacement = copy.copy(holder.base)
         replacement._parameters = {
-            name: nn.Parameter(parameters[name].to(device=device, dtype=p.dtype), requires_grad=False)
-            for name, p in holder.base._parameters.items() if p is not None
+            name: None if p is None else nn.Parameter(parameters[name].to(device=device, dtype=p.dtype),
+                                                      requires_grad=False)
+            for name, p in holder.base._parameters.items()
         }
         holder.replacement = replacement
         placed += sum(t.nbytes for t in parameters.values())

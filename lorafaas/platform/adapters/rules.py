@@ -160,6 +160,9 @@ def check_config(config: dict) -> None:
     if not any(init is v if isinstance(v, bool) else init == v for v in SAFE_INITS):
         raise unsupported("init_lora_weights", f"{init!r} changes the backbone's weights when the adapter is loaded; "
                           "convert the adapter to plain LoRA first (PEFT's path_initial_model_for_weight_conversion)")
+    if config.get("lora_bias") and not isinstance(init, bool):
+        raise AdapterInvalid(f"adapter_config.json: lora_bias is true, which PEFT allows only with init_lora_weights "
+                             f"true or false, got {init!r}")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() != "all-linear":
         compile_pattern("target_modules", targets)
@@ -221,8 +224,14 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
         part = next((p for p in LORA_PARTS if key.endswith(p)), None)
         if part is not None:
             parts.setdefault(key[: -len(part)], {})[LORA_PARTS[part]] = info
-        elif ".lora_embedding_" in key or key.endswith(".base_layer.weight"):
+        elif ".lora_embedding_" in key:
             raise unsupported("target_modules", f"tensor {name}: LoRA on embedding layers is not supported")
+        elif ".base_layer." in key:
+            raise unsupported(
+                "target_modules", f"tensor {name} is a copy of a backbone weight, which PEFT saves when an adapter "
+                "targets an embedding or tied layer; lorafaas never replaces backbone weights (if it is unchanged, "
+                "re-save with save_pretrained(..., save_embedding_layers=False))"
+            )
         elif ".lora_magnitude_vector" in key:
             raise unsupported("use_dora", f"tensor {name} is a DoRA magnitude; DoRA is not supported")
         elif "trainable_tokens" in key or "token_adapter" in key:
@@ -352,7 +361,7 @@ def check_against_model(config: dict, layout: AdapterLayout, table: ModuleTable,
         raise AdapterIncompatible(f"target_modules {targets!r} matches no layer of backbone {backbone!r}")
     if isinstance(targets, list):
         leaf_names = {path.rsplit(".", 1)[-1] for path in table.modules}
-        unknown = [t for t in targets if t not in leaf_names and not any(p.endswith("." + t) for p in table.modules)]
+        unknown = [t for t in targets if t not in leaf_names and t not in table.modules and not any(p.endswith("." + t) for p in table.modules)]
         if unknown:
             linear = sorted({p.rsplit(".", 1)[-1] for p, s in table.modules.items() if s.kind == "Linear"})
             raise AdapterIncompatible(
