@@ -106,7 +106,7 @@ def make_adapter(case: Case, backbone_dir: Path, out: Path, seed: int) -> bool:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # make biases and saved copies differ from the backbone, so they show in the output
         for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name and name.endswith(".bias") or "modules_to_save" in name:
+            if ("lora_B" in name and name.endswith(".bias")) or "modules_to_save" in name:
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
     peft_model.save_pretrained(out)
     config_path = out / "adapter_config.json"
@@ -127,7 +127,8 @@ def platform_ids(model, tokenizer, adapter_dir: Path) -> list[int]:
     attach_adapter(model, read_host_adapter(adapter_dir))
     try:
         engine = GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=1))
-        engine.add("r", engine.encode_chat([{"role": "user", "content": PROMPT}]), SamplingParams(max_tokens=MAX_TOKENS))
+        prompt_ids = engine.encode_chat([{"role": "user", "content": PROMPT}])
+        engine.add("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
         ids: list[int] = []
         while engine.has_work():
             ids += [out.token_id for out in engine.step() if out.token_id is not None]
@@ -168,7 +169,7 @@ def test_every_adapter_is_refused_naming_the_field_or_equals_peft(case: Case, se
                 return
             assert case.refused_field is not None, f"a supported adapter was refused: {exc.message}"
             assert case.refused_field in exc.message, exc.message
-            if case.refused_field != "rank_pattern":  # weights that disagree with the config are broken, not unsupported
+            if case.refused_field != "rank_pattern":  # weights disagreeing with the config are broken, not unsupported
                 assert exc.code == "adapter_unsupported", exc.message
             return
         assert reference is not None, "PEFT cannot load this adapter, so deploy must refuse it"

@@ -13,10 +13,12 @@ from pathlib import Path
 from lorafaas.errors import AdapterInvalid, MalformedModel, PickledWeightsRefused
 from lorafaas.platform.adapters.rules import (
     DEFAULT_LORA_ALPHA,
-    PEFT_PREFIX as PEFT_PREFIX,  # PEFT saves "base_model.model.<module path>.lora_A.weight"
     AdapterLayout,
     check_config,
     plan_tensors,
+)
+from lorafaas.platform.adapters.rules import (
+    PEFT_PREFIX as PEFT_PREFIX,  # PEFT saves "base_model.model.<module path>.lora_A.weight"
 )
 from lorafaas.weights import SafetensorsHeader, pickled_files, read_safetensors_header
 

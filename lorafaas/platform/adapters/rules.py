@@ -168,7 +168,9 @@ def check_config(config: dict) -> None:
         compile_pattern("target_modules", targets)
     excluded = config.get("exclude_modules")
     if excluded is not None and not (isinstance(excluded, str) or _is_str_list(excluded)):
-        raise AdapterInvalid(f"adapter_config.json: exclude_modules must be a list of names or a regex, got {excluded!r}")
+        raise AdapterInvalid(
+            f"adapter_config.json: exclude_modules must be a list of names or a regex, got {excluded!r}"
+        )
     if isinstance(excluded, str):
         compile_pattern("exclude_modules", excluded)
     saved = config.get("modules_to_save")
@@ -251,8 +253,8 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
     loras: dict[str, LoraEntry] = {}
     for module, sides in sorted(parts.items()):
         if "a" not in sides or "b" not in sides:
-            raise AdapterInvalid(f"adapter_model.safetensors: module {module} has no lora_{'B' if 'a' in sides else 'A'}"
-                                 " weight")
+            missing = "lora_B" if "a" in sides else "lora_A"
+            raise AdapterInvalid(f"adapter_model.safetensors: module {module} has no {missing} weight")
         a, b, bias = sides["a"], sides["b"], sides.get("bias")
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise AdapterInvalid(f"adapter_model.safetensors: module {module} has lora_A {list(a.shape)} and lora_B "
@@ -291,7 +293,7 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
 
 @dataclass(frozen=True)
 class ModuleSlot:
-    """What PEFT sees of one module of the backbone: its class, Linear sizes, own parameters, whether it has children."""
+    """What PEFT sees of one backbone module: its class, Linear sizes, own parameters, whether it has children."""
 
     kind: str  # class name; "Linear" for torch.nn.Linear
     in_features: int = 0
@@ -361,7 +363,8 @@ def check_against_model(config: dict, layout: AdapterLayout, table: ModuleTable,
         raise AdapterIncompatible(f"target_modules {targets!r} matches no layer of backbone {backbone!r}")
     if isinstance(targets, list):
         leaf_names = {path.rsplit(".", 1)[-1] for path in table.modules}
-        unknown = [t for t in targets if t not in leaf_names and t not in table.modules and not any(p.endswith("." + t) for p in table.modules)]
+        unknown = [t for t in targets if t not in leaf_names and t not in table.modules
+                   and not any(p.endswith("." + t) for p in table.modules)]
         if unknown:
             linear = sorted({p.rsplit(".", 1)[-1] for p, s in table.modules.items() if s.kind == "Linear"})
             raise AdapterIncompatible(
