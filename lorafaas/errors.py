@@ -21,7 +21,8 @@
     │   │   ├── TraceMalformed        a trace file's header or row is not in its format (file and line named)
     │   │   ├── ClusterInvalid        a simulator cluster description lacks a field or is out of bounds
     │   │   └── AdapterInvalid        the adapter's own files are broken
-    │   │       └── AdapterIncompatible   well-formed, but not for this backbone
+    │   │       ├── AdapterIncompatible   well-formed, but not for this backbone
+    │   │       └── AdapterUnsupported    a PEFT feature lorafaas refuses rather than run differently (field named)
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   │   └── QuotaExceeded         a tenant's stored adapters would pass its quota
@@ -109,6 +110,10 @@ class AdapterInvalid(InvalidInput):
 
 class AdapterIncompatible(AdapterInvalid):
     code = "adapter_incompatible"
+
+
+class AdapterUnsupported(AdapterInvalid):
+    code = "adapter_unsupported"
 
 
 class SourceUnavailable(ClientError):

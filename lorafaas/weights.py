@@ -84,6 +84,7 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         tensors[name] = _tensor_info(path, name, entry, data_size)
+    _check_layout(path, tensors, data_size)
     return SafetensorsHeader(path=path, data_offset=data_offset, tensors=tensors, metadata=dict(metadata))
 
 
@@ -109,6 +110,21 @@ def _tensor_info(path: Path, name: str, entry: object, data_size: int) -> Tensor
             "the file is truncated"
         )
     return TensorInfo(name=name, dtype=dtype, shape=shape, begin=begin, end=end)
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_size: int) -> None:
+    """The tensors tile the data section exactly, as the safetensors library requires: no overlap, gap or tail."""
+    offset = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin < offset:
+            raise MalformedModel(f"{path.name}: tensor {info.name!r} at bytes [{info.begin}, {info.end}) overlaps the "
+                                 f"tensor before it, which ends at {offset}")
+        if info.begin > offset:
+            raise MalformedModel(f"{path.name}: bytes [{offset}, {info.begin}) of the data section belong to no tensor")
+        offset = info.end
+    if offset != data_size:
+        raise MalformedModel(f"{path.name}: {data_size - offset} trailing bytes after the last tensor (the data "
+                             f"section has {data_size} bytes, the tensors cover {offset})")
 
 
 def pickled_files(directory: Path) -> list[Path]:

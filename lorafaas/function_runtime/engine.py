@@ -34,10 +34,16 @@ from lorafaas.function_runtime.sampling import TextStream, new_generator, next_t
 class EngineConfig:
     max_batch_size: int = 8
     max_context: int | None = None  # default: the model's max_position_embeddings
+    # Token budget of one prefill pass (rows x padded width): bounds its activations and attention scores, so
+    # eight near-context prompts are prefilled one pass after another, and a prompt longer than the budget in
+    # chunks of it, instead of all at once.
+    max_prefill_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
 @dataclass(frozen=True)
@@ -135,8 +141,20 @@ class GenerationEngine:
             outputs += self._decode()
         room = self.config.max_batch_size - len(self._running)
         if self._waiting and room > 0:
-            outputs += self._admit([self._waiting.popleft() for _ in range(min(room, len(self._waiting)))])
+            outputs += self._admit(self._take_within_budget(room))
         return outputs
+
+    def _take_within_budget(self, room: int) -> list[_Sequence]:
+        """The waiting requests, oldest first, whose left-padded prefill fits the token budget (at least one)."""
+        taken = [self._waiting.popleft()]
+        width = len(taken[0].prompt_ids)
+        while self._waiting and len(taken) < room:
+            wider = max(width, len(self._waiting[0].prompt_ids))
+            if (len(taken) + 1) * wider > self.config.max_prefill_tokens:
+                break
+            taken.append(self._waiting.popleft())
+            width = wider
+        return taken
 
     def _drop_cancelled(self) -> list[StepOutput]:
         if not self._cancelled:
@@ -186,8 +204,7 @@ class GenerationEngine:
         mask = torch.tensor([[0] * (width - len(seq.prompt_ids)) + [1] * len(seq.prompt_ids) for seq in seqs],
                             device=self.device)
         started = self.clock()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True)
+        out = self._prefill(ids, mask)
         self._synchronize()  # on a GPU the forward only launched kernels: time them, not their launch
         prefill_s = self.clock() - started
         outputs, joining = [], []
@@ -218,6 +235,23 @@ class GenerationEngine:
     def _synchronize(self) -> None:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """One forward pass; a single prompt over the token budget goes through in chunks of it, each chunk attending
+        to the cache of the ones before (the same attention). Only the last position's logits are computed (as
+        `generate` does): a [rows, width, vocab] tensor would outweigh the rest of the pass."""
+        chunk = self.config.max_prefill_tokens
+        if ids.shape[0] > 1 or ids.shape[1] <= chunk:
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                              use_cache=True, logits_to_keep=1)
+        cache, out = None, None
+        for start in range(0, ids.shape[1], chunk):
+            end = min(start + chunk, ids.shape[1])
+            positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+            out = self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        return out
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
         if token_id in self.eos_ids and not seq.params.ignore_eos:

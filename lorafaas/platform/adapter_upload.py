@@ -107,9 +107,9 @@ def storage_error(exc: OSError, action: str) -> ServerError:
 
 
 def pack_adapter(adapter_dir: Path) -> bytes:
-    """The CLI's side: a gzipped tar of the adapter's two files."""
+    """The CLI's side: a gzipped tar of the adapter's two files (symlinks followed, as in the Hugging Face cache)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buffer, mode="w:gz", dereference=True) as tar:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             path = Path(adapter_dir) / name
             if not path.is_file():

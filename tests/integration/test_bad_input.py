@@ -9,6 +9,7 @@ import pickle
 import socket
 import struct
 import tarfile
+import time
 from pathlib import Path
 
 import httpx
@@ -269,3 +270,82 @@ def test_header_and_body_size_limits(platform, headers) -> None:
     assert json.loads(body)["error"]["code"] == "payload_too_large"
     ok = invoke_raw(platform, headers, json.dumps({"prompt": "still serving", "max_tokens": 2}).encode())
     assert ok.status_code == 200, "the platform serves on after refusing oversized requests"
+
+
+def peft_adapter(out: Path, backbone_dir: Path, **lora: object) -> Path:
+    """An adapter saved by PEFT itself, with its lora_B biases and saved modules moved off the backbone's values."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from lorafaas.function_runtime.reference import load_backbone
+    from lorafaas.platform.adapters.files import set_base_model
+
+    model, _ = load_backbone(backbone_dir)
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if name.endswith("lora_B.default.bias") or "modules_to_save" in name:
+                parameter.add_(torch.randn(parameter.shape) * 0.5)
+    peft_model.save_pretrained(out)
+    set_base_model(out, "tiny-dense")
+    return out
+
+
+def test_odd_adapters_get_their_own_422_and_peft_features_run_as_peft(
+    platform, headers, adapter, tmp_path, tiny_dense_dir
+) -> None:
+    """Issue 18 items 1, 5, 6, 7 and 11 through the real gateway and worker."""
+    from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
+
+    config = json.loads((adapter / CONFIG).read_text())
+    weights = (adapter / WEIGHTS).read_bytes()
+
+    def with_config(**changes: object) -> bytes:
+        return tar_of(regular(CONFIG, json.dumps({**config, **changes}).encode()), regular(WEIGHTS, weights))
+
+    cases = {
+        "invalid regex": (with_config(target_modules="(q_proj"), "adapter_unsupported", "target_modules"),
+        "ReDoS regex": (with_config(target_modules="model\\.layers\\.1\\.(?:.|.|.|.)*!"), "adapter_incompatible",
+                        "matches no layer"),
+        "alpha a word": (with_config(lora_alpha="abc"), "adapter_invalid", "lora_alpha"),
+        "alpha a list": (with_config(lora_alpha=[16]), "adapter_invalid", "lora_alpha"),
+        "DoRA": (with_config(use_dora=True), "adapter_unsupported", "use_dora"),
+        "trailing bytes": (tar_of(regular(CONFIG, json.dumps(config).encode()), regular(WEIGHTS, weights + b"\0" * 8)),
+                           "adapter_invalid", "trailing bytes"),
+    }
+    before = stored_state(platform)
+    for case, (archive, code, words) in cases.items():
+        started = time.monotonic()
+        reply = deploy_archive(platform, headers, archive, name="odd")
+        elapsed_s = time.monotonic() - started
+        try:
+            assert_json_error(reply, 422, code, words)
+        except AssertionError as exc:
+            raise AssertionError(f"{case}: {exc}") from None
+        for server_path in ("lorafaas-upload-", str(platform.home)):
+            assert server_path not in reply.text, f"{case}: the message names a server path: {reply.text}"
+        assert elapsed_s < 10, f"{case}: {elapsed_s:.1f} s"  # generous: the ReDoS took 12.7 s under Python's re
+    assert stored_state(platform) == before
+
+    # lora_bias, modules_to_save, layers_to_transform and an alpha_pattern regex key, deployed from a directory in
+    # the Hugging Face cache layout (files are symlinks into blobs/): the output is PEFT's, token for token.
+    made = peft_adapter(tmp_path / "made", tiny_dense_dir, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                        lora_bias=True, modules_to_save=["norm"], layers_to_transform=[1],
+                        alpha_pattern={r"layers\.1\.self_attn\.o_.*": 3})
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in (CONFIG, WEIGHTS):
+        (made / name).rename(blobs / name)
+        (snapshot / name).symlink_to(Path("../../blobs") / name)
+    prompt = "Tell me about the ocean."
+    with platform.client() as admin:
+        admin.deploy({"name": "peft-features", "backbone": "tiny-dense"}, snapshot)
+        try:
+            answer = admin.invoke("peft-features", {"messages": [{"role": "user", "content": prompt}],
+                                                    "max_tokens": 10})
+        finally:
+            admin.delete("peft-features")
+    model, tokenizer = load_backbone(tiny_dense_dir)
+    assert answer["text"] == greedy_generate(with_adapter(model, snapshot), tokenizer, prompt, 10).text

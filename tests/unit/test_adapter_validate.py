@@ -3,6 +3,8 @@
 import json
 import re
 import shutil
+import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -115,3 +117,135 @@ def test_cli_validate_accepts_a_good_adapter(adapter: Path, tiny_store: ModelSto
     result = cli("--home", home, "adapter", "validate", str(adapter), "--backbone", "tiny-dense", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["valid"] is True
+
+
+# -- issue 18: hostile and odd adapters (items 1, 6, 11) -----------------------------------------------------------
+
+
+def edit_weights(adapter: Path, change: Callable[[dict], dict]) -> None:
+    path = adapter / "adapter_model.safetensors"
+    save_file(change(load_file(path)), path)
+
+
+def raw_safetensors(adapter: Path, header: dict, data: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    (adapter / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def overlapping_offsets(adapter: Path) -> None:
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    header, offset = {}, 0
+    for name, tensor in sorted(tensors.items()):
+        size = tensor.numel() * 4
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size // 2  # each tensor starts halfway into the one before
+    raw_safetensors(adapter, header, b"\0" * (offset + size))
+
+
+def trailing_bytes(adapter: Path) -> None:
+    with (adapter / "adapter_model.safetensors").open("ab") as f:
+        f.write(b"\0" * 64)
+
+
+def rank_zero(adapter: Path) -> None:
+    edit_weights(adapter, lambda t: {**t, **{k: v[:0] if ".lora_A." in k else v[:, :0] for k, v in t.items()
+                                             if "layers.0.self_attn.q_proj" in k}})
+
+
+def first_module_only(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj" in k}
+
+
+HOSTILE: dict[str, tuple[Callable[[Path], None], str, str]] = {
+    # case: (breakage, error code, words the message must hold)
+    "invalid_regex": (lambda a: edit_config(a, target_modules="(q_proj"), "adapter_unsupported", "target_modules"),
+    "lookahead_regex": (lambda a: edit_config(a, target_modules=r"(?=.*q).*_proj"), "adapter_unsupported",
+                        "target_modules"),
+    "alpha_string": (lambda a: edit_config(a, lora_alpha="16"), "adapter_invalid", "lora_alpha"),
+    "alpha_word": (lambda a: edit_config(a, lora_alpha="abc"), "adapter_invalid", "lora_alpha"),
+    "alpha_null": (lambda a: edit_config(a, lora_alpha=None), "adapter_invalid", "lora_alpha"),
+    "alpha_list": (lambda a: edit_config(a, lora_alpha=[16]), "adapter_invalid", "lora_alpha"),
+    "alpha_nan": (lambda a: edit_config(a, lora_alpha=float("nan")), "adapter_invalid", "lora_alpha"),
+    "alpha_huge": (lambda a: edit_config(a, lora_alpha=1e300), "adapter_invalid", "lora_alpha"),
+    "trailing_bytes": (trailing_bytes, "adapter_invalid", "trailing bytes"),
+    "overlapping_offsets": (overlapping_offsets, "adapter_invalid", "overlaps"),
+    "rank_zero": (rank_zero, "adapter_invalid", "rank 0"),
+    "dora": (lambda a: edit_config(a, use_dora=True), "adapter_unsupported", "use_dora"),
+    "int8_weights": (lambda a: edit_weights(a, lambda t: {k: (v * 8).to(torch.int8) for k, v in t.items()}),
+                     "adapter_unsupported", "dtype"),
+    "rank_pattern_disagrees": (lambda a: edit_config(a, rank_pattern={"q_proj": 2}), "adapter_invalid",
+                               "rank_pattern"),
+    "lora_pair_on_embed_tokens": (
+        lambda a: (edit_config(a, target_modules=["embed_tokens"]), edit_weights(a, lambda t: {
+            "base_model.model.model.embed_tokens.lora_A.weight": torch.ones(4, 64),
+            "base_model.model.model.embed_tokens.lora_B.weight": torch.ones(512, 4)})),
+        "adapter_unsupported", "target_modules"),
+    "lora_bias_ignored": (lambda a: edit_weights(a, lambda t: {**t, **{
+        k.replace(".weight", ".bias"): torch.ones(v.shape[0]) for k, v in t.items() if ".lora_B." in k}}),
+        "adapter_invalid", "lora_bias"),
+    "weights_outside_targets": (lambda a: edit_config(a, target_modules=["q_proj"]), "adapter_incompatible",
+                                "target_modules"),
+    "targets_without_weights": (lambda a: edit_weights(a, first_module_only), "adapter_invalid", "target_modules"),
+    "trainable_tokens": (lambda a: edit_config(a, trainable_token_indices=[1, 2]), "adapter_unsupported",
+                         "trainable_token_indices"),
+    "unknown_field": (lambda a: edit_config(a, use_magic=True), "adapter_unsupported", "use_magic"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_odd_adapters_are_refused_with_422_naming_the_field_and_no_path(
+    case: str, adapter: Path, tiny_store: ModelStore
+) -> None:
+    breakage, code, words = HOSTILE[case]
+    breakage(adapter)
+    with pytest.raises(AdapterInvalid) as refused:
+        validate_adapter(adapter, tiny_store, "tiny-dense")
+    assert (refused.value.code, refused.value.http_status) == (code, 422), refused.value.message
+    assert words in refused.value.message
+    if case not in ("dora", "unknown_field", "trainable_tokens"):  # these name only the field
+        assert str(adapter.parent) not in refused.value.message, refused.value.message
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_store: ModelStore):
+    from lorafaas.function_runtime.reference import load_backbone
+
+    return load_backbone(tiny_store.path("tiny-dense"))[0]
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_the_worker_applies_the_same_rules_as_deploy(case: str, adapter: Path, tiny_model) -> None:
+    """What deploy refuses, a worker refuses with the same error before computing anything (a rank-0 module crashed
+    the worker with ZeroDivisionError; int8 weights gave garbage)."""
+    from lorafaas.function_runtime.lora import attach_adapter, detach_adapter, read_host_adapter
+
+    breakage, code, words = HOSTILE[case]
+    breakage(adapter)
+    with pytest.raises(AdapterInvalid) as refused:
+        attach_adapter(tiny_model, read_host_adapter(adapter))
+    detach_adapter(tiny_model)
+    assert refused.value.code == code and words in refused.value.message, refused.value.message
+
+
+def test_redos_target_regex_runs_in_linear_time(adapter: Path, tiny_store: ModelStore) -> None:
+    """Issue 18 item 1: this pattern took 12.7 s per upload under Python's re (holding the GIL)."""
+    edit_config(adapter, target_modules="model\\.layers\\.1\\.(?:.|.|.|.)*!")
+    started = time.monotonic()
+    with pytest.raises(AdapterIncompatible, match="matches no layer"):
+        validate_adapter(adapter, tiny_store, "tiny-dense")
+    assert time.monotonic() - started < 2.0  # generous: RE2 answers in microseconds
+
+
+def test_symlinked_adapter_directory_is_packed_as_files(adapter: Path, tmp_path: Path) -> None:
+    """Issue 18 item 7: the Hugging Face cache layout (snapshots/<rev>/<file> -> ../../blobs/<sha>) deploys."""
+    from lorafaas.platform.adapter_upload import pack_adapter, unpack_adapter
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (blobs / name).write_bytes((adapter / name).read_bytes())
+        (snapshot / name).symlink_to(Path("../../blobs") / name)
+    (tmp_path / "scratch").mkdir()
+    unpacked = unpack_adapter(pack_adapter(snapshot), tmp_path / "scratch")
+    assert (unpacked / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()

@@ -171,3 +171,36 @@ def test_degenerate_sampling_parameters_give_the_most_likely_token(params: Sampl
 
     logits = torch.tensor([0.1, 3.0, -2.0, 2.9])
     assert next_token(logits, params, new_generator(params)) == 1
+
+
+def test_prefill_passes_stay_within_the_token_budget_and_chunks_give_the_same_tokens(tiny_store, tiny_adapter_dir
+                                                                                     ) -> None:
+    """Issue 18 item 4: eight near-context prompts were prefilled in one pass (memory grew with rows x width^2);
+    now each pass holds at most max_prefill_tokens (rows x padded width), and a longer prompt goes in chunks."""
+    model, tokenizer = load_backbone(tiny_store.path("tiny-dense"))
+    attach_adapter(model, read_host_adapter(tiny_adapter_dir))
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    params = SamplingParams(max_tokens=6)
+    requests = {f"r{i}": (long_prompt + f" {i}", params) for i in range(8)}
+    unbounded = GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=8, max_prefill_tokens=10**6))
+    budget = 64
+    bounded = GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=8, max_prefill_tokens=budget))
+    widths: list[tuple[int, int]] = []
+    forward = model.forward
+
+    def recording_forward(*args, **kwargs):
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:  # a prefill pass (decode steps feed one token per row)
+            widths.append(tuple(ids.shape))
+        return forward(*args, **kwargs)
+
+    expected = run(unbounded, requests)[2]
+    prompt_len = len(bounded.encode_chat([{"role": "user", "content": long_prompt + " 0"}]))
+    assert prompt_len > budget, "the prompt must be longer than the budget to be chunked"
+    model.forward = recording_forward
+    try:
+        got = run(bounded, requests)[2]
+    finally:
+        del model.forward
+    assert got == expected
+    assert widths and all(rows * width <= budget for rows, width in widths), widths

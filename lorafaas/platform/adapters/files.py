@@ -11,13 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas.errors import AdapterInvalid, MalformedModel, PickledWeightsRefused
-from lorafaas.weights import SafetensorsHeader, TensorInfo, pickled_files, read_safetensors_header
+from lorafaas.platform.adapters.rules import (
+    DEFAULT_LORA_ALPHA,
+    AdapterLayout,
+    check_config,
+    plan_tensors,
+)
+from lorafaas.platform.adapters.rules import (
+    PEFT_PREFIX as PEFT_PREFIX,  # PEFT saves "base_model.model.<module path>.lora_A.weight"
+)
+from lorafaas.weights import SafetensorsHeader, pickled_files, read_safetensors_header
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# PEFT saves "base_model.model.<module path>.lora_A.weight"; the adapter name is stripped on save.
-PEFT_PREFIX = "base_model.model."
-LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class AdapterInfo:
     modules: list[LoraModule]
     config: dict
     header: SafetensorsHeader
+    layout: AdapterLayout
 
     def summary(self) -> dict:
         return {
@@ -74,24 +81,21 @@ def read_adapter(path: Path) -> AdapterInfo:
         header = read_safetensors_header(weights)
     except MalformedModel as exc:
         raise AdapterInvalid(exc.message) from exc
-    modules = _lora_modules(path, header.tensors)
-    ranks = {m.rank for m in modules}
-    if config["r"] not in ranks and not config.get("rank_pattern"):
-        raise AdapterInvalid(
-            f"rank mismatch: {CONFIG_FILE} says r={config['r']} but the weights have rank "
-            f"{', '.join(str(r) for r in sorted(ranks))} (e.g. {modules[0].path}.lora_A has rank {modules[0].rank})"
-        )
+    layout = plan_tensors(config, header.tensors)
+    modules = [LoraModule(path=p, rank=e.rank, in_features=e.shapes[0], out_features=e.shapes[1])
+               for p, e in layout.loras.items()]
     return AdapterInfo(
         path=path,
         base_model=config.get("base_model_name_or_path") or None,
         rank=int(config["r"]),
-        alpha=float(config.get("lora_alpha", config["r"])),
+        alpha=float(config.get("lora_alpha", DEFAULT_LORA_ALPHA)),
         target_modules=config.get("target_modules") or [],
         num_bytes=weights.stat().st_size,
         num_parameters=header.num_parameters,
         modules=modules,
         config=config,
         header=header,
+        layout=layout,
     )
 
 
@@ -121,29 +125,5 @@ def _read_config(config_path: Path) -> dict:
     targets = config.get("target_modules")
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         raise AdapterInvalid(f"{config_path}: target_modules must be a list of names or a regex, got {targets!r}")
+    check_config(config)
     return config
-
-
-def _lora_modules(path: Path, tensors: dict[str, TensorInfo]) -> list[LoraModule]:
-    pairs: dict[str, dict[str, TensorInfo]] = {}
-    for name, info in tensors.items():
-        for suffix, side in LORA_SUFFIXES.items():
-            if name.endswith(suffix):
-                module = name[: -len(suffix)].removeprefix(PEFT_PREFIX)
-                pairs.setdefault(module, {})[side] = info
-                break
-    if not pairs:
-        raise AdapterInvalid(f"{path / WEIGHTS_FILE} holds no LoRA weights (no '*.lora_A.weight' tensors)")
-    modules = []
-    for module, sides in sorted(pairs.items()):
-        if set(sides) != {"A", "B"}:
-            missing = "lora_B" if "A" in sides else "lora_A"
-            raise AdapterInvalid(f"{path / WEIGHTS_FILE}: module {module} has no {missing} weight")
-        a, b = sides["A"], sides["B"]
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterInvalid(
-                f"{path / WEIGHTS_FILE}: module {module} has lora_A {a.shape} and lora_B {b.shape}; expected "
-                "[r, in_features] and [out_features, r]"
-            )
-        modules.append(LoraModule(path=module, rank=a.shape[0], in_features=a.shape[1], out_features=b.shape[0]))
-    return modules

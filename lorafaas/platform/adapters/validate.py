@@ -1,18 +1,19 @@
-"""Validating an adapter against a stored backbone, from file headers alone (no model is built).
+"""Validating an adapter against a stored backbone: its file headers and the backbone's module tree (no weights).
 
-The backbone's linear layers are read off its safetensors header: every 2-D `<module>.weight` tensor is a layer of
-shape [out_features, in_features]. An adapter is accepted when it names this backbone (or no backbone), its target
-modules exist, and every LoRA pair fits the layer it attaches to, with finite weights.
+An adapter is accepted when it names this backbone (or no backbone) and `rules.check_against_model` accepts it on
+the backbone built on the meta device, the same check a worker runs on its bound model before attaching it, and its
+weights are finite. Expert adapters (lorafaas's MoE format) are checked against the backbone's linear layers, read
+off its safetensors header (every 2-D `<module>.weight` is a layer of shape [out_features, in_features]).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from lorafaas.errors import AdapterIncompatible, AdapterInvalid
+from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
 from lorafaas.platform.adapters.expert_adapters import EXPERTS_KEY, check_expert_adapter
 from lorafaas.platform.adapters.files import WEIGHTS_FILE, AdapterInfo, read_adapter
+from lorafaas.platform.adapters.rules import ModuleTable, check_against_model, fullmatch
 from lorafaas.platform.model_store import BackboneManifest, ModelStore
 from lorafaas.weights import read_safetensors_header
 
@@ -44,9 +45,14 @@ def validate_adapter(path: Path, store: ModelStore, backbone: str) -> AdapterInf
             f"adapter {info.path} was trained on base model {info.base_model!r}, but backbone {backbone!r}{also} "
             "is a different model"
         )
+    if EXPERTS_KEY not in info.config:
+        check_against_model(info.config, info.layout, backbone_module_table(store.path(manifest.name)), backbone)
+        _check_finite(info)
+        return info
+    # An expert adapter: its per-expert layers come from the backbone's MoE layout.
+    _check_expert_fields(info)
     layers = backbone_linear_layers(store, manifest)
-    if EXPERTS_KEY in info.config:  # an expert adapter: its per-expert layers come from the backbone's MoE layout
-        layers.update(check_expert_adapter(info.path, store.path(manifest.name), backbone))
+    layers.update(check_expert_adapter(info.path, store.path(manifest.name), backbone))
     _check_targets(info, layers, backbone)
     for module in info.modules:
         if module.path not in layers:
@@ -61,10 +67,27 @@ def validate_adapter(path: Path, store: ModelStore, backbone: str) -> AdapterInf
     return info
 
 
+def backbone_module_table(model_dir: Path) -> ModuleTable:
+    """The backbone's module tree as PEFT's matching sees it, from the model built on the meta device."""
+    from lorafaas.function_runtime.binding import build_empty_model
+    from lorafaas.function_runtime.lora import module_table
+
+    return module_table(build_empty_model(model_dir))
+
+
+def _check_expert_fields(info: AdapterInfo) -> None:
+    """Expert adapters are lorafaas's own format: plain LoRA pairs only."""
+    for name in ("modules_to_save", "lora_bias", "exclude_modules", "layers_to_transform"):
+        if info.config.get(name) not in (None, False, [], {}):
+            raise AdapterUnsupported(f"adapter_config.json: {name} is not supported for expert adapters")
+    if info.layout.saved:
+        raise AdapterUnsupported("adapter_config.json: modules_to_save is not supported for expert adapters")
+
+
 def _check_targets(info: AdapterInfo, layers: dict[str, tuple[int, int]], backbone: str) -> None:
     targets = info.target_modules
     if isinstance(targets, str):
-        if not any(re.fullmatch(targets, path) for path in layers):
+        if not any(fullmatch("target_modules", targets, path) for path in layers):
             raise AdapterIncompatible(f"target_modules regex {targets!r} matches no layer of backbone {backbone!r}")
         return
     leaf_names = {path.rsplit(".", 1)[-1] for path in layers}
@@ -82,4 +105,6 @@ def _check_finite(info: AdapterInfo) -> None:
 
     for name, tensor in load_file(info.path / WEIGHTS_FILE).items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise AdapterInvalid(f"{info.path / WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
+            raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
+        if tensor.is_floating_point() and tensor.dtype == torch.float64 and not torch.isfinite(tensor.float()).all():
+            raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} holds values float32 cannot hold")
