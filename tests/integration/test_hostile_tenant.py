@@ -320,12 +320,7 @@ def test_keys_are_listed_with_their_last_use_and_revoked(platform, admin_headers
 # -- acceptance 1: /healthz while a tenant attacks -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("with_redos", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        reason="the ReDoS fix in target_modules validation comes from the `adapters` helper (issue 18 item 1)",
-        strict=False)),
-])
+@pytest.mark.parametrize("with_redos", [False, True])
 def test_healthz_answers_within_a_second_while_a_tenant_attacks(platform, tmp_path, tiny_dense_dir,
                                                                 with_redos) -> None:
     from lorafaas.platform.bench_edge import attack_and_probe
