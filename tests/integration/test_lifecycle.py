@@ -20,6 +20,7 @@ import pytest
 
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.state.records import MAX_SEED
 from lorafaas.testing.platform_process import PlatformProcess, stream_invocation, wait_for
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
@@ -265,14 +266,14 @@ def test_out_of_range_seeds_are_refused_and_every_accepted_async_invocation_ends
         deploy(admin, "seeded", adapters["alpha"])
         headers = {"Authorization": f"Bearer {platform.admin_key}"}
         url = f"{platform.url}/v1/functions/seeded/invoke"
-        for seed in (2**64, 2**63, -(2**63) - 1):
+        for seed in (2**64, 2**63, -(2**63) - 1, MAX_SEED + 1):
             for extra in ({}, {"Prefer": "respond-async"}):
                 reply = httpx.post(url, json=body(temperature=1.0, seed=seed), headers={**headers, **extra},
                                    timeout=60)
                 assert reply.status_code == 422, (seed, extra, reply.text)
                 assert "seed" in reply.json()["error"]["message"]
-        accepted = admin.invoke_async("seeded", body(temperature=1.0, seed=2**63 - 1))
+        accepted = admin.invoke_async("seeded", body(temperature=1.0, seed=MAX_SEED))
         done = wait_for(lambda: (r := admin.invocation(accepted["invocation_id"]))["status"] in
                         ("succeeded", "failed") and r, 60, "the async invocation ends")
         assert done["status"] == "succeeded"
-        assert admin.invoke("seeded", body(temperature=1.0, seed=2**63 - 1))["text"] == done["result_text"]
+        assert admin.invoke("seeded", body(temperature=1.0, seed=MAX_SEED))["text"] == done["result_text"]

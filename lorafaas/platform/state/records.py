@@ -25,7 +25,7 @@ MAX_TOKENS_LIMIT = 131_072
 MAX_REQUEST_S = 3600.0
 # JSON's safe integers: every client (JavaScript, OpenAPI tooling) parses them exactly, as doubles; well inside what
 # torch's generator and msgpack carry. A seed outside is a 422 on every route (sync, streaming, async, OpenAI).
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as the wire and torch's generators take it
+MIN_SEED, MAX_SEED = -(2**53 - 1), 2**53 - 1  # within 64 bits (the wire, torch) and exact in every JSON client
 InvocationStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 INVOCATION_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
@@ -35,7 +35,7 @@ TERMINAL_STATUSES: tuple[str, ...] = ("succeeded", "failed", "cancelled")
 
 def check_seed(seed: int | None) -> None:
     if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-        raise InvalidInput(f"seed is {seed}; it must be a signed 64-bit integer (between {MIN_SEED} and {MAX_SEED})")
+        raise InvalidInput(f"seed is {seed}; it must be an integer between {MIN_SEED} and {MAX_SEED}")
 
 
 def check_digest(digest: str, what: str = "adapter digest") -> str:
