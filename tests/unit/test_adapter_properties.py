@@ -173,6 +173,7 @@ def test_every_adapter_is_refused_naming_the_field_or_equals_peft(case: Case, se
                 assert exc.code == "adapter_unsupported", exc.message
             return
         assert reference is not None, "PEFT cannot load this adapter, so deploy must refuse it"
-        assert case.refused_field is None, f"{case.refused_field} should have been refused"
-        event("ran: equal to PEFT")
+        # The property is "refused naming the field, or equal to PEFT": a case the generator expected to be refused
+        # (e.g. LoRA on a tied lm_head that PEFT saved without its base_layer copy) may run, if it runs exactly.
+        event("ran: equal to PEFT" if case.refused_field is None else f"ran although {case.refused_field} was expected")
         assert platform_ids(model, tokenizer, adapter) == reference
