@@ -1,0 +1,48 @@
+"""The scheduling issue's tail check on slices of the shipped Azure LLM code trace (prefill-heavy: prompts median 1,469
+tokens, outputs median 13), mapped onto two functions of the paper cluster as in its command. Simulated time only:
+each run takes well under a second and gives the same figures every time.
+
+A slice that begins in the middle of the traffic (every instance starts while requests keep coming) still loses to
+ServerlessLLM: each new device loads a 13-26 GB backbone from disk at 1.5 GB/s where ServerlessLLM's loader reads at
+6-20 GB/s (docs/scheduler.md, "Heavy prefill traffic"). That slice is kept as a strict expected failure, so the day it
+passes the test says so.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from lorafaas.replay.build import WorkloadOptions, build_workload
+from lorafaas.replay.results import Distribution
+from lorafaas.replay.sim.cluster import load_cluster
+from lorafaas.replay.sim.policies import POLICIES
+from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.workload import Mapping
+
+CODE_TRACE = Path(__file__).resolve().parents[3] / "traces" / "AzureLLMInferenceTrace_code.csv"
+PAPER = load_cluster("paper")
+
+
+def ttft(policy: str, start_s: float, window_s: float) -> Distribution:
+    options = WorkloadOptions(Mapping.parse(["llm=f1", "llm=f2"]), start_s=start_s, window_s=window_s)
+    work = build_workload(CODE_TRACE, options)
+    assert len(work.requests) > 1000  # a slice with real load, not a trickle
+    _, row = simulate(work, PAPER, POLICIES[policy])
+    return row.summary.ttft_s
+
+
+def test_first_15_minutes_lorafaas_tail_no_worse_than_serverlessllm() -> None:
+    ours, theirs = ttft("lorafaas", 0.0, 900.0), ttft("serverlessllm", 0.0, 900.0)
+    assert ours.p99 <= theirs.p99, (ours, theirs)
+    assert ours.mean <= theirs.mean, (ours, theirs)
+
+
+def test_same_figures_every_run() -> None:
+    assert ttft("lorafaas", 0.0, 900.0) == ttft("lorafaas", 0.0, 900.0)
+
+
+@pytest.mark.xfail(strict=True, reason="mid-traffic cold starts load backbones from disk at 1.5 GB/s against "
+                                       "ServerlessLLM's 6-20 GB/s loader (docs/scheduler.md)")
+def test_slice_starting_in_mid_traffic_lorafaas_tail_no_worse_than_serverlessllm() -> None:
+    ours, theirs = ttft("lorafaas", 600.0, 600.0), ttft("serverlessllm", 600.0, 600.0)
+    assert ours.p99 <= theirs.p99, (ours, theirs)
