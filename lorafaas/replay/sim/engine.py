@@ -64,6 +64,7 @@ class SimOutcome:
     num_cold_starts: int
     num_plans: int
     cold_breakdowns: dict[str, list[dict[str, float]]]
+    waits: dict[str, int] = field(default_factory=dict)  # admission reason -> times a function's queue waited for it
 
 
 class Simulator:
@@ -181,7 +182,8 @@ class Simulator:
             handlers[kind](payload)
         end = max(self.now, self.workload.duration_s)
         cost = self._finish(end)
-        return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns)
+        return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns,
+                          dict(self.admission.waits))
 
     def _finish(self, end_s: float) -> float:
         if self.policy.serverful:

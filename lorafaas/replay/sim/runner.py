@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafaas.replay.report import summary_table, write_report
@@ -29,6 +29,7 @@ class PolicyResult:
     num_cold_starts: int
     num_plans: int
     sim_wall_s: float
+    waits: dict[str, int] = field(default_factory=dict)  # why queues waited (admission reason -> times)
 
     def row(self) -> dict:
         s = self.summary
@@ -45,6 +46,7 @@ class PolicyResult:
             "cost_effectiveness": self.cost_effectiveness,
             "plans": self.num_plans,
             "sim_wall_s": self.sim_wall_s,
+            "waits": self.waits,
         }
 
 
@@ -62,7 +64,7 @@ def simulate(
     e2e = overall.e2e_s.mean
     ce = 1.0 / (e2e * outcome.cost) if e2e and outcome.cost > 0 else None
     return outcome, PolicyResult(
-        policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans, wall
+        policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans, wall, outcome.waits
     )
 
 
@@ -87,6 +89,20 @@ def comparison_table(rows: Sequence[PolicyResult], currency: str) -> str:
             f"{ratio(s.ttft_s.mean, base.summary.ttft_s.mean if base else None)} | "
             f"{ratio(r.cost, base.cost if base else None)} |"
         )
+    return "\n".join(lines)
+
+
+def waits_table(rows: Sequence[PolicyResult]) -> str:
+    """Why requests waited: how often each policy's admission left a function's queue waiting, by reason
+    (`lorafaas.scheduler.admission.AdmissionReason`; the node agent's `describe` shows the same words). The baselines
+    admit by their own rules and report none."""
+    reasons = sorted({reason for r in rows for reason in r.waits})
+    if not reasons:
+        return "No queue waited for an instance (no admission waits recorded)."
+    lines = ["Times a function's queue waited, by reason:", "",
+             "| policy | " + " | ".join(reasons) + " |", "|---|" + "---:|" * len(reasons)]
+    for r in rows:
+        lines.append(f"| {r.policy} | " + " | ".join(str(r.waits.get(reason, 0)) for reason in reasons) + " |")
     return "\n".join(lines)
 
 
@@ -135,6 +151,8 @@ def run_policies(
         f"{price.gpu_idle_per_gb_s} idle ({price.source})",
         "",
         comparison_table(rows, price.currency),
+        "",
+        waits_table(rows),
         "",
     ]
     (out / "comparison.md").write_text("\n".join(text))

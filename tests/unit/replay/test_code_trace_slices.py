@@ -9,6 +9,7 @@ passes the test says so.
 """
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -16,19 +17,23 @@ from lorafaas.replay.build import WorkloadOptions, build_workload
 from lorafaas.replay.results import Distribution
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.policies import POLICIES
-from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.sim.runner import PolicyResult, simulate, waits_table
 from lorafaas.replay.workload import Mapping
+from lorafaas.scheduler.admission import AdmissionReason
 
 CODE_TRACE = Path(__file__).resolve().parents[3] / "traces" / "AzureLLMInferenceTrace_code.csv"
 PAPER = load_cluster("paper")
 
 
-def ttft(policy: str, start_s: float, window_s: float) -> Distribution:
+def run(policy: str, start_s: float, window_s: float) -> PolicyResult:
     options = WorkloadOptions(Mapping.parse(["llm=f1", "llm=f2"]), start_s=start_s, window_s=window_s)
     work = build_workload(CODE_TRACE, options)
     assert len(work.requests) > 1000  # a slice with real load, not a trickle
-    _, row = simulate(work, PAPER, POLICIES[policy])
-    return row.summary.ttft_s
+    return simulate(work, PAPER, POLICIES[policy])[1]
+
+
+def ttft(policy: str, start_s: float, window_s: float) -> Distribution:
+    return run(policy, start_s, window_s).summary.ttft_s
 
 
 def test_first_15_minutes_lorafaas_tail_no_worse_than_serverlessllm() -> None:
@@ -39,6 +44,17 @@ def test_first_15_minutes_lorafaas_tail_no_worse_than_serverlessllm() -> None:
 
 def test_same_figures_every_run() -> None:
     assert ttft("lorafaas", 0.0, 900.0) == ttft("lorafaas", 0.0, 900.0)
+
+
+def test_report_says_why_queues_waited() -> None:
+    rows = [run("lorafaas", 0.0, 900.0), run("serverlessllm", 0.0, 900.0)]
+    assert set(rows[0].waits) <= set(get_args(AdmissionReason)) and sum(rows[0].waits.values()) > 0
+    assert rows[1].waits == {}  # the baselines admit by their own rules
+    lines = waits_table(rows).splitlines()
+    header = next(line for line in lines if line.startswith("| policy |"))
+    ours = next(line for line in lines if line.startswith("| lorafaas |"))
+    cells = dict(zip(header.strip("| ").split(" | "), ours.strip("| ").split(" | "), strict=True))
+    assert {reason: int(cells[reason]) for reason in rows[0].waits} == rows[0].waits
 
 
 @pytest.mark.xfail(strict=True, reason="mid-traffic cold starts load backbones from disk at 1.5 GB/s against "
