@@ -119,12 +119,21 @@ class Instance:
 class InstanceTable:
     def __init__(self) -> None:
         self._instances: list[Instance] = []
+        # device -> the most instances ever busy on it at once (running a request or starting): the scheduling
+        # issue's check that a device never runs more busy instances than it has compute for
+        self.busy_peak: dict[str, int] = {}
 
     def add(self, instance: Instance) -> Instance:
         if instance.state != "starting":
             raise InvalidTransition(f"an instance enters the table starting, not {instance.state}")
         self._instances.append(instance)
+        self.record_busy(instance.device)
         return instance
+
+    def record_busy(self, device: str) -> None:
+        busy = self.busy_on_device(device)
+        if busy > self.busy_peak.get(device, 0):
+            self.busy_peak[device] = busy
 
     def transition(self, instance: Instance, state: InstanceState, reason: str = "") -> bool:
         """Move `instance` to `state`; False (and nothing changes) when it is already there or past it in a way

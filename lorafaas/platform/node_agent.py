@@ -212,6 +212,7 @@ class NodeAgent:
             instance, dispatched = admitted.instance, self.clock()
             instance.last_progress_s = dispatched
             self.most_in_flight[spec.name] = max(self.most_in_flight.get(spec.name, 0), instance.in_flight)
+            self.table.record_busy(instance.device)
             produced = False
             tokens = self.policy.request_tokens(request)
             if self.config.scheduler.offloading:

@@ -67,4 +67,11 @@ class _AgentCollector:
                     continue
         for device, pss in sorted(per_device.items()):
             memory.add_metric([device], pss)
-        return [cold, instances, failures, memory]
+        slots = GaugeMetricFamily("lorafaas_compute_slots", "Instances the device runs at full speed at once",
+                                  labels=["device"])
+        slots.add_metric([self.agent.config.device], self.agent.compute_slots)
+        peak = GaugeMetricFamily("lorafaas_busy_instances_peak", "Most instances busy at once on the device "
+                                 "(running a request or starting) since the agent started", labels=["device"])
+        for device, count in sorted(dict(self.agent.table.busy_peak).items()):
+            peak.add_metric([device], count)
+        return [cold, instances, failures, memory, slots, peak]
