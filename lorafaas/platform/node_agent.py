@@ -297,14 +297,14 @@ class NodeAgent:
         identity = Identity.of(spec)
         instances = [i for i in self.table.of_identity(identity)
                      if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
-        loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s)
-                      for i in instances)
+        busy = self.table.busy_on_device(self.config.device)
+        loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
+                                   busy < self.compute_slots) for i in instances)
         current = self.specs.get(spec.name) == spec
         max_instances = spec.max_instances if current else len(loads)  # nothing starts for a superseded version
         slo_s = spec.slo_ttft_ms / 1e3
         slo_batch = self.scheduler.batch_policy(spec.name, slo_s).max_batch_size
         adaptive = self.config.scheduler.adaptive_batching
-        busy = self.table.busy_on_device(self.config.device)
         options = ()
         if (needs_start_options(loads, slo_batch, self.config.max_batch_size)
                 and worth_offering(len(loads), max_instances, busy, self.compute_slots)):

@@ -7,7 +7,10 @@ One policy for every executor: the node agent (`lorafaas/platform/node_agent.py`
 
 The rule, in order:
 1. An instance that is ready and holds fewer than min(B, worker capacity) requests takes up to that many (least
-   loaded first, then the oldest): B keeps a batch's prefill within the SLO.
+   loaded first, then the oldest): B keeps a batch's prefill within the SLO. An idle instance begins running only
+   where its device has compute to spare, or as its function's one running instance (`_runnable`): busy instances
+   are counted across functions, so a device never runs more of them than it has compute for, beyond one per
+   function with requests.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
    (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
@@ -52,6 +55,9 @@ class InstanceLoad:
     ready: bool  # False: still starting
     in_flight: int  # requests it holds
     started_s: float  # when it began starting (the older instance wins a tie)
+    # its device runs fewer busy instances (of every function: running a request or starting) than it has compute
+    # slots; an idle instance whose device is full begins running only as its function's one running instance
+    spare_compute: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, wor
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
     B (executors skip working the options out then; finding a device can cost a view of the cluster)."""
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
-    return not any(i.ready and i.in_flight < cap for i in instances)
+    return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready]))
 
 
 def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
@@ -108,7 +114,7 @@ def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
 def can_join(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int, adaptive: bool) -> bool:
     """Whether a running batch could take a request instead of a start (then a start's expected time matters)."""
     limit = join_limit(slo_batch, worker_capacity, adaptive)
-    return any(i.ready and i.in_flight < limit for i in instances)
+    return any(i.in_flight < limit for i in _runnable([i for i in instances if i.ready]))
 
 
 def decide_admission(view: AdmissionView) -> AdmissionDecision:
@@ -117,13 +123,14 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     capacity = max(1, view.worker_capacity)
     cap = max(1, min(view.slo_batch, capacity))
     ready = [i for i in view.instances if i.ready]
-    with_room = [i for i in ready if i.in_flight < cap]
+    runnable = _runnable(ready)
+    with_room = [i for i in runnable if i.in_flight < cap]
     if with_room:
         best = _least_loaded(with_room)
         size = min(view.queue_length, cap - best.in_flight)
         return AdmissionDecision("dispatch", "room", best.instance_id, size=size)
     limit = join_limit(view.slo_batch, capacity, view.adaptive)
-    joinable = [i for i in ready if i.in_flight < limit]
+    joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
     if can_grow:
@@ -150,11 +157,25 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     if starting:
         oldest = min(starting, key=lambda i: (i.started_s, i.instance_id))
         return AdmissionDecision("await_start", "cold_start", oldest.instance_id)
+    if len(runnable) < len(ready):  # an idle instance waits for compute other instances hold
+        return AdmissionDecision("wait", "no_compute")
     if not can_grow:
         return AdmissionDecision("wait", "max_instances")
     if ready:
         return AdmissionDecision("wait", "batch_bound")
     return AdmissionDecision("wait", "no_compute")
+
+
+def _runnable(ready: list[InstanceLoad]) -> list[InstanceLoad]:
+    """The ready instances that may take requests now: those already running, and an idle one only where its device
+    has compute to spare or as its function's one running instance (every function may run one; another instance
+    of it would only share cores that are already taken, shrinking every batch on the device)."""
+    running = [i for i in ready if i.in_flight > 0]
+    idle = [i for i in ready if i.in_flight == 0]
+    allowed = [i for i in idle if i.spare_compute]
+    if not running and not allowed and idle:
+        allowed = [min(idle, key=lambda i: (i.started_s, i.instance_id))]
+    return running + allowed
 
 
 def _least_loaded(instances: list[InstanceLoad]) -> InstanceLoad:

@@ -49,6 +49,10 @@ SCENARIOS = [
     Scenario("at max instances, all full", ((True, 8), (True, 8)), queued=1, max_instances=2),
     Scenario("starting beside a full one", ((True, 8), (False, 0)), queued=2, busy_elsewhere=0, slots=1),
     Scenario("four cores, three busy", ((True, 8), (True, 8)), queued=5, busy_elsewhere=1, slots=4),
+    Scenario("an idle second instance, the cores taken", ((True, 8), (True, 0)), queued=3, busy_elsewhere=1,
+             max_instances=2),
+    Scenario("an idle second instance, a core spare", ((True, 2), (True, 0)), queued=3, slots=3),
+    Scenario("the function's one instance, the cores taken", ((True, 0),), queued=1, busy_elsewhere=2),
 ]
 
 
@@ -125,4 +129,4 @@ def test_the_table_covers_every_kind_of_decision() -> None:
     seen = {decide_admission(sim_view(s)).action for s in SCENARIOS}
     reasons = {decide_admission(sim_view(s)).reason for s in SCENARIOS}
     assert seen == {"dispatch", "start", "await_start", "wait"}
-    assert {"room", "join", "first_instance", "scale_out", "cold_start", "max_instances"} <= reasons
+    assert {"room", "join", "first_instance", "scale_out", "cold_start", "max_instances", "no_compute"} <= reasons

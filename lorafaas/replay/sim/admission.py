@@ -40,7 +40,8 @@ class SimAdmission:
              excluded: frozenset[str] = frozenset()) -> AdmissionView:
         sim = self.sim
         loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
-                                   i.ready_at_s - i.cold_start_s) for i in fs.instances)
+                                   i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots)
+                      for i in fs.instances)
         adaptive = sim.policy.batching == "adaptive"
         slo_batch = self.slo_batch(name, fs)
         capacity = sim.cluster.max_batch_size

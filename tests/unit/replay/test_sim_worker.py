@@ -59,13 +59,13 @@ def test_decoding_slows_while_another_instance_of_the_device_runs() -> None:
 
 
 def test_a_request_joins_a_running_batch_when_no_instance_can_start() -> None:
-    # 300-token prompts: T(1) > the 1 s SLO, so B = 1; one instance at most: the second request does not wait for
+    # 340-token prompts: T(1) > the 1 s SLO, so B = 1; one instance at most: the second request does not wait for
     # the first to finish (a whole generation) but joins its worker's batch (`in_flight_limit`), as the agent does
     one = replace(LOCAL, max_instances_per_function=1)
-    work = _work((0.0, "pirate", 300, 2), (30.0, "pirate", 300, 30), (30.5, "pirate", 300, 2))
+    work = _work((0.0, "pirate", 340, 2), (30.0, "pirate", 340, 30), (30.5, "pirate", 340, 2))
     out, _ = simulate(work, one, POLICIES["fixed-keep-alive"])
     long, joined = out.results[1], out.results[2]
-    assert COSTS.prefill_pass_s(SMOL, [300]) > LOCAL.default_slo_ttft_s
+    assert COSTS.prefill_pass_s(SMOL, [340]) > LOCAL.default_slo_ttft_s
     assert joined.sent_s == 30.5
     assert 30.5 + joined.ttft_s < 30.0 + long.e2e_s - 1.0
     # the fixed batch of one stays the hard limit it is: there the second waits for the first to end

@@ -16,6 +16,10 @@ def ready(name: str, in_flight: int, started_s: float = 0.0) -> InstanceLoad:
     return InstanceLoad(name, True, in_flight, started_s)
 
 
+def idle(name: str, spare_compute: bool, started_s: float = 0.0) -> InstanceLoad:
+    return InstanceLoad(name, True, 0, started_s, spare_compute)
+
+
 def starting(name: str, started_s: float = 0.0) -> InstanceLoad:
     return InstanceLoad(name, False, 0, started_s)
 
@@ -81,3 +85,24 @@ def test_a_fixed_batch_size_is_a_hard_limit(adaptive: bool) -> None:
         assert (decision.action, decision.reason, decision.size) == ("dispatch", "join", 5)
     else:
         assert (decision.action, decision.reason) == ("wait", "max_instances")
+
+
+def test_an_idle_instance_does_not_begin_running_on_a_device_whose_compute_is_taken() -> None:
+    full = StartOption("cpu", 2, 2, 0.1)
+    # the function runs elsewhere in "a" (full within B): "b" idles rather than add a busy instance to full cores
+    decision = decide_admission(view(ready("a", 8), idle("b", spare_compute=False), queue=3, max_instances=2,
+                                     options=(full,)))
+    assert (decision.action, decision.reason) == ("wait", "no_compute")
+    # within the worker's capacity the requests join the running batch instead
+    decision = decide_admission(view(ready("a", 4), idle("b", spare_compute=False), queue=3, options=(full,)))
+    assert (decision.action, decision.reason, decision.instance_id) == ("dispatch", "join", "a")
+    # with a core to spare the idle instance takes them
+    decision = decide_admission(view(ready("a", 4), idle("b", spare_compute=True), queue=3))
+    assert (decision.action, decision.reason, decision.instance_id) == ("dispatch", "room", "b")
+
+
+def test_every_function_may_run_one_instance_whatever_the_device_load() -> None:
+    full = StartOption("cpu", 2, 2, 0.1)
+    decision = decide_admission(view(idle("b", spare_compute=False, started_s=2.0),
+                                     idle("a", spare_compute=False, started_s=1.0), options=(full,)))
+    assert (decision.action, decision.reason, decision.instance_id) == ("dispatch", "room", "a")
