@@ -57,6 +57,7 @@ def compare(
     live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0, cpu_load: Path | None = None
 ) -> dict:
     work, live = live_workload(live_dir / "results.json")
+    meta = json.loads((live_dir / "results.json").read_text())["meta"]  # read and checked by live_workload
     background: list[tuple[float, float]] = []
     if cpu_load is not None:
         try:
@@ -73,6 +74,8 @@ def compare(
         diff = None if not a or b is None else (b - a) / a
         out["metrics"][metric] = {"live_mean": a, "sim_mean": b, "relative_difference": diff}
     out["cold_starts"] = {"live": sum(1 for r in live if r.cold), "sim": row.num_cold_starts}
+    out["busy_instances_peak"] = {"live": meta.get("busy_instances_peak"), "sim": outcome.busy_peak,
+                                  "compute_slots": meta.get("compute_slots")}
     return out
 
 
@@ -88,6 +91,10 @@ def format_table(result: dict) -> str:
         lines.append(f"| {metric.removesuffix('_s').upper()} | {live} | {sim} | {diff} |")
     cold = result["cold_starts"]
     lines.append(f"| cold starts | {cold['live']} | {cold['sim']} | |")
+    peak = result["busy_instances_peak"]
+    live_peak = "-" if peak["live"] is None else str(peak["live"])
+    slots = "" if peak["compute_slots"] is None else f"{peak['compute_slots']} compute slots"
+    lines.append(f"| busy instances at once (peak) | {live_peak} | {peak['sim']} | {slots} |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorafaas.errors import InvalidInput, PlatformUnavailable
 from lorafaas.replay.results import RequestResult
@@ -57,6 +58,8 @@ class LiveRun:
     instances: dict[str, InstanceSeen]
     started_wall: float
     wall_s: float
+    busy_peak: int | None = None  # the most instances busy at once on a device (`/metrics`), None: not readable
+    compute_slots: int | None = None
 
 
 def prompt_text(num_tokens: int) -> str:
@@ -219,5 +222,22 @@ async def run_live(
         wall_s = time.perf_counter() - t0
         stop.set()
         await poller
+        busy_peak, slots = await _busy_peak(client)
     attribute_cold_starts(results, instances, started_wall)
-    return LiveRun(results, instances, started_wall, wall_s)
+    return LiveRun(results, instances, started_wall, wall_s, busy_peak, slots)
+
+
+async def _busy_peak(client: httpx.AsyncClient) -> tuple[int | None, int | None]:
+    """The platform's `lorafaas_busy_instances_peak` and `lorafaas_compute_slots` (the largest over its devices), or
+    None where `/metrics` does not show them (another server, or a key not allowed to read it)."""
+    try:
+        reply = await client.get("/metrics")
+    except httpx.TransportError:
+        return None, None
+    if reply.status_code != 200:
+        return None, None
+    found: dict[str, int] = {}
+    for family in text_string_to_metric_families(reply.text):
+        if family.name in ("lorafaas_busy_instances_peak", "lorafaas_compute_slots") and family.samples:
+            found[family.name] = int(max(sample.value for sample in family.samples))
+    return found.get("lorafaas_busy_instances_peak"), found.get("lorafaas_compute_slots")

@@ -65,6 +65,7 @@ class SimOutcome:
     num_plans: int
     cold_breakdowns: dict[str, list[dict[str, float]]]
     waits: dict[str, int] = field(default_factory=dict)  # admission reason -> times a function's queue waited for it
+    busy_peak: int = 0  # the most instances busy at once on one device (running a batch or starting)
 
 
 class Simulator:
@@ -119,7 +120,7 @@ class Simulator:
             RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for i, r in enumerate(workload.requests)
         ]
-        self.num_cold_starts = self.num_plans = 0
+        self.num_cold_starts = self.num_plans = self.busy_peak = 0
         self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
@@ -183,7 +184,7 @@ class Simulator:
         end = max(self.now, self.workload.duration_s)
         cost = self._finish(end)
         return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns,
-                          dict(self.admission.waits))
+                          dict(self.admission.waits), self.busy_peak)
 
     def _finish(self, end_s: float) -> float:
         if self.policy.serverful:
@@ -302,6 +303,7 @@ class Simulator:
         starts_running = inst.running == 0
         if starts_running:  # contention is between processes: an instance's batches share its forward passes
             device.num_running += 1
+            self.busy_peak = max(self.busy_peak, self.busy(device))
         inst.running += 1
         inst.expire_token += 1
         device.used_bytes += kv
@@ -429,6 +431,7 @@ class Simulator:
         )
         fs.instances.append(inst)
         device.instances.add(inst)
+        self.busy_peak = max(self.busy_peak, self.busy(device))
         return inst
 
     def _stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
