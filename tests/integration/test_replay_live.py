@@ -92,11 +92,11 @@ def test_replay_writes_the_report(platform: PlatformProcess, tmp_path: Path) -> 
     assert document["summary"][-1]["num_ok"] == 6
     assert document["cold_start_breakdowns"]
     assert "| all | 6 | 0 |" in (out / "summary.md").read_text()
-    # the platform's own count of instances busy at once, read from /metrics: the two functions' first instances at
-    # least, and never above what they could have started
+    # the platform's own count of instances busy at once, read from /metrics: some, and never more than the two
+    # functions could have started
     meta = document["meta"]
     assert meta["compute_slots"] >= 1
-    assert 2 <= meta["busy_instances_peak"] <= len({r["function"] for r in rows}) * 4
+    assert 1 <= meta["busy_instances_peak"] <= len({r["function"] for r in rows}) * 4
 
 
 def test_replay_onto_a_missing_function_fails_clearly(platform: PlatformProcess, tmp_path: Path) -> None:
