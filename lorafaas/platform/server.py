@@ -142,6 +142,9 @@ class Platform:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):
+        from lorafaas.platform.adapters.validate import warm_up
+
+        await asyncio.to_thread(warm_up, self.models)  # before serving: the first upload must not import torch
         await self.agent.start()
         restored = await self.service.restore()
         log.info("restored %d function(s) from the store", restored)

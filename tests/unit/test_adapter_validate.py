@@ -249,3 +249,22 @@ def test_symlinked_adapter_directory_is_packed_as_files(adapter: Path, tmp_path:
     (tmp_path / "scratch").mkdir()
     unpacked = unpack_adapter(pack_adapter(snapshot), tmp_path / "scratch")
     assert (unpacked / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+
+
+def test_warm_up_builds_each_backbones_module_table_and_survives_a_broken_one(tmp_path, tiny_dense_dir, caplog,
+                                                                              monkeypatch) -> None:
+    """The gateway warms the adapter checks before serving (the first upload must not import torch on a request):
+    every stored backbone is built once, and one that cannot be built is logged, not fatal."""
+    from lorafaas.platform.adapters import validate as validate_module
+    from lorafaas.platform.model_store import ModelStore
+
+    store = ModelStore(tmp_path / "models")
+    store.import_dir("good", tiny_dense_dir)
+    store.import_dir("broken", tiny_dense_dir)
+    (store.path("broken") / "config.json").write_text("{not json")
+    built = []
+    real = validate_module.backbone_module_table
+    monkeypatch.setattr(validate_module, "backbone_module_table", lambda path: built.append(path.name) or real(path))
+    validate_module.warm_up(store)
+    assert sorted(built) == sorted(p.name for p in (store.path("good"), store.path("broken")))
+    assert "broken" in caplog.text

@@ -8,6 +8,7 @@ off its safetensors header (every 2-D `<module>.weight` is a layer of shape [out
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
@@ -16,6 +17,8 @@ from lorafaas.platform.adapters.files import WEIGHTS_FILE, AdapterInfo, read_ada
 from lorafaas.platform.adapters.rules import ModuleTable, check_against_model, fullmatch
 from lorafaas.platform.model_store import BackboneManifest, ModelStore
 from lorafaas.weights import read_safetensors_header
+
+log = logging.getLogger(__name__)
 
 
 def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dict[str, tuple[int, int]]:
@@ -73,6 +76,19 @@ def backbone_module_table(model_dir: Path) -> ModuleTable:
     from lorafaas.function_runtime.lora import module_table
 
     return module_table(build_empty_model(model_dir))
+
+
+def warm_up(store: ModelStore) -> None:
+    """Import what validating an upload needs (torch, transformers and each stored backbone's model class) and build
+    each module table once, before the gateway serves: done lazily, the first upload's imports hold the GIL for
+    seconds and stall the event loop (/healthz answered in 200 ms during the first hostile upload)."""
+    import safetensors.torch  # noqa: F401
+
+    for manifest in store.list():
+        try:
+            backbone_module_table(store.path(manifest.name))
+        except Exception as exc:  # a backbone that cannot be built is refused at deploy with its own message
+            log.warning("warming up the adapter checks for backbone %s: %s", manifest.name, exc)
 
 
 def _check_expert_fields(info: AdapterInfo) -> None:
