@@ -36,7 +36,7 @@ async def deploy_demo_functions(platform) -> list[str]:
         name = adapter_dir.name
         names.append(name)
         try:
-            platform.store.get_function(name)
+            await asyncio.to_thread(platform.store.get_function, name)
             continue
         except FunctionNotFound:
             pass

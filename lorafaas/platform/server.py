@@ -168,7 +168,7 @@ class Platform:
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
-            removed = self.service.expire_invocations()
+            removed = await asyncio.to_thread(self.service.expire_invocations)
             if removed:
                 log.info("removed %d expired invocation record(s)", removed)
 

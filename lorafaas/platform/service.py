@@ -91,13 +91,13 @@ class FunctionService:
                             uid=secrets.token_hex(8), created_at=now, updated_at=now, **_spec_values(fields)).check()
         self.models.get(spec.backbone)  # BackboneNotFound before any work
         self._check_lora_mode(spec)
-        if self._exists(spec.name):
+        if await asyncio.to_thread(self._exists, spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
         digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant)
         spec = msgspec.structs.replace(spec, adapter_digest=digest)
         try:
-            self.store.put_function(spec, create=True)
+            await asyncio.to_thread(self.store.put_function, spec, create=True)
         finally:
             await self._release_adapter(digest)  # a failed deploy leaves no adapter behind
         self.agent.apply(spec)
@@ -108,7 +108,7 @@ class FunctionService:
     async def update(self, caller: ApiKeyRecord, name: str, fields: dict, adapter_archive: bytes | BinaryIO | None
                      ) -> FunctionSpec:
         """Change a function's settings and/or adapter; a new adapter rolls out atomically."""
-        current = self.get(caller, name)
+        current = await self.aget(caller, name)
         changes = _spec_values(fields)
         if adapter_archive is not None:
             changes["adapter_digest"] = await self._store_adapter(adapter_archive, current.backbone, current.tenant,
@@ -118,12 +118,18 @@ class FunctionService:
                                            updated_at=max(time.time(), current.created_at)).check()
             if "lora_mode" in changes:
                 self._check_lora_mode(spec)
-            self.store.put_function(spec, create=False)
+            await asyncio.to_thread(self.store.put_function, spec, create=False)
         finally:
             if "adapter_digest" in changes:  # the replaced adapter, or the refused new one, may be unused now
                 await self._release_adapter(changes["adapter_digest"])
         self.agent.apply(spec)
         return spec
+
+    # The state store may be remote (Redis): every call to it from a coroutine goes through a worker thread, so a
+    # slow or unreachable store never stalls the event loop (/healthz, streams in flight).
+
+    async def aget(self, caller: ApiKeyRecord, name: str) -> FunctionSpec:
+        return await asyncio.to_thread(self.get, caller, name)
 
     def get(self, caller: ApiKeyRecord, name: str) -> FunctionSpec:
         try:
@@ -134,18 +140,18 @@ class FunctionService:
             raise FunctionNotFound(f"function {name!r} does not exist")
         return spec
 
-    def list(self, caller: ApiKeyRecord) -> list[FunctionSpec]:
-        return self.store.list_functions(None if caller.is_admin else caller.tenant)
+    async def list(self, caller: ApiKeyRecord) -> list[FunctionSpec]:
+        return await asyncio.to_thread(self.store.list_functions, None if caller.is_admin else caller.tenant)
 
     async def delete(self, caller: ApiKeyRecord, name: str) -> None:
-        spec = self.get(caller, name)
-        self.store.delete_function(spec.name)
+        spec = await self.aget(caller, name)
+        await asyncio.to_thread(self.store.delete_function, spec.name)
         await self.agent.remove(spec.name)
         await asyncio.to_thread(remove_deployment_logs, self.agent.launcher.log_dir, spec.uid)
         await self._collect_adapters()
 
-    def describe(self, caller: ApiKeyRecord, name: str) -> dict:
-        spec = self.get(caller, name)
+    async def describe(self, caller: ApiKeyRecord, name: str) -> dict:
+        spec = await self.aget(caller, name)
         return {"function": msgspec.to_builtins(spec), "instances": self.agent.describe(spec.name),
                 "last_cold_start": self.agent.last_cold_start.get(spec.name),
                 "offloaded": self.agent.offloaded(spec.name), "batching": self.agent.batching(spec),
@@ -153,7 +159,10 @@ class FunctionService:
                 "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name},
                 "failures": self.agent.failures(spec.name)}
 
-    def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
+    async def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
+        return await asyncio.to_thread(self._logs, caller, name, tail_bytes)
+
+    def _logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int) -> str:
         """The tail of each instance log of this deployment of the function (never a predecessor's or a
         namesake's: the files live in the deployment's own directory)."""
         spec = self.get(caller, name)
@@ -216,21 +225,21 @@ class FunctionService:
 
     async def _collect_adapters(self) -> None:
         """Remove the adapters no stored function references (and no deploy in progress holds)."""
-        referenced = {spec.adapter_digest for spec in self.store.list_functions()}
+        referenced = {spec.adapter_digest for spec in await asyncio.to_thread(self.store.list_functions)}
         await asyncio.to_thread(self.adapters.collect, referenced)
 
     # -- invocations -----------------------------------------------------------------------------------------------
 
     async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest
                      ) -> AsyncIterator[m.Token | m.Finished]:
-        spec = self.get(caller, name)
+        spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
         async for event in within_wall_time(self.agent.invoke(spec, to_generate(request, secrets.token_hex(8))), spec):
             yield event
 
-    def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
+    async def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
         """Accept an asynchronous invocation: stored first (it survives a restart), then run in the background."""
-        spec = self.get(caller, name)
+        spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
         now = time.time()
         record = InvocationRecord(
@@ -238,12 +247,12 @@ class FunctionService:
             status="queued",
             request=request, created_at=now, updated_at=now, expires_at=now + INVOCATION_RETENTION_S,
         )
-        self.store.put_invocation(record)
+        await asyncio.to_thread(self.store.put_invocation, record)
         self._run_in_background(record)
         return record
 
-    def get_invocation(self, caller: ApiKeyRecord, invocation_id: str) -> InvocationRecord:
-        record = self.store.get_invocation(invocation_id)
+    async def get_invocation(self, caller: ApiKeyRecord, invocation_id: str) -> InvocationRecord:
+        record = await asyncio.to_thread(self.store.get_invocation, invocation_id)
         if not (caller.is_admin or record.tenant == caller.tenant):
             raise InvocationNotFound(f"invocation {invocation_id!r} does not exist")
         return record
@@ -254,9 +263,10 @@ class FunctionService:
         task.add_done_callback(self._background.discard)
 
     async def _run(self, record: InvocationRecord) -> None:
-        self.store.put_invocation(msgspec.structs.replace(record, status="running", updated_at=time.time()))
+        running = msgspec.structs.replace(record, status="running", updated_at=time.time())
+        await asyncio.to_thread(self.store.put_invocation, running)
         try:
-            spec = self.store.get_function(record.function)
+            spec = await asyncio.to_thread(self.store.get_function, record.function)
             if (record.deployment and spec.uid != record.deployment) or spec.tenant != record.tenant:
                 raise FunctionNotFound(f"function {record.function!r} was deleted before this invocation ran")
             finished = None
@@ -281,7 +291,7 @@ class FunctionService:
             done = msgspec.structs.replace(record, status="failed", error_code=ServerError.code,
                                            error_message=f"the invocation failed inside lorafaas "
                                                          f"({type(exc).__name__})", updated_at=time.time())
-        self.store.put_invocation(done)
+        await asyncio.to_thread(self.store.put_invocation, done)
 
     def expire_invocations(self) -> int:
         return self.store.delete_expired_invocations(time.time())

@@ -59,7 +59,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         503: {"description": "Starting, or the state store is unreachable",
               "content": {"application/json": {"schema": {"type": "object"}}}}})
     async def readyz() -> JSONResponse:
-        service.store.ping()
+        await asyncio.to_thread(service.store.ping)  # a remote store: never waited for on the event loop
         if not is_ready():
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ready"})
@@ -83,11 +83,11 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     @app.get("/v1/functions", tags=["functions"], responses=errors())
     async def list_functions(who: ApiKeyRecord = Depends(caller)) -> dict:
-        return {"functions": [msgspec.to_builtins(s) for s in service.list(who)]}
+        return {"functions": [msgspec.to_builtins(s) for s in await service.list(who)]}
 
     @app.get("/v1/functions/{name}", tags=["functions"], responses=errors(404))
     async def describe(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return service.describe(who, name)
+        return await service.describe(who, name)
 
     @app.patch("/v1/functions/{name}", tags=["functions"], responses=errors(404, 429, 507))
     async def update(name: str, spec: str = Form("{}"), adapter: UploadFile | None = File(None),
@@ -105,14 +105,14 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})
     async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> PlainTextResponse:
-        return PlainTextResponse(service.logs(who, name))
+        return PlainTextResponse(await service.logs(who, name))
 
     @app.post("/v1/functions/{name}/invoke", tags=["invoke"], responses=INVOKE_RESPONSES)
     async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
                      who: ApiKeyRecord = Depends(caller)) -> Response:
         invocation = body.to_request()
         if mode == "async" or "respond-async" in request.headers.get("prefer", ""):
-            record = service.submit(who, name, invocation)
+            record = await service.submit(who, name, invocation)
             return JSONResponse(
                 {"invocation_id": record.invocation_id, "status": record.status,
                  "location": f"/v1/invocations/{record.invocation_id}"},
@@ -125,24 +125,24 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return msgspec.to_builtins(service.get_invocation(who, invocation_id))
+        return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
 
     @app.post("/v1/keys", status_code=201, tags=["keys"], responses=errors(403))
     async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
-        key = create_key(service.store, body.tenant)
+        key = await asyncio.to_thread(create_key, service.store, body.tenant)
         return {"tenant": body.tenant, "key_id": key_id_of(key), "key": key}
 
     @app.get("/v1/keys", tags=["keys"], responses=errors(403))
     async def list_keys(who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
         return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at,
-                          "last_used_at": k.last_used_at} for k in service.store.list_keys()]}
+                          "last_used_at": k.last_used_at} for k in await asyncio.to_thread(service.store.list_keys)]}
 
     @app.delete("/v1/keys/{key_id}", tags=["keys"], responses=errors(403, 404))
     async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
-        record = revoke_key(service.store, key_id)
+        record = await asyncio.to_thread(revoke_key, service.store, key_id)
         return {"revoked": record.key_id, "tenant": record.tenant}
 
     from lorafaas.platform.gateway.openai_api import openai_router

@@ -79,7 +79,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
         return {"object": "list", "data": [
             {"id": s.name, "object": "model", "created": int(s.created_at), "owned_by": s.tenant}
-            for s in service.list(who)
+            for s in await service.list(who)
         ]}
 
     @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)

@@ -3,9 +3,6 @@ server through a proxy that holds every request for seconds, and /healthz keeps 
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -15,49 +12,9 @@ from k8s_env import NODES, RELEASE, TEMPLATE, Release
 
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.testing.platform_process import PlatformProcess
+from lorafaas.testing.slow_proxy import SlowProxy
 
 DELAY_S = 2.0
-
-
-class SlowProxy:
-    """A TCP proxy to the API server that holds each chunk a client sends for `delay_s` (TLS passes through)."""
-
-    def __init__(self, upstream_port: int, delay_s: float) -> None:
-        self.upstream_port = upstream_port
-        self.delay_s = delay_s
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.held_at: list[float] = []  # when each held chunk arrived
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, hold: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if hold:
-                    self.held_at.append(time.monotonic())
-                    time.sleep(self.delay_s)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._closed = True
-        self.server.close()
 
 
 def test_healthz_answers_at_once_while_api_calls_are_slow(release: Release, tmp_path: Path, tiny_dense_dir: Path,
