@@ -148,7 +148,8 @@ async def run_level(http: httpx.AsyncClient, target: Target, concurrency: int, p
     await asyncio.gather(*(worker() for _ in range(min(concurrency, config.requests))))
     duration = time.perf_counter() - start
     load = probe.stop()
-    return summarize(target.label, target.url, concurrency, [o for o in outcomes if o is not None], duration, load)
+    return summarize(target.label, target.url, concurrency, [o for o in outcomes if o is not None], duration, load,
+                     config.output_len)
 
 
 async def run_serve_bench_async(targets: Sequence[Target], config: ServeBenchConfig,

@@ -75,6 +75,7 @@ class LevelResult(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     duration_s: float
     output_tokens: int
+    short_replies: int  # completed before `output_len` tokens (EOS or a stop): with --ignore-eos, a server ignoring it
     output_tokens_per_s: float
     requests_per_s: float
     mean_prompt_tokens: float | None
@@ -87,7 +88,7 @@ class LevelResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def summarize(target: str, url: str, concurrency: int, outcomes: list[RequestOutcome], duration_s: float,
-              load: MachineLoad) -> LevelResult:
+              load: MachineLoad, output_len: int) -> LevelResult:
     """The level's figures: throughput over the wall time of the whole level, latencies over completed requests."""
     done = [o for o in outcomes if o.ok]
     tokens = sum(o.output_tokens for o in done)
@@ -100,6 +101,7 @@ def summarize(target: str, url: str, concurrency: int, outcomes: list[RequestOut
     return LevelResult(
         target=target, url=url, concurrency=concurrency, requests=len(outcomes), completed=len(done),
         failed=len(outcomes) - len(done), duration_s=duration_s, output_tokens=tokens,
+        short_replies=sum(1 for o in done if o.output_tokens < output_len),
         output_tokens_per_s=per_s(tokens), requests_per_s=per_s(len(done)),
         mean_prompt_tokens=float(np.mean(prompts)) if prompts else None,
         ttft=Distribution.of([o.ttft_s for o in done]), tpot=Distribution.of(tpot),

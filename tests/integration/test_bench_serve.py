@@ -1,4 +1,4 @@
-"""`lorafaas bench serve` against a real `lorafaas up` (tiny backbone): the OpenAI route streamed, as vLLM's would be."""
+"""`lorafaas bench serve` against a real `lorafaas up` (tiny backbone): its OpenAI route streamed, as vLLM's is."""
 
 from __future__ import annotations
 

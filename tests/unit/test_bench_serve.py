@@ -44,9 +44,10 @@ def test_summarize_counts_only_completed_requests_and_defines_tpot_as_vllm() -> 
         RequestOutcome(model="a", ok=False, error="HTTP 503: busy"),
         RequestOutcome(model="b", ok=False, error="HTTP 503: busy"),
     ]
-    level = summarize("x", "http://x", 4, outcomes, duration_s=2.0, load=LOAD)
+    level = summarize("x", "http://x", 4, outcomes, duration_s=2.0, load=LOAD, output_len=21)
     assert (level.requests, level.completed, level.failed) == (5, 3, 2)
     assert level.output_tokens == 33
+    assert level.short_replies == 2  # 11 and 1 of 21 tokens
     assert level.output_tokens_per_s == pytest.approx(16.5)
     assert level.requests_per_s == pytest.approx(1.5)
     assert level.mean_prompt_tokens == pytest.approx(32.0)

@@ -99,6 +99,10 @@ def _print_tables(result) -> None:
                       _dist(level.tpot), shown_load)
     console.print(table)
     for level in result.levels:
+        if level.short_replies and result.config.ignore_eos:
+            console.print(f"[yellow]{level.target} at {level.concurrency}:[/yellow] {level.short_replies} replies "
+                          f"stopped before {result.config.output_len} tokens: the server ignores ignore_eos, so its "
+                          "tokens/s is over less work than the others'")
         for error in level.errors:
             console.print(f"[red]{level.target} at {level.concurrency}:[/red] {error}")
 
