@@ -71,7 +71,8 @@ def test_parse_target() -> None:
 
 
 # A real OpenAI-style server: streams `max_tokens` one-word chunks, 5 ms apart, then a usage chunk if asked.
-# Model "broken" answers 500; model "erroring" streams one chunk and then an error event, as lorafaas does.
+# Model "broken" answers 500; model "erroring" streams one chunk and then an error event, as lorafaas does; model
+# "early" stops after 2 tokens whatever ignore_eos says (as a server that ignores the field).
 SEEN: list[dict] = []
 
 
@@ -82,14 +83,15 @@ async def completions(request: Request):
         return JSONResponse({"error": {"message": "down"}}, status_code=500)
 
     async def events():
-        for i in range(body["max_tokens"]):
+        for i in range(2 if body["model"] == "early" else body["max_tokens"]):
             await asyncio.sleep(0.005)
             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' w{i}', 'finish_reason': None}]})}\n\n"
             if body["model"] == "erroring":
                 yield f"data: {json.dumps({'error': {'message': 'instance died'}})}\n\n"
                 return
         if body.get("stream_options", {}).get("include_usage"):
-            usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": body["max_tokens"]}
+            tokens = 2 if body["model"] == "early" else body["max_tokens"]
+            usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": tokens}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -165,3 +167,11 @@ def test_cli_prints_json_and_fails_on_failed_requests(sse_server: str) -> None:
     assert failed.exit_code == 1
     bad = runner.invoke(app, ["bench", "serve", "--url", sse_server, "--model", "a", "--concurrency", "8,x"])
     assert bad.exit_code == 2 and "--concurrency" in bad.output
+
+
+def test_cli_says_when_a_server_ignores_ignore_eos(sse_server: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "serve", "--url", f"fake={sse_server}", "--model", "early,a",
+                                      "--concurrency", "2", "--requests", "4", "--output-len", "5", "--ignore-eos",
+                                      "--no-warmup"])
+    assert result.exit_code == 0, result.output
+    assert "2 replies stopped before 5 tokens" in " ".join(result.output.split())
