@@ -172,7 +172,9 @@ async def run_serve_bench_async(targets: Sequence[Target], config: ServeBenchCon
             for target in order:
                 progress.stage(f"{target.label}: concurrency {concurrency}", config.requests)
                 levels.append(await run_level(http, target, concurrency, prompts, config, progress))
-    return ServeBenchResult(config=config, targets=tuple(targets), levels=tuple(levels))
+    # results get shared: never the key itself, only whether one was sent
+    shown = msgspec.structs.replace(config, api_key="<redacted>" if config.api_key else None)
+    return ServeBenchResult(config=shown, targets=tuple(targets), levels=tuple(levels))
 
 
 def run_serve_bench(targets: Sequence[Target], config: ServeBenchConfig,

@@ -158,8 +158,10 @@ def test_run_spreads_requests_round_robin_and_alternates_targets(sse_server: str
 def test_cli_prints_json_and_fails_on_failed_requests(sse_server: str) -> None:
     runner = CliRunner()
     ok = runner.invoke(app, ["bench", "serve", "--url", f"fake={sse_server}", "--model", "a,b", "--concurrency", "2",
-                             "--requests", "4", "--output-len", "3", "--json", "--no-warmup"])
+                             "--requests", "4", "--output-len", "3", "--json", "--no-warmup",
+                             "--api-key", "secret-key-1"])
     assert ok.exit_code == 0, ok.output
+    assert "secret-key-1" not in ok.output and SEEN[-1]["authorization"] == "Bearer secret-key-1"
     document = json.loads(ok.output[ok.output.index("{"):])
     assert document["levels"][0]["completed"] == 4 and document["levels"][0]["target"] == "fake"
     failed = runner.invoke(app, ["bench", "serve", "--url", sse_server, "--model", "broken", "--concurrency", "1",
