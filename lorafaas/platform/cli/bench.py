@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from lorafaas.config import LorafaasConfig
+from lorafaas.platform.cli import bench_serve
 from lorafaas.platform.cli.output import RichProgress, console, human_bytes, print_json
 from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dirs
 
@@ -246,3 +247,6 @@ def moe_transport(
         table.add_row(str(row.tokens), str(row.rows), f"{row.shm_ms:.2f} ms", f"{row.tcp_ms:.2f} ms",
                       f"{row.http_json_ms:.1f} ms", f"{row.http_over_shm:.0f}x")
     console.print(table)
+
+
+app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py

