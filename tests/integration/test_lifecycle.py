@@ -168,32 +168,42 @@ async def _starting_instance(http: httpx.AsyncClient, name: str) -> None:
 
 
 def test_an_adapter_update_under_load_answers_what_was_accepted_and_leaks_no_old_instance(home, adapters) -> None:
-    with PlatformProcess(home) as platform, platform.client() as admin:
+    # A long hang timeout: the version-1 worker is paused below while the update lands, which is not a hang.
+    with PlatformProcess(home, extra_args=("--hang-timeout", "120")) as platform, platform.client() as admin:
         deploy(admin, "busy", adapters["alpha"], max_instances=1)
         before = reference(admin, adapters["alpha"], body(32))
         after = reference(admin, adapters["beta"], body(32))
         admin.invoke("busy", body())
+        [old] = admin.describe("busy")["instances"]
 
         async def update_under_load() -> list[dict]:
             async with http_client(platform, platform.admin_key) as http:
                 accepted = [asyncio.create_task(stream(http, "busy", body(32))) for _ in range(40)]
                 await asyncio.sleep(0.2)  # 8 in the worker's batch, the rest queued
-                files = {"adapter": ("adapter.tar.gz", _archive(adapters["beta"]), "application/gzip")}
-                reply = await http.patch("/v1/functions/busy", data={"spec": "{}"}, files=files)
-                assert reply.status_code == 200, reply.text
-                for _ in range(100):  # version 1 drains what it accepted: describe and /metrics show it
-                    instances = (await http.get("/v1/functions/busy")).json()["instances"]
-                    if any(i["state"] == "draining" and i["version"] == 1 for i in instances):
-                        metrics = (await http.get("/metrics")).text
-                        assert 'lorafaas_instances{function="busy",state="draining"} 1.0' in metrics
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError(f"no draining version-1 instance seen: {instances}")
+                # Pause version 1 so that it still holds accepted work when the update lands: a tiny backbone
+                # otherwise answers all 40 before the upload is validated, and nothing would be left to drain.
+                os.kill(old["pid"], signal.SIGSTOP)
+                try:
+                    assert not all(t.done() for t in accepted), "all 40 answered within 0.2 s: nothing to drain"
+                    files = {"adapter": ("adapter.tar.gz", _archive(adapters["beta"]), "application/gzip")}
+                    reply = await http.patch("/v1/functions/busy", data={"spec": "{}"}, files=files)
+                    assert reply.status_code == 200, reply.text
+                    for _ in range(100):  # version 1 drains what it accepted: describe and /metrics show it
+                        instances = (await http.get("/v1/functions/busy")).json()["instances"]
+                        if any(i["state"] == "draining" and i["version"] == 1 for i in instances):
+                            metrics = (await http.get("/metrics")).text
+                            assert 'lorafaas_instances{function="busy",state="draining"} 1.0' in metrics
+                            break
+                        await asyncio.sleep(0.02)
+                    else:
+                        raise AssertionError(f"no draining version-1 instance seen: {instances}")
+                finally:
+                    os.kill(old["pid"], signal.SIGCONT)
                 return await asyncio.wait_for(asyncio.gather(*accepted), 90)
 
         results = asyncio.run(update_under_load())
-        assert all(r["status"] == 200 and r["error"] is None for r in results), results
+        failed = [r for r in results if r["status"] != 200 or r["error"] is not None]
+        assert not failed, f"{len(failed)} of {len(results)} failed: {failed}"
         assert {r["text"] for r in results} == {before}, "accepted before the update: answered by version 1"
         assert admin.invoke("busy", body(32))["text"] == after
         wait_for(lambda: {i["version"] for i in admin.describe("busy")["instances"]} == {2}, 30,
