@@ -1,5 +1,5 @@
 """`python -m lorafaas` is the `lorafaas` command."""
 
-from lorafaas.platform.cli import main
+from lorafaas.cli import main
 
 main()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.tiny_models import save_tiny_adapter, save_tiny_backbone
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from lorafaas.backbone_daemon.config import DaemonConfig
-    from lorafaas.backbone_daemon.messages import ErrorReply
     from lorafaas.backbone_daemon.server import serve
+    from lorafaas.protocols.daemon_config import DaemonConfig
+    from lorafaas.protocols.daemon_messages import ErrorReply
 
     def ready(paths) -> None:
         print(paths.socket, flush=True)

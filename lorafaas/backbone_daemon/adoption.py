@@ -23,13 +23,13 @@ from pathlib import Path
 
 import msgspec
 
-from lorafaas.backbone_daemon import messages as m
-from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.cuda_ipc import MemfdLocation
 from lorafaas.cuda_ipc.layout import check_manifest
 from lorafaas.cuda_ipc.memfd import MemfdExport, check_segment_fd
 from lorafaas.errors import SegmentError
-from lorafaas.platform.model_store import BackboneManifest
+from lorafaas.formats.model_store import BackboneManifest
+from lorafaas.protocols import daemon_messages as m
+from lorafaas.protocols.daemon_config import DaemonConfig
 
 log = logging.getLogger(__name__)
 _record_decoder = msgspec.msgpack.Decoder(m.SegmentRecord)

@@ -24,8 +24,8 @@ from pathlib import Path
 from lorafaas import cuda_ipc
 from lorafaas.cuda_ipc.layout import SAFETENSORS_DTYPES, TensorSpec, dtype_name
 from lorafaas.errors import MalformedModel
-from lorafaas.function_runtime.binding import build_empty_model, tied_weight_keys
-from lorafaas.weights import read_safetensors_header
+from lorafaas.formats.weights import read_safetensors_header
+from lorafaas.models.binding import build_empty_model, tied_weight_keys
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ import msgspec
 
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
-from lorafaas.backbone_daemon import messages as m
-from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
-from lorafaas.backbone_daemon.fdpass import send_with_fds
-from lorafaas.backbone_daemon.leases import LeaseTable, process_alive
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.protocols import daemon_messages as m
+from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
+from lorafaas.protocols.fdpass import send_with_fds
+from lorafaas.protocols.leases import LeaseTable, process_alive
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)

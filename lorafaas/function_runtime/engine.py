@@ -26,8 +26,8 @@ import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams
-from lorafaas.function_runtime.reference import chat_template_ids
 from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token
+from lorafaas.models.reference import chat_template_ids
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ LIBRARY_MODULES = (
     "transformers.models.auto.tokenization_auto",
     "transformers.tokenization_utils_tokenizers",
     "transformers.convert_slow_tokenizer",
-    "lorafaas.function_runtime.lora",
+    "lorafaas.models.lora",
     "lorafaas.function_runtime.engine",
-    "lorafaas.function_runtime.binding",
+    "lorafaas.models.binding",
 )
 REQUIRED_STAGES: tuple[StageName, ...] = ("libraries", "backbone", "adapter")
 WARMUP_TOKENS = 8
@@ -123,15 +123,15 @@ class FunctionInstance:
     def _load_backbone(self) -> None:
         model_dir = Path(self.spec.model_dir)
         if self.spec.daemon_socket:
-            from lorafaas.backbone_daemon.client import DaemonClient
-            from lorafaas.function_runtime.binding import bind_backbone
+            from lorafaas.models.binding import bind_backbone
+            from lorafaas.protocols.daemon_client import DaemonClient
 
             with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
             self.model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
         else:
-            from lorafaas.function_runtime.reference import load_backbone
+            from lorafaas.models.reference import load_backbone
 
             self.model, _ = load_backbone(model_dir)
         self.tokenizer = self._pool_tokenizer or load_tokenizer(model_dir)
@@ -147,10 +147,10 @@ class FunctionInstance:
     def _read_adapter(self, adapter_dir: Path):
         """A dense adapter into host memory, or an expert adapter opened in the spec's LoRA mode (`MoeAdapter`:
         its attention part here, its experts here or on the LoRA server)."""
-        from lorafaas.platform.adapters.expert_adapters import is_expert_adapter
+        from lorafaas.formats.expert_adapters import is_expert_adapter
 
         if is_expert_adapter(adapter_dir):
-            from lorafaas.function_runtime.moe_lora import open_moe_adapter
+            from lorafaas.models.moe_lora import open_moe_adapter
 
             return open_moe_adapter(
                 adapter_dir,
@@ -159,7 +159,7 @@ class FunctionInstance:
                 client=self.spec.instance_id,
                 device=self.spec.device,
             )
-        from lorafaas.function_runtime.lora import read_host_adapter
+        from lorafaas.models.lora import read_host_adapter
 
         return read_host_adapter(adapter_dir)
 
@@ -196,7 +196,7 @@ class FunctionInstance:
     # -- undoing -------------------------------------------------------------------------------------------------
 
     def _place_adapter(self) -> None:
-        from lorafaas.function_runtime.lora import attach_adapter
+        from lorafaas.models.lora import attach_adapter
 
         kind = self._adapter_kind()
         if kind is None:
@@ -204,17 +204,17 @@ class FunctionInstance:
         elif kind == "dense":
             attach_adapter(self.model, self.host_adapter, self.spec.device)
         else:
-            from lorafaas.function_runtime.moe_lora import install_expert_lora
+            from lorafaas.models.moe_lora import install_expert_lora
 
             install_expert_lora(self.model, self.host_adapter.source, self.host_adapter.info)
             attach_adapter(self.model, self.host_adapter.attention, self.spec.device)
 
     def _detach_adapter(self) -> None:
-        from lorafaas.function_runtime.lora import detach_adapter
+        from lorafaas.models.lora import detach_adapter
 
         detach_adapter(self.model)
         if self._adapter_kind() not in (None, "dense"):
-            from lorafaas.function_runtime.moe_lora import remove_expert_lora
+            from lorafaas.models.moe_lora import remove_expert_lora
 
             remove_expert_lora(self.model)
 
@@ -229,7 +229,7 @@ class FunctionInstance:
     def _unbind(self) -> None:
         self.model = self.tokenizer = self.engine = None
         if self._lease_id and self.spec.daemon_socket:
-            from lorafaas.backbone_daemon.client import DaemonClient
+            from lorafaas.protocols.daemon_client import DaemonClient
 
             with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
                 daemon.detach(self._lease_id)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas.errors import AdapterInvalid, MalformedModel, QuotaExceeded
-from lorafaas.platform.adapters.files import PEFT_PREFIX, WEIGHTS_FILE
-from lorafaas.weights import read_safetensors_header
+from lorafaas.formats.adapter_files import PEFT_PREFIX, WEIGHTS_FILE
+from lorafaas.formats.weights import read_safetensors_header
 
 DEFAULT_TENANT_ADAPTER_BYTES = 10 * 1024**3
 DEFAULT_MAX_BACKBONE_FRACTION = 0.5

@@ -25,10 +25,10 @@ from collections import Counter
 from pathlib import Path
 
 from lorafaas.errors import AdapterNotFound, ServerError
+from lorafaas.formats.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.adapter_validation import validate_adapter
 from lorafaas.platform.adapter_upload import storage_error
-from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
-from lorafaas.platform.adapters.validate import validate_adapter
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.platform.state.records import DIGEST_PATTERN, check_digest
 
 logger = logging.getLogger(__name__)

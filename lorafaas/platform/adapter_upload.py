@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from lorafaas.errors import AdapterInvalid, PickledWeightsRefused, ServerError, StorageFull
-from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
-from lorafaas.weights import PICKLE_SUFFIXES
+from lorafaas.formats.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from lorafaas.formats.weights import PICKLE_SUFFIXES
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_WEIGHTS_BYTES = 2 * 1024**3

@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from lorafaas.errors import ApiKeyNotFound, Forbidden, InvalidInput, Unauthorized
-from lorafaas.platform.model_store import check_name
+from lorafaas.formats.model_store import check_name
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import ApiKeyRecord
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas.errors import InvalidName, SourceUnavailable
-from lorafaas.platform.model_store import BackboneManifest, ModelStore, check_name
+from lorafaas.formats.model_store import BackboneManifest, ModelStore, check_name
 from lorafaas.progress import ProgressSink, SilentProgress
 
 

@@ -29,11 +29,11 @@ import msgspec
 from lorafaas.errors import FunctionNotFound, InstanceHung, InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import tcp_address
-from lorafaas.function_runtime.lora_servers import LoraServers, with_lora_mode
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend
+from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (

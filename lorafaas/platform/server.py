@@ -17,14 +17,14 @@ from pathlib import Path
 import psutil
 
 from lorafaas.errors import InvalidInput, SegmentError
-from lorafaas.function_runtime.lora_servers import LoraServers
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_limits import DEFAULT_TENANT_ADAPTER_BYTES, AdapterLimits
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
 from lorafaas.platform.backends import open_backend
+from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.interface import open_store, sqlite_url
@@ -142,7 +142,7 @@ class Platform:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):
-        from lorafaas.platform.adapters.validate import warm_up
+        from lorafaas.models.adapter_validation import warm_up
 
         await asyncio.to_thread(warm_up, self.models)  # before serving: the first upload must not import torch
         await self.agent.start()

@@ -31,12 +31,12 @@ from lorafaas.errors import (
     LorafaasError,
     ServerError,
 )
+from lorafaas.formats.model_store import ModelStore, read_model_config
 from lorafaas.function_runtime import messages as m
-from lorafaas.function_runtime.launcher import deployment_log_dir, remove_deployment_logs
 from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, check_tenant_quota
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
-from lorafaas.platform.model_store import ModelStore, read_model_config
+from lorafaas.platform.backends.local import deployment_log_dir, remove_deployment_logs
 from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, InvocationRequest

@@ -79,8 +79,8 @@ def _engine(model_dir: Path):
 
     torch.set_num_threads(1)
     from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
-    from lorafaas.function_runtime.lora import attach_adapter, read_host_adapter
-    from lorafaas.function_runtime.reference import load_backbone
+    from lorafaas.models.lora import attach_adapter, read_host_adapter
+    from lorafaas.models.reference import load_backbone
 
     model, tokenizer = load_backbone(model_dir)
     attach_adapter(model, read_host_adapter(ADAPTER))

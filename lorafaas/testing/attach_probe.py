@@ -121,8 +121,8 @@ def _run_daemon_mode(socket_path: str, function: str) -> None:
     import torch
 
     from lorafaas import cuda_ipc
-    from lorafaas.backbone_daemon.client import DaemonClient
-    from lorafaas.function_runtime.binding import bind_backbone, build_empty_model
+    from lorafaas.models.binding import bind_backbone, build_empty_model
+    from lorafaas.protocols.daemon_client import DaemonClient
 
     started = time.perf_counter()
     client = DaemonClient.connect(Path(socket_path), client=function)

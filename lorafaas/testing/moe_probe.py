@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from lorafaas.function_runtime.lora import attach_adapter
     from lorafaas.function_runtime.memory import read_memory
-    from lorafaas.function_runtime.moe_lora import install_expert_lora, open_moe_adapter
+    from lorafaas.models.lora import attach_adapter
+    from lorafaas.models.moe_lora import install_expert_lora, open_moe_adapter
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()

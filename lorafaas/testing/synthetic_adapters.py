@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lorafaas.platform.adapters.files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
-from lorafaas.platform.adapters.validate import backbone_linear_layers
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.adapter_validation import backbone_linear_layers
 
 
 def write_random_adapter(

@@ -127,7 +127,7 @@ def save_tiny_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lorafaas.platform.adapters.files import set_base_model
+    from lorafaas.formats.adapter_files import set_base_model
 
     model = AutoModelForCausalLM.from_pretrained(backbone_dir)
     torch.manual_seed(seed)

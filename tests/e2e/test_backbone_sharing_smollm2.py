@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon
-from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
-from lorafaas.function_runtime.reference import load_backbone
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.reference import load_backbone
+from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon
+from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
 
 BACKBONE = "smollm2-135m"

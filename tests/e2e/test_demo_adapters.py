@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
 
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 DEMO_ADAPTER_NAMES = ("pirate", "haiku", "french")

@@ -6,7 +6,7 @@ import subprocess
 import openai
 import pytest
 
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 
 PIRATE_WORDS = ("arr", "matey", "ye", "aye", "ahoy", "treasure", "hearties", "yer")

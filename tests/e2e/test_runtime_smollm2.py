@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lorafaas.function_runtime import messages as m
-from lorafaas.function_runtime.launcher import LocalLauncher
-from lorafaas.function_runtime.lora import attach_adapter, detach_adapter, read_host_adapter
-from lorafaas.function_runtime.reference import chat_input_ids, greedy_generate, load_backbone, with_adapter
+from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
+from lorafaas.models.reference import chat_input_ids, greedy_generate, load_backbone, with_adapter
+from lorafaas.platform.backends.local import LocalLauncher
 
 DEMO_ADAPTERS = sorted(
     p for p in (Path(__file__).resolve().parents[2] / "examples" / "adapters").iterdir()

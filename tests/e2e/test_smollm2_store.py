@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from lorafaas.function_runtime.reference import greedy_generate, load_backbone
-from lorafaas.weights import read_safetensors_header
+from lorafaas.formats.weights import read_safetensors_header
+from lorafaas.models.reference import greedy_generate, load_backbone
 
 
 def test_import_is_listed_and_a_second_import_is_a_noop(smollm2_store, cli) -> None:

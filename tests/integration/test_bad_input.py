@@ -16,8 +16,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.gateway.limits import MAX_HEADER_BYTES, MAX_JSON_BODY_BYTES
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import TinySpec, save_tiny_adapter, save_tiny_backbone
 
@@ -277,8 +277,8 @@ def peft_adapter(out: Path, backbone_dir: Path, **lora: object) -> Path:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from lorafaas.function_runtime.reference import load_backbone
-    from lorafaas.platform.adapters.files import set_base_model
+    from lorafaas.formats.adapter_files import set_base_model
+    from lorafaas.models.reference import load_backbone
 
     model, _ = load_backbone(backbone_dir)
     torch.manual_seed(3)
@@ -296,7 +296,7 @@ def test_odd_adapters_get_their_own_422_and_peft_features_run_as_peft(
     platform, headers, adapter, tmp_path, tiny_dense_dir
 ) -> None:
     """Issue 18 items 1, 5, 6, 7 and 11 through the real gateway and worker."""
-    from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
+    from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
 
     config = json.loads((adapter / CONFIG).read_text())
     weights = (adapter / WEIGHTS).read_bytes()

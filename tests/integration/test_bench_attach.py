@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.cli import main
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
-from lorafaas.platform.cli import main
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.protocols.daemon_config import DaemonConfig
 
 BACKBONE = "tiny-dense"
 BENCH_KEYS = {"backbone", "bytes", "private_load_s", "attach_s", "bind_s", "ratio_private_over_attach"}
@@ -42,7 +42,7 @@ def test_serve_prints_its_socket_and_bench_attach_measures_against_it(tmp_path_f
     paths = DaemonConfig(home=home, backbone=BACKBONE).paths
     with (home / "serve.log").open("ab") as log:
         serve = subprocess.Popen(
-            [sys.executable, "-c", "from lorafaas.platform.cli import main; main()", "--home", str(home), "backbone",
+            [sys.executable, "-c", "from lorafaas.cli import main; main()", "--home", str(home), "backbone",
              "serve", BACKBONE], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
         )
     try:

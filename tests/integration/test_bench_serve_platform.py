@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

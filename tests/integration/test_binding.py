@@ -13,9 +13,9 @@ import torch
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon.loader import load_into_segment, plan_direct_load
 from lorafaas.errors import BindingFailed
-from lorafaas.function_runtime.binding import bind_backbone, build_empty_model, check_bound
-from lorafaas.function_runtime.reference import load_backbone
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.binding import bind_backbone, build_empty_model, check_bound
+from lorafaas.models.reference import load_backbone
 from lorafaas.testing.attach_probe import logits_digest
 
 

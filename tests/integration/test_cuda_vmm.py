@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from lorafaas import cuda_ipc
-from lorafaas.backbone_daemon.client import DaemonClient, spawn_daemon, stop_daemon
-from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.errors import SegmentError
-from lorafaas.function_runtime.reference import load_backbone
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.reference import load_backbone
+from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon
+from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest, tensors_digest
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafaas.backbone_daemon.client import DaemonClient
-from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import DaemonUnavailable
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_upload import pack_adapter
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.protocols.daemon_client import DaemonClient
+from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.platform_process import PlatformProcess, processes_naming, wait_for
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

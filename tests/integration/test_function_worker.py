@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from lorafaas.backbone_daemon.config import DaemonPaths
 from lorafaas.errors import InstanceUnavailable, PromptTooLong
 from lorafaas.function_runtime import messages as m
-from lorafaas.function_runtime.launcher import LocalLauncher
-from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
+from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
+from lorafaas.platform.backends.local import LocalLauncher
+from lorafaas.protocols.daemon_config import DaemonPaths
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 PROMPTS = ["The quick brown fox", "Tell me about the ocean.", "Le chat dort", "Arr, matey!"]

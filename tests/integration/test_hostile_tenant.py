@@ -13,10 +13,10 @@ import httpx
 import psutil
 import pytest
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.gateway.limits import MAX_CONCURRENT_UPLOADS
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.platform.state.records import MAX_SEED
 from lorafaas.testing.hostile import (
     multipart_head,
@@ -323,7 +323,7 @@ def test_keys_are_listed_with_their_last_use_and_revoked(platform, admin_headers
 @pytest.mark.parametrize("with_redos", [False, True])
 def test_healthz_answers_within_a_second_while_a_tenant_attacks(platform, tmp_path, tiny_dense_dir,
                                                                 with_redos) -> None:
-    from lorafaas.platform.bench_edge import attack_and_probe
+    from lorafaas.bench.edge import attack_and_probe
 
     extra = {"redos": pack_adapter(redos_adapter(tmp_path / "redos", tiny_dense_dir, BACKBONE))} if with_redos else {}
     report = attack_and_probe(platform.url, platform.admin_key, tmp_path, tiny_dense_dir, BACKBONE,

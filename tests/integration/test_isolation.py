@@ -15,11 +15,11 @@ import time
 import httpx
 import pytest
 
-from lorafaas.backbone_daemon.config import DaemonConfig
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.auth import key_id_of
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.attach_probe import ProbeProcess
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter

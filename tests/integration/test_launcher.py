@@ -9,11 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from lorafaas.backbone_daemon.config import DaemonConfig
-from lorafaas.backbone_daemon.leases import process_alive, process_start_ticks
-from lorafaas.function_runtime.launcher import InstanceHandle, LocalLauncher
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.messages import WorkerSpec
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.platform.backends.local import InstanceHandle, LocalLauncher
+from lorafaas.protocols.daemon_config import DaemonConfig
+from lorafaas.protocols.leases import process_alive, process_start_ticks
 
 
 def test_the_instances_bound_to_a_dead_gpu_daemon_are_stopped_and_no_others(tmp_path) -> None:

@@ -18,8 +18,8 @@ import httpx
 import psutil
 import pytest
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.platform.state.records import MAX_SEED
 from lorafaas.testing.platform_process import PlatformProcess, stream_invocation, wait_for
 from lorafaas.testing.tiny_models import save_tiny_adapter

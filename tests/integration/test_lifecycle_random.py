@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafaas.backbone_daemon.config import DaemonConfig
 from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import FunctionNotFound
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.platform_process import PlatformProcess, processes_naming, stream_invocation
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

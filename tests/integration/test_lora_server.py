@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorafaas.backbone_daemon.lora_server import LoraServerConfig, spawn_lora_server
-from lorafaas.backbone_daemon.lora_transport import BUFFER_PREFIX, LoraServerClient
 from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, DaemonUnavailable, InvalidInput
-from lorafaas.function_runtime.moe_lora import grouped_lora_delta
-from lorafaas.platform.adapters.expert_adapters import load_expert_layer, read_expert_adapter_info, write_expert_adapter
+from lorafaas.formats.expert_adapters import load_expert_layer, read_expert_adapter_info, write_expert_adapter
+from lorafaas.lora_server.server import LoraServerConfig, spawn_lora_server
+from lorafaas.models.moe_lora import grouped_lora_delta
+from lorafaas.protocols.lora_transport import BUFFER_PREFIX, LoraServerClient
 
 NUM_ADAPTERS = 3
 REPEATS = 5
@@ -124,8 +124,8 @@ def _local_logits(model_dir: Path, adapter_dir: Path) -> tuple[torch.Tensor, int
     """Local mode, as the probe runs it (same code path), in this process."""
     from transformers import AutoModelForCausalLM
 
-    from lorafaas.function_runtime.lora import attach_adapter
-    from lorafaas.function_runtime.moe_lora import install_expert_lora, open_moe_adapter
+    from lorafaas.models.lora import attach_adapter
+    from lorafaas.models.moe_lora import install_expert_lora, open_moe_adapter
     from lorafaas.testing.moe_probe import PROBE_IDS
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

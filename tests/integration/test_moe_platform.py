@@ -14,18 +14,18 @@ import psutil
 import pytest
 import torch
 
-from lorafaas.backbone_daemon.lora_transport import LoraServerClient
+from lorafaas.formats.expert_adapters import read_expert_adapter_info, write_expert_adapter
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.messages import SamplingParams, WorkerSpec
-from lorafaas.function_runtime.moe_lora import ExpertLoraForward
+from lorafaas.models.moe_lora import ExpertLoraForward
 from lorafaas.platform.adapter_upload import pack_adapter
-from lorafaas.platform.adapters.expert_adapters import read_expert_adapter_info, write_expert_adapter
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.protocols.lora_transport import LoraServerClient
 from lorafaas.testing.platform_process import PlatformProcess
 
 PROMPT = "Tell me about the ocean."
 MAX_TOKENS = 12
-LORA_SERVER_MODULE = "lorafaas.backbone_daemon.lora_server"
+LORA_SERVER_MODULE = "lorafaas.lora_server.server"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

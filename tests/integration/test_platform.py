@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import TinySpec, save_tiny_adapter, save_tiny_backbone
 

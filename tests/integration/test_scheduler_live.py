@@ -6,8 +6,8 @@ import time
 
 import httpx
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.agent_scheduler import INSTANCE_OVERHEAD_BYTES
-from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

@@ -28,17 +28,17 @@ import msgspec
 import pytest
 import torch
 
-import lorafaas.function_runtime.launcher as launcher_module
-from lorafaas.backbone_daemon.client import DaemonClient
-from lorafaas.backbone_daemon.config import DaemonPaths
+import lorafaas.platform.backends.local as launcher_module
 from lorafaas.cuda_ipc.memfd import available_memory_bytes
 from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import InsufficientMemory
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient
-from lorafaas.function_runtime.launcher import LocalLauncher
-from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
 from lorafaas.function_runtime.zygote import wait_for_socket
+from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
+from lorafaas.platform.backends.local import LocalLauncher
+from lorafaas.protocols.daemon_client import DaemonClient
+from lorafaas.protocols.daemon_config import DaemonPaths
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

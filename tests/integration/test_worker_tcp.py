@@ -11,8 +11,8 @@ import pytest
 from lorafaas.errors import InstanceUnavailable, InvalidInput
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import WorkerClient, tcp_address
-from lorafaas.function_runtime.launcher import LocalLauncher
 from lorafaas.function_runtime.zygote import start_fresh_worker
+from lorafaas.platform.backends.local import LocalLauncher
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 

@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from lorafaas.errors import AdapterInvalid
 from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
-from lorafaas.function_runtime.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.function_runtime.messages import SamplingParams
-from lorafaas.function_runtime.reference import greedy_generate, load_backbone, with_adapter
-from lorafaas.platform.adapters.validate import validate_adapter
+from lorafaas.models.adapter_validation import validate_adapter
+from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
+from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "Tell me about the ocean."

@@ -16,9 +16,9 @@ from lorafaas.errors import (
     PickledWeightsRefused,
     ServerError,
 )
+from lorafaas.formats.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_store import AdapterStore
-from lorafaas.platform.adapters.files import CONFIG_FILE, WEIGHTS_FILE
-from lorafaas.platform.model_store import ModelStore
 
 
 @pytest.fixture

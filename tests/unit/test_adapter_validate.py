@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, PickledWeightsRefused
-from lorafaas.platform.adapters.files import read_adapter
-from lorafaas.platform.adapters.validate import validate_adapter
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.formats.adapter_files import read_adapter
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.adapter_validation import validate_adapter
 from lorafaas.testing.tiny_models import TinySpec, save_tiny_adapter, save_tiny_backbone
 
 
@@ -208,7 +208,7 @@ def test_odd_adapters_are_refused_with_422_naming_the_field_and_no_path(
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_store: ModelStore):
-    from lorafaas.function_runtime.reference import load_backbone
+    from lorafaas.models.reference import load_backbone
 
     return load_backbone(tiny_store.path("tiny-dense"))[0]
 
@@ -217,7 +217,7 @@ def tiny_model(tiny_store: ModelStore):
 def test_the_worker_applies_the_same_rules_as_deploy(case: str, adapter: Path, tiny_model) -> None:
     """What deploy refuses, a worker refuses with the same error before computing anything (a rank-0 module crashed
     the worker with ZeroDivisionError; int8 weights gave garbage)."""
-    from lorafaas.function_runtime.lora import attach_adapter, detach_adapter, read_host_adapter
+    from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 
     breakage, code, words = HOSTILE[case]
     breakage(adapter)
@@ -255,8 +255,8 @@ def test_warm_up_builds_each_backbones_module_table_and_survives_a_broken_one(tm
                                                                               monkeypatch) -> None:
     """The gateway warms the adapter checks before serving (the first upload must not import torch on a request):
     every stored backbone is built once, and one that cannot be built is logged, not fatal."""
-    from lorafaas.platform.adapters import validate as validate_module
-    from lorafaas.platform.model_store import ModelStore
+    from lorafaas.formats.model_store import ModelStore
+    from lorafaas.models import adapter_validation as validate_module
 
     store = ModelStore(tmp_path / "models")
     store.import_dir("good", tiny_dense_dir)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from lorafaas.cli.up import _admin_key_from_env
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.cli.up import _admin_key_from_env
 
 
 def test_the_admin_key_comes_from_the_environment_or_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

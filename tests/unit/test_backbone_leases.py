@@ -7,11 +7,11 @@ import os
 import msgspec
 import pytest
 
-from lorafaas.backbone_daemon import messages as m
-from lorafaas.backbone_daemon.config import DaemonConfig, DaemonPaths
-from lorafaas.backbone_daemon.leases import LeaseTable, process_alive, process_start_ticks
 from lorafaas.cuda_ipc.messages import MemfdLocation, SegmentManifest
 from lorafaas.errors import InvalidInput, InvalidName, LeaseNotFound
+from lorafaas.protocols import daemon_messages as m
+from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
+from lorafaas.protocols.leases import LeaseTable, process_alive, process_start_ticks
 from lorafaas.wire import MAX_FRAME_BYTES, encode_frame, frame_length
 
 

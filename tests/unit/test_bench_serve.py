@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request, parse_target, run_serve_bench
 from lorafaas.bench.serve_stats import Distribution, MachineLoad, RequestOutcome, summarize
-from lorafaas.platform.cli import app
+from lorafaas.cli import app
 from lorafaas.testing.platform_process import free_port
 
 LOAD = MachineLoad(cores=2, loadavg_1m_start=0.5, loadavg_1m_end=0.7, busy_cores=1.0, client_cores=0.1)

@@ -4,7 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lorafaas.platform.adapters.files import read_adapter
+from lorafaas.formats.adapter_files import read_adapter
 
 
 def test_import_from_dir_then_list(tmp_path: Path, tiny_dense_dir: Path, cli) -> None:

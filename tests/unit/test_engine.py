@@ -5,9 +5,9 @@ import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
 from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
-from lorafaas.function_runtime.lora import attach_adapter, read_host_adapter
 from lorafaas.function_runtime.messages import SamplingParams
-from lorafaas.function_runtime.reference import load_backbone
+from lorafaas.models.lora import attach_adapter, read_host_adapter
+from lorafaas.models.reference import load_backbone
 
 PROMPTS = ["The quick brown fox", "Tell me about the ocean.", "Le chat dort", "Arr, matey!", "What is the capital"]
 

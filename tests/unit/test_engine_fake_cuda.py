@@ -21,11 +21,11 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTen
 
 from lorafaas.backbone_daemon.loader import plan_direct_load
 from lorafaas.cuda_ipc.layout import plan_layout, tensor_views
-from lorafaas.function_runtime.binding import bind_backbone, build_empty_model
 from lorafaas.function_runtime.engine import GenerationEngine
 from lorafaas.function_runtime.instance import load_tokenizer
-from lorafaas.function_runtime.lora import LoraLinear, attach_adapter, read_host_adapter
 from lorafaas.function_runtime.messages import SamplingParams
+from lorafaas.models.binding import bind_backbone, build_empty_model
+from lorafaas.models.lora import LoraLinear, attach_adapter, read_host_adapter
 from lorafaas.testing.fake_cuda import fake_cuda_mode, install_fake_cuda_guard
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

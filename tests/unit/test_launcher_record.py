@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from lorafaas.function_runtime.launcher_record import LauncherRecord, ProcessRef, RecordFile, dead_launchers
+from lorafaas.platform.backends.local_record import LauncherRecord, ProcessRef, RecordFile, dead_launchers
 
 
 def test_a_live_launchers_record_is_left_alone_and_a_dead_ones_is_recovered_once(tmp_path) -> None:
@@ -17,7 +17,7 @@ def test_a_live_launchers_record_is_left_alone_and_a_dead_ones_is_recovered_once
     # A launcher that died: the kernel dropped its lock, its record is still there.
     script = (
         "import sys; from pathlib import Path;"
-        "from lorafaas.function_runtime.launcher_record import LauncherRecord, ProcessRef, RecordFile;"
+        "from lorafaas.platform.backends.local_record import LauncherRecord, ProcessRef, RecordFile;"
         "RecordFile(Path(sys.argv[1])).write(LauncherRecord(launcher_pid=1, device='cpu',"
         " daemons={'tiny': ProcessRef(pid=2, start_ticks=3)}))"
     )

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lorafaas.errors import AdapterIncompatible
-from lorafaas.function_runtime.lora import attach_adapter, detach_adapter, read_host_adapter
-from lorafaas.function_runtime.reference import load_backbone, with_adapter
+from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
+from lorafaas.models.reference import load_backbone, with_adapter
 from lorafaas.testing.tiny_models import TinySpec, save_tiny_adapter, save_tiny_backbone
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from lorafaas.errors import AlreadyExists, BackboneNotFound, InvalidName, MalformedModel, PickledWeightsRefused
-from lorafaas.platform.model_store import MANIFEST_FILE, ModelStore
+from lorafaas.formats.model_store import MANIFEST_FILE, ModelStore
+from lorafaas.formats.weights import read_safetensors_header
 from lorafaas.progress import SilentProgress
-from lorafaas.weights import read_safetensors_header
 
 
 @pytest.fixture

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafaas.backbone_daemon.lora_cache import AdapterCache
-from lorafaas.backbone_daemon.lora_compute import LoraCompute, LoraWork
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, InvalidInput
-from lorafaas.function_runtime.moe_lora import grouped_lora_delta, open_moe_adapter
-from lorafaas.platform.adapters.expert_adapters import (
+from lorafaas.formats.adapter_files import CONFIG_FILE
+from lorafaas.formats.expert_adapters import (
     ExpertFactors,
     load_expert_layer,
     read_expert_adapter_info,
-    validate_expert_adapter,
     write_expert_adapter,
 )
-from lorafaas.platform.adapters.files import CONFIG_FILE
+from lorafaas.lora_server.cache import AdapterCache
+from lorafaas.lora_server.compute import LoraCompute, LoraWork
+from lorafaas.models.adapter_validation import validate_expert_adapter
+from lorafaas.models.moe_lora import grouped_lora_delta, open_moe_adapter
 
 
 def _factors(seed: int, experts: int = 4, rank: int = 2, d_in: int = 6, d_out: int = 5) -> ExpertFactors:
@@ -173,8 +173,8 @@ def test_incomplete_expert_sets_and_bad_modes_are_refused(expert_adapter, tmp_pa
 def test_local_mode_equals_the_backbone_with_the_adapter_merged(expert_adapter, tiny_store) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lorafaas.function_runtime.lora import attach_adapter
-    from lorafaas.function_runtime.moe_lora import install_expert_lora, remove_expert_lora
+    from lorafaas.models.lora import attach_adapter
+    from lorafaas.models.moe_lora import install_expert_lora, remove_expert_lora
 
     model_dir = tiny_store.path("tiny-moe")
     ids = torch.tensor([[1, 5, 7, 9, 11, 13, 40, 50]])
@@ -193,7 +193,7 @@ def test_local_mode_equals_the_backbone_with_the_adapter_merged(expert_adapter, 
             merged.get_submodule(module).weight.add_((w.b @ w.a) * w.scaling)
         torch.testing.assert_close(model(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
         remove_expert_lora(model)
-        from lorafaas.function_runtime.lora import detach_adapter
+        from lorafaas.models.lora import detach_adapter
 
         detach_adapter(model)
         assert torch.equal(model(ids).logits, plain)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorafaas.errors import MalformedModel
-from lorafaas.weights import read_safetensors_header
+from lorafaas.formats.weights import read_safetensors_header
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ __all__ = ["BACKENDS", "Backend", "InstanceRef", "open_backend"]
 def open_backend(kind: str, home: Path, device: str) -> Backend:
     """`local`: processes on this machine; `kubernetes`: pods, configured from the environment the chart sets."""
     if kind == "local":
-        from lorafaas.function_runtime.launcher import LocalLauncher
+        from lorafaas.platform.backends.local import LocalLauncher
 
         launcher = LocalLauncher(home, device=device)
         launcher.recover_predecessors()  # a previous platform killed outright: stop its instances, adopt its daemons

@@ -15,9 +15,9 @@ import signal
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
-from lorafaas.platform.model_store import ModelStore
 
 
 @runtime_checkable

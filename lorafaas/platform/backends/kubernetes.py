@@ -32,8 +32,8 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from lorafaas.backbone_daemon.config import DaemonPaths
 from lorafaas.errors import DaemonUnavailable, InstanceUnavailable, InvalidInput
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.platform.backends.function_pod import build_function_pod, check_release, pod_name, template_owner
@@ -50,7 +50,7 @@ from lorafaas.platform.backends.pod_status import (
     pending_reason,
     pod_failure,
 )
-from lorafaas.platform.model_store import ModelStore
+from lorafaas.protocols.daemon_config import DaemonPaths
 
 log = logging.getLogger(__name__)
 

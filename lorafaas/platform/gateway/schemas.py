@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.model_store import NAME_PATTERN
+from lorafaas.formats.model_store import NAME_PATTERN
 from lorafaas.platform.state.records import (
     MAX_INSTANCES,
     MAX_KEEP_ALIVE_S,

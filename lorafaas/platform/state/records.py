@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.model_store import check_name
+from lorafaas.formats.model_store import check_name
 
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 LORA_MODES = ("local", "remote")  # remote: MoE expert adapters run on the shared LoRA server

@@ -369,7 +369,7 @@ class ViewBuilder:
     # -- serverful ----------------------------------------------------------------------------------------------
 
     def start_servers(self) -> None:
-        from lorafaas.replay.sim.engine import SimInstance
+        from lorafaas.replay.sim.worker import SimInstance
 
         sim, mem = self.sim, self.mem
         by_backbone: dict[str, list[FunctionName]] = {}

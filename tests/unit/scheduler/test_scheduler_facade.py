@@ -85,7 +85,7 @@ def test_the_scheduler_package_stays_pure() -> None:
 
 
 def test_bench_scheduler_command_prints_the_four_figures() -> None:
-    from lorafaas.platform.cli import app
+    from lorafaas.cli import app
 
     result = CliRunner().invoke(app, ["bench", "scheduler", "--json", "--repeats", "1"])
     assert result.exit_code == 0, result.output

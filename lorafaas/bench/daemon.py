@@ -1,0 +1,146 @@
+"""`lorafaas bench attach`: how much faster a function starts on a shared backbone than with a private copy.
+
+Each sample is a fresh process (`python -m lorafaas.bench.daemon private|attach ...`). Library loading
+(torch, transformers, the architecture's modeling module, lorafaas) is a separate artifact in lorafaas' cost model,
+so both kinds of process import the same libraries first and time only the backbone:
+
+    private_load_s  AutoModelForCausalLM.from_pretrained(store entry, float32)
+    attach_s        connect to the daemon + lease + map the segment + build the empty model + bind
+    bind_s          the binding alone (assign shared tensors, tie, rotary buffers, checks)
+
+The two kinds alternate, `repeats` of each, and the medians are reported. A daemon already serving the backbone on
+the CPU is used as is; otherwise one is started for the run and stopped after it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import DaemonUnavailable, ServerError
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.progress import ProgressSink, SilentProgress
+from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
+from lorafaas.protocols.daemon_config import DaemonConfig
+
+SAMPLE_TIMEOUT_S = 600.0
+
+
+class AttachBenchResult(msgspec.Struct, frozen=True, kw_only=True):
+    backbone: str
+    bytes: int
+    private_load_s: float
+    attach_s: float
+    bind_s: float
+    ratio_private_over_attach: float
+
+
+class BenchSample(msgspec.Struct, frozen=True, kw_only=True):
+    """What one fresh process reports on stdout."""
+
+    mode: str
+    load_s: float  # private: from_pretrained; attach: lease + map + empty model + bind
+    bind_s: float = 0.0
+
+
+def run_attach_bench(
+    home: Path, backbone: str, repeats: int = 5, progress: ProgressSink | None = None
+) -> AttachBenchResult:
+    progress = progress or SilentProgress()
+    if repeats < 1:
+        raise ValueError(f"repeats is {repeats}; it must be at least 1")
+    store = ModelStore(LorafaasConfig(home=Path(home)).models_dir)
+    manifest = store.get(backbone)
+    model_dir = store.path(backbone)
+    config = DaemonConfig(home=Path(home), backbone=backbone, device="cpu")
+    daemon = None
+    try:
+        wait_until_ready(config.paths.socket, timeout_s=0.5)
+    except DaemonUnavailable:
+        progress.stage(f"starting a daemon for {backbone}")
+        daemon = spawn_daemon(config)
+    try:
+        progress.stage(f"{repeats} private loads and {repeats} attaches, each in a fresh process", 2 * repeats)
+        private, attached = [], []
+        for _ in range(repeats):
+            private.append(_sample(["private", str(model_dir)]))
+            progress.advance()
+            attached.append(_sample(["attach", str(config.paths.socket), str(model_dir)]))
+            progress.advance()
+    finally:
+        if daemon is not None:
+            stop_daemon(daemon, config.paths.socket, force=True)
+    private_s = statistics.median(s.load_s for s in private)
+    attach_s = statistics.median(s.load_s for s in attached)
+    return AttachBenchResult(
+        backbone=backbone, bytes=manifest.bytes, private_load_s=private_s, attach_s=attach_s,
+        bind_s=statistics.median(s.bind_s for s in attached), ratio_private_over_attach=private_s / attach_s,
+    )
+
+
+def _sample(args: list[str]) -> BenchSample:
+    result = subprocess.run([sys.executable, "-m", "lorafaas.bench.daemon", *args], capture_output=True,
+                            timeout=SAMPLE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise ServerError(f"bench process `{args[0]}` exited with {result.returncode}: "
+                          f"{result.stderr.decode(errors='replace')[-1500:]}")
+    return msgspec.json.decode(result.stdout.strip().splitlines()[-1], type=BenchSample)
+
+
+# --- the fresh processes
+
+
+def _import_libraries(model_dir: Path) -> None:
+    """What both kinds of process load before the clock starts: the libraries, not the backbone."""
+    import torch  # noqa: F401
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]  # imports the modeling module
+
+
+def _private(model_dir: Path) -> BenchSample:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    started = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return BenchSample(mode="private", load_s=time.perf_counter() - started)
+
+
+def _attach(socket_path: Path, model_dir: Path) -> BenchSample:
+    from lorafaas.models.binding import bind_backbone, build_empty_model
+
+    started = time.perf_counter()
+    client = DaemonClient.connect(socket_path, client="bench")
+    attached = client.attach(f"bench-{os.getpid()}")
+    attachment = attached.map()
+    model = build_empty_model(model_dir)
+    bind_started = time.perf_counter()
+    bind_backbone(attachment, model_dir, model=model)
+    done = time.perf_counter()
+    client.detach(attached.lease_id)
+    client.close()
+    return BenchSample(mode="attach", load_s=done - started, bind_s=done - bind_started)
+
+
+def main(argv: list[str]) -> None:
+    mode, *paths = argv
+    _import_libraries(Path(paths[-1]))
+    sample = _private(Path(paths[0])) if mode == "private" else _attach(Path(paths[0]), Path(paths[1]))
+    sys.stdout.buffer.write(msgspec.json.encode(sample) + b"\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""The `lorafaas` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from lorafaas import __version__
+from lorafaas.cli import adapter, backbone, bench, demo, functions, moe, replay, up
+from lorafaas.cli.output import err_console
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import ClientError, LorafaasError
+
+app = typer.Typer(
+    name="lorafaas",
+    help="Deploy each LoRA adapter as an isolated serverless function on a shared backbone.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(backbone.app, name="backbone")
+app.add_typer(adapter.app, name="adapter")
+app.add_typer(bench.app, name="bench")
+app.add_typer(moe.app, name="moe")
+app.command("demo")(demo.demo)
+app.command("up")(up.up)
+app.command("deploy")(functions.deploy)
+app.command("list")(functions.list_functions)
+app.command("describe")(functions.describe)
+app.command("invoke")(functions.invoke)
+app.command("logs")(functions.logs)
+app.command("scale")(functions.scale)
+app.command("delete")(functions.delete)
+app.add_typer(functions.keys_app, name="keys")
+app.command("replay")(replay.replay)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"lorafaas {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    home: Path | None = typer.Option(
+        None, "--home", help="State directory (default: $LORAFAAS_HOME or ~/.lorafaas).", show_default=False
+    ),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True, help="Show the version."),
+) -> None:
+    ctx.obj = LorafaasConfig.from_env(home)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors exit 2 with a one-line message, lorafaas failures exit 1."""
+    # lorafaas never fetches from a model hub; without this, transformers/peft try the network on unknown names.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        app(args=argv, prog_name="lorafaas")
+    except LorafaasError as exc:
+        err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
+        raise SystemExit(2 if isinstance(exc, ClientError) else 1) from None

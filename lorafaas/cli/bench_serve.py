@@ -1,0 +1,111 @@
+"""`lorafaas bench serve`: the serving benchmark against any OpenAI-compatible server(s), one table per target."""
+
+from __future__ import annotations
+
+import msgspec
+import typer
+from rich.table import Table
+
+from lorafaas.cli.output import RichProgress, console, print_json
+
+
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r}: give one or more integers >= 1", param_hint=option)
+    return values
+
+
+def _server_pids(specs: list[str], labels: list[str]) -> dict[str, int]:
+    """`PID` (with one --url) or `label=PID`, one per target."""
+    pids = {}
+    for spec in specs:
+        label, sep, pid = spec.rpartition("=")
+        if not sep:
+            if len(labels) != 1:
+                raise typer.BadParameter(f"{spec!r}: with several --url give label=PID", param_hint="--server-pid")
+            label = labels[0]
+        if label not in labels or not pid.isdigit():
+            raise typer.BadParameter(f"{spec!r}: expected PID or label=PID with a label of {labels}",
+                                     param_hint="--server-pid")
+        pids[label] = int(pid)
+    return pids
+
+
+def serve(
+    urls: list[str] = typer.Option(..., "--url", help="Server base URL, or label=URL; repeat to compare servers "
+                                   "in one run (A/B alternated per level)."),
+    models: str = typer.Option(..., "--model", help="Comma-separated model names (functions, LoRA modules); "
+                               "requests go to them round-robin."),
+    concurrency: str = typer.Option("8,16,32", "--concurrency", help="Comma-separated concurrency levels."),
+    requests: int = typer.Option(64, "--requests", min=1, max=100_000, help="Requests per level and target."),
+    output_len: int = typer.Option(64, "--output-len", min=1, max=4096, help="max_tokens of every request."),
+    prompt_len: int = typer.Option(32, "--prompt-len", min=1, max=4096, help="Words (about tokens) per prompt."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts (the same for every target)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Send vLLM's ignore_eos, so replies run to "
+                                    "--output-len."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LORAFAAS_API_KEY", help="Bearer token for every target."),
+    server_pids: list[str] = typer.Option([], "--server-pid", help="PID or label=PID of a server whose process "
+                                          "tree's CPU time is reported."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One uncounted request per model first."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Serving benchmark of OpenAI-compatible servers: streaming /v1/completions, tokens/s, TTFT/TPOT percentiles."""
+    from lorafaas.bench.serve import ServeBenchConfig, parse_target, run_serve_bench
+
+    try:
+        targets = [parse_target(spec, i) for i, spec in enumerate(urls)]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--url") from None
+    labels = [t.label for t in targets]
+    if len(set(labels)) != len(labels):
+        raise typer.BadParameter(f"two targets share a label in {labels}; name them label=URL", param_hint="--url")
+    pids = _server_pids(server_pids, labels)
+    targets = [msgspec.structs.replace(t, server_pid=pids.get(t.label)) for t in targets]
+    names = tuple(name.strip() for name in models.split(",") if name.strip())
+    if not names:
+        raise typer.BadParameter("give at least one model name", param_hint="--model")
+    config = ServeBenchConfig(models=names, concurrencies=_int_list("--concurrency", concurrency), requests=requests,
+                              output_len=output_len, prompt_len=prompt_len, seed=seed, ignore_eos=ignore_eos,
+                              api_key=api_key, warmup=warmup)
+    with RichProgress() as progress:
+        try:
+            result = run_serve_bench(targets, config, progress)
+        except RuntimeError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+    else:
+        _print_tables(result)
+    if any(level.failed for level in result.levels):
+        raise typer.Exit(1)
+
+
+def _print_tables(result) -> None:
+    table = Table("target", "conc", "done/failed", "out tok/s", "req/s", "TTFT p50/p90/p99 (mean) ms",
+                  "TPOT p50/p90/p99 (mean) ms", "load: 1m avg, busy/server/other cores",
+                  title=f"bench serve: {len(result.config.models)} models, {result.config.requests} requests per "
+                        f"level, {result.config.output_len} output tokens")
+    for level in sorted(result.levels, key=lambda lv: (lv.concurrency, lv.target)):
+        load = level.load
+        shown_load = f"{load.loadavg_1m_start:.1f}->{load.loadavg_1m_end:.1f}, {load.busy_cores:.2f}/" \
+                     + (f"{load.server_cores:.2f}/{load.other_cores:.2f}" if load.server_cores is not None else "-/-")
+        table.add_row(level.target, str(level.concurrency), f"{level.completed}/{level.failed}",
+                      f"{level.output_tokens_per_s:.1f}", f"{level.requests_per_s:.2f}", _dist(level.ttft),
+                      _dist(level.tpot), shown_load)
+    console.print(table)
+    for level in result.levels:
+        if level.short_replies and result.config.ignore_eos:
+            console.print(f"[yellow]{level.target} at {level.concurrency}:[/yellow] {level.short_replies} replies "
+                          f"stopped before {result.config.output_len} tokens: the server ignores ignore_eos, so its "
+                          "tokens/s is over less work than the others'")
+        for error in level.errors:
+            console.print(f"[red]{level.target} at {level.concurrency}:[/red] {error}")
+
+
+def _dist(d) -> str:
+    return f"{d.p50_ms:.0f}/{d.p90_ms:.0f}/{d.p99_ms:.0f} ({d.mean_ms:.0f})"

@@ -1,0 +1,90 @@
+"""`lorafaas up`: the whole local platform in the foreground."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import typer
+
+from lorafaas.cli.output import RichProgress, err_console
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import InvalidInput
+
+
+def up(
+    ctx: typer.Context,
+    port: int = typer.Option(8080, "--port", min=1, max=65535),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    devices: str = typer.Option("cpu", "--devices", help="cpu, cpu=8G (memory budget) or cuda:N."),
+    state_url: str | None = typer.Option(None, "--state", envvar="LORAFAAS_STATE_URL",
+                                         help="redis://host:port/db for a shared store (default: SQLite in home)."),
+    demo: bool = typer.Option(False, "--demo", help="Import smollm2-135m and deploy the demo functions if absent."),
+    policy: str = typer.Option("lorafaas", "--policy",
+                               help="Scheduler mechanisms: lorafaas (all), or an ablation: no-preload, no-offload, "
+                                    "fixed-batch (batch size 1), fixed-keep-alive (no idle-time histogram)."),
+    backend: str = typer.Option("local", "--backend",
+                                help="local (processes here) or kubernetes (pods; the Helm chart's controller)."),
+    compute_slots: int | None = typer.Option(None, "--compute-slots", min=1,
+                                             help="Instances the device runs at full speed at once; a function "
+                                                  "scales out only while fewer are busy (default: cores on a CPU, "
+                                                  "1 on a GPU)."),
+    hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,
+                                       help="Seconds an instance holding requests may leave a heartbeat unanswered "
+                                            "before it is declared hung: its requests are retried or failed, and "
+                                            "it is killed and replaced."),
+    tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
+                                             help="Adapter storage each tenant's functions may take (e.g. 10G)."),
+) -> None:
+    """Run the local platform (gateway, node agent, stores) until interrupted."""
+    from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
+
+    config: LorafaasConfig = ctx.obj
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config = ServerConfig(
+        home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
+        admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
+        compute_slots=compute_slots, hang_timeout_s=hang_timeout,
+        tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
+    )
+    url = f"http://{host}:{port}"
+    if demo:  # the one long step of a first start, with its progress bar, before the server starts
+        from lorafaas.formats.model_store import ModelStore
+        from lorafaas.platform.builtin_backbones import DEFAULT_BACKBONE, import_builtin
+
+        with RichProgress() as progress:
+            import_builtin(ModelStore(config.models_dir), DEFAULT_BACKBONE, progress)
+
+    def announce(platform, demo_names: list[str]) -> None:
+        if platform.new_admin_key:
+            err_console.print(f"[bold]admin key[/] (shown once; also kept in {config.home / 'admin.key'}, mode 0600):")
+            err_console.print(platform.new_admin_key, markup=False)
+        err_console.print(f"[green]lorafaas is up[/] at {url} (home {config.home}); Ctrl-C stops it")
+        for name in demo_names[:1]:
+            key = f"$(cat {config.home}/admin.key)"
+            body = '{"messages": [{"role": "user", "content": "Tell me about the ocean."}], "stream": true}'
+            err_console.print(
+                f"try:\n  lorafaas invoke {name} \"Tell me about the ocean.\"\n"
+                f"  curl -N {url}/v1/functions/{name}/invoke -H \"Authorization: Bearer {key}\" "
+                f"-H 'Content-Type: application/json' -d '{body}'\n"
+                f"  OpenAI client: base_url='{url}/v1', api_key=<the admin key>, model='{name}'",
+                markup=False,
+            )
+        if demo_names:
+            err_console.print(f"demo functions: {', '.join(demo_names)}")
+
+    run_server(server_config, on_ready=announce)
+
+
+def _admin_key_from_env() -> str | None:
+    """LORAFAAS_ADMIN_KEY, or the contents of the file LORAFAAS_ADMIN_KEY_FILE names (a mounted Secret)."""
+    if os.environ.get("LORAFAAS_ADMIN_KEY"):
+        return os.environ["LORAFAAS_ADMIN_KEY"]
+    key_file = os.environ.get("LORAFAAS_ADMIN_KEY_FILE")
+    if not key_file:
+        return None
+    try:
+        return Path(key_file).read_text().strip()
+    except OSError as exc:
+        raise InvalidInput(f"LORAFAAS_ADMIN_KEY_FILE {key_file!r} cannot be read: {exc.strerror}") from exc

@@ -1,0 +1,1 @@
+"""Model surgery and LoRA math: meta-model binding, unmerged LoRA ops, the plain transformers reference."""

@@ -1,0 +1,465 @@
+"""Starting function workers as local processes: the backbone daemons, the zygote and the workers themselves.
+
+`LocalLauncher` owns every process it starts and stops them all on `close()`; the node agent, the benchmarks and
+the tests drive function instances through it. It holds a duplicate of each CPU daemon's sealed segment descriptor,
+and a supervisor thread restarts a daemon that dies, handing it that descriptor (the new one adopts the segment and
+its leases: attached instances notice nothing, and nothing is loaded twice). On a GPU the instances bound to a dead
+daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
+start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. What it started
+is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its
+zygote and instances and adopts its daemons (`recover_predecessors`).
+
+    with LocalLauncher(home) as launcher:
+        instance = launcher.launch("pirate", "smollm2-135m", adapter_dir)      # forked from the zygote
+        async with await instance.connect() as worker: ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafaas.config import LorafaasConfig
+from lorafaas.errors import DaemonUnavailable, LorafaasError
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.function_runtime.zygote import spawn_worker, start_fresh_worker, start_zygote, wait_for_socket
+from lorafaas.platform.backends.local_record import (
+    LauncherRecord,
+    ProcessRef,
+    RecordFile,
+    dead_launchers,
+    terminate,
+    terminate_all,
+    wait_gone,
+)
+from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
+from lorafaas.protocols.daemon_config import DaemonConfig
+
+log = logging.getLogger(__name__)
+SUPERVISE_INTERVAL_S = 0.25  # how soon a dead daemon is noticed
+MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the supervisor gives up (a crash loop)
+RESTART_WINDOW_S = 60.0
+START_BACKOFF_S = (30.0, 600.0)  # after a failed start: first wait, doubling up to the second
+
+
+def process_alive(process: subprocess.Popen | None, pid: int) -> bool:
+    """Whether a process runs: polled if we started it (which also reaps it), else probed by pid."""
+    if process is not None:
+        return process.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class InstanceHandle:
+    spec: WorkerSpec
+    pid: int
+    log_path: Path
+    process: subprocess.Popen | None  # set for fresh workers (our children); zygote children are the zygote's
+
+    async def connect(self) -> WorkerClient:
+        return await WorkerClient.connect(self.spec.socket_path, client="launcher")
+
+    def alive(self) -> bool:
+        return process_alive(self.process, self.pid)
+
+    def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+
+def private_dir(path: Path) -> Path:
+    """A directory only the platform's user can enter: sockets, logs (prompts at DEBUG) and lock files live there."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # also one made before this rule, or under a permissive umask
+    return path
+
+
+@dataclass
+class DaemonProcess:
+    """A backbone daemon this launcher stops on close: started by it (`process`), or adopted from a dead launcher."""
+
+    config: DaemonConfig
+    ref: ProcessRef
+    process: subprocess.Popen | None  # None when adopted: not our child
+    segment_fd: int | None = None  # a duplicate of its sealed segment, for a successor (cpu)
+
+    def hold_segment(self) -> None:
+        """Keep a duplicate of the daemon's sealed segment descriptor (cpu), to hand to a successor."""
+        if self.config.device != "cpu" or self.segment_fd is not None:
+            return
+        try:
+            with DaemonClient.connect(self.config.paths.socket) as client:
+                _manifest, self.segment_fd = client.hold_segment()
+        except LorafaasError as exc:
+            log.warning("cannot hold the segment of backbone daemon %d (%s); a restart will load it again",
+                        self.ref.pid, exc.message)
+
+    def release_segment(self) -> None:
+        if self.segment_fd is not None:
+            os.close(self.segment_fd)
+            self.segment_fd = None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None if self.process is not None else self.ref.alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut it down (forced: its leases go with it) and wait; kill it if it does not answer or stop."""
+        self.release_segment()
+        socket_path = self.config.paths.socket
+        if self.process is not None:
+            try:
+                stop_daemon(self.process, socket_path, force=True, timeout_s=timeout_s)
+            except (LorafaasError, OSError):  # stopping must not fail the caller: kill it
+                log.warning("backbone daemon %d did not stop cleanly; killing it", self.process.pid, exc_info=True)
+                self.process.kill()
+                self.process.wait()
+            return
+        if not self.ref.alive():
+            return
+        try:
+            with DaemonClient.connect(socket_path) as client:
+                client.shutdown(force=True)
+        except LorafaasError as exc:
+            log.warning(
+                "adopted backbone daemon %d did not accept a shutdown (%s); terminating it", self.ref.pid, exc.message
+            )
+        if not wait_gone(self.ref, timeout_s):
+            terminate(self.ref, f"backbone daemon of {self.config.backbone}")
+
+
+class LocalLauncher:
+    def __init__(self, home: Path, device: str = "cpu") -> None:
+        self.home = Path(home)
+        self.device = device
+        self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
+        self.run_dir = self.home / "run"
+        self.log_dir = self.home / "logs"
+        self._daemons: dict[str, DaemonProcess] = {}  # started (or adopted) and stopped by us
+        self._borrowed: set[str] = set()  # backbones whose daemon someone else runs (`lorafaas backbone serve`)
+        self._lock = threading.RLock()
+        self._zygote: subprocess.Popen | None = None
+        self.instances: list[InstanceHandle] = []
+        self.num_daemon_restarts: dict[str, int] = {}
+        self._restarted_at: dict[str, list[float]] = {}
+        self._start_failures: dict[str, tuple[int, float, LorafaasError]] = {}  # backbone -> (count, retry at, error)
+        self._record = RecordFile(self.run_dir)
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    def __enter__(self) -> LocalLauncher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def zygote_socket(self) -> Path:
+        return self.run_dir / "zygote.sock"
+
+    @property
+    def zygote_pid(self) -> int | None:
+        return self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
+
+    def daemon_socket(self, backbone: str) -> Path:
+        """The socket of the backbone's daemon on this launcher's device, starting the daemon if needed."""
+        config = DaemonConfig(home=self.home, backbone=backbone, device=self.device)
+        with self._lock:  # callers on several threads must not start two daemons for one backbone
+            return self._ensure_daemon(config)
+
+    def _ensure_daemon(self, config: DaemonConfig) -> Path:
+        backbone = config.backbone
+        daemon = self._daemons.get(backbone)
+        if daemon is not None:
+            if not daemon.alive():  # died a moment ago; the supervisor has not seen it yet
+                self._restart_daemon(backbone, daemon)
+            if backbone not in self._daemons:
+                raise DaemonUnavailable(f"the backbone daemon of {backbone} keeps dying; see its log")
+            return config.paths.socket
+        if backbone in self._borrowed:  # someone else's daemon: it may have stopped since
+            try:
+                wait_until_ready(config.paths.socket, timeout_s=0.2)
+                return config.paths.socket
+            except DaemonUnavailable:
+                self._borrowed.discard(backbone)
+        try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
+            wait_until_ready(config.paths.socket, timeout_s=0.2)
+            self._borrowed.add(backbone)
+        except DaemonUnavailable:
+            self._daemons[backbone] = self._spawn_daemon(config)
+            self._write_record()
+            self._ensure_supervisor()
+        return config.paths.socket
+
+    def _spawn_daemon(self, config: DaemonConfig, adopt_fd: int | None = None) -> DaemonProcess:
+        """Start a daemon (handing it a predecessor's segment if given) and hold its segment. A failed start is
+        raised as the daemon reported it, once: the same error is raised again without starting anything until the
+        backoff has passed (a node without the memory for a backbone is not asked again every few seconds)."""
+        backbone = config.backbone
+        failure = self._start_failures.get(backbone)
+        if failure is not None and time.monotonic() < failure[1]:
+            count, retry_at, error = failure
+            raise type(error)(f"{error.message} (failed {count} time(s); next try in "
+                              f"{retry_at - time.monotonic():.0f} s)")
+        private_dir(self.log_dir)
+        try:
+            with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
+                process = spawn_daemon(config, stderr=log_file, adopt_fd=adopt_fd)
+        except LorafaasError as exc:
+            count = failure[0] + 1 if failure is not None else 1
+            backoff_s = min(START_BACKOFF_S[0] * 2 ** (count - 1), START_BACKOFF_S[1])
+            self._start_failures[backbone] = (count, time.monotonic() + backoff_s, exc)
+            log.error("the backbone daemon of %s failed to start (%s); not trying again for %.0f s",
+                      backbone, exc.message, backoff_s)
+            raise
+        self._start_failures.pop(backbone, None)
+        daemon = DaemonProcess(config, ProcessRef.of(process.pid), process)
+        daemon.hold_segment()
+        return daemon
+
+    def _restart_daemon(self, backbone: str, daemon: DaemonProcess) -> None:
+        """Replace a daemon that died (the new one adopts its segment and leases); give up on a crash loop."""
+        code = daemon.process.wait() if daemon.process is not None else None
+        now = time.monotonic()
+        recent = [t for t in self._restarted_at.get(backbone, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_DAEMON_RESTARTS:
+            log.error(
+                "backbone daemon of %s died %d times within %.0f s; not restarting it again",
+                backbone,
+                len(recent) + 1,
+                RESTART_WINDOW_S,
+            )
+            daemon.release_segment()
+            del self._daemons[backbone]
+            self._write_record()
+            return
+        self._restarted_at[backbone] = [*recent, now]
+        log.warning(
+            "backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid, backbone, code
+        )
+        if daemon.config.device != "cpu":
+            self._stop_bound_instances(daemon.config)
+        try:
+            self._daemons[backbone] = self._spawn_daemon(daemon.config, adopt_fd=daemon.segment_fd)
+        except (LorafaasError, OSError) as exc:
+            log.error("restarting the backbone daemon of %s failed: %s", backbone, exc)
+            del self._daemons[backbone]
+        else:
+            self.num_daemon_restarts[backbone] = self.num_daemon_restarts.get(backbone, 0) + 1
+            log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[backbone].ref.pid)
+        finally:
+            daemon.release_segment()  # the successor has its own duplicate (or loaded anew)
+        self._write_record()
+
+    def _stop_bound_instances(self, config: DaemonConfig) -> None:
+        """A GPU daemon's death is not survived by the instances bound to its memory: stop them (SIGKILL, they may
+        be mid-kernel); the node agent sees them gone and starts new ones on the restarted daemon."""
+        socket_path = str(config.paths.socket)
+        for instance in [i for i in self.instances if i.spec.daemon_socket == socket_path]:
+            log.warning("stopping instance %s (pid %d): its GPU backbone daemon died", instance.spec.instance_id,
+                        instance.pid)
+            instance.kill(signal.SIGKILL, timeout_s=5.0)
+            self.instances.remove(instance)
+
+    def _ensure_supervisor(self) -> None:
+        if self._supervisor is None or not self._supervisor.is_alive():
+            self._supervisor = threading.Thread(target=self._supervise, name="daemon-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Notice a daemon's death within SUPERVISE_INTERVAL_S and start it again."""
+        while not self._closing.wait(SUPERVISE_INTERVAL_S):
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                for backbone, daemon in list(self._daemons.items()):
+                    if not daemon.alive():
+                        self._restart_daemon(backbone, daemon)
+
+    def running_backbones(self) -> list[str]:
+        """Backbones whose daemon runs on this launcher's device (started here or found running)."""
+        return [b for b, daemon in self._daemons.items() if daemon.alive()] + sorted(self._borrowed)
+
+    def stop_daemon(self, backbone: str) -> bool:
+        """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise.
+        Holds the lock until it is gone, so that nobody attaches to a daemon that is stopping."""
+        with self._lock:
+            daemon = self._daemons.pop(backbone, None)
+            if daemon is None:
+                return False
+            daemon.stop()
+            self._write_record()
+        return True
+
+    def recover_predecessors(self) -> None:
+        """Clean up after launchers of this home that died without closing (a platform killed with SIGKILL): stop
+        their function instances and zygote, adopt their backbone daemons (stopped by this launcher's close)."""
+        if not self.run_dir.is_dir():
+            return
+        with self._lock, dead_launchers(self.run_dir) as records:
+            for path, record in records:
+                log.info(
+                    "launcher %d of this home died without cleaning up (%s); recovering what it started",
+                    record.launcher_pid,
+                    path.name,
+                )
+                num_stopped = terminate_all(list(record.instances), "function instance")
+                if record.zygote is not None and terminate(record.zygote, "library pool (zygote)"):
+                    num_stopped += 1
+                for backbone, ref in record.daemons.items():
+                    if not ref.alive():
+                        continue  # the next daemon started for it adopts its segment
+                    daemon = DaemonProcess(
+                        DaemonConfig(home=self.home, backbone=backbone, device=record.device), ref, None
+                    )
+                    if record.device != self.device or backbone in self._daemons:
+                        daemon.stop()
+                        num_stopped += 1
+                        continue
+                    self._daemons[backbone] = daemon
+                    daemon.hold_segment()
+                    log.info("adopted the backbone daemon %d of %s on %s", ref.pid, backbone, self.device)
+                log.info(
+                    "launcher %d: stopped %d process(es) it left; %d daemon(s) adopted",
+                    record.launcher_pid,
+                    num_stopped,
+                    len(self._daemons),
+                )
+            if records:
+                self._write_record()
+                if self._daemons:
+                    self._ensure_supervisor()
+
+    def _write_record(self) -> None:
+        with self._lock:
+            zygote = ProcessRef.of(self._zygote.pid) if self._zygote is not None else None
+            instances = tuple(ref for i in list(self.instances) if (ref := ProcessRef.of(i.pid)).start_ticks)
+            daemons = {b: d.ref for b, d in self._daemons.items()}
+            if zygote is None and not instances and not daemons and not self._record.path.exists():
+                return  # nothing started yet: no file
+            private_dir(self.run_dir)
+            self._record.write(
+                LauncherRecord(
+                    launcher_pid=os.getpid(), device=self.device, zygote=zygote, daemons=daemons, instances=instances
+                )
+            )
+
+    def start_zygote(self) -> None:
+        with self._lock:
+            self._start_zygote()
+
+    def _start_zygote(self) -> None:
+        if self._zygote is None or self._zygote.poll() is not None:
+            private_dir(self.run_dir)
+            private_dir(self.log_dir)
+            self._zygote = start_zygote(self.zygote_socket, self.log_dir / "zygote.log")
+            self._write_record()
+
+    def spec(
+        self,
+        function: str,
+        backbone: str,
+        adapter_dir: Path | None,
+        *,
+        shared: bool = True,
+        max_batch_size: int = 8,
+        num_threads: int | None = 1,
+        deployment: str | None = None,
+    ) -> WorkerSpec:
+        """One intra-op thread by default: instances share the node's cores, and oversubscribed OpenMP threads
+        spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core
+        machine)."""
+        instance_id = f"{function}-{secrets.token_hex(3)}"
+        private_dir(self.run_dir)
+        return WorkerSpec(
+            function=function,
+            instance_id=instance_id,
+            deployment=deployment,
+            socket_path=str(self.run_dir / f"{instance_id}.sock"),
+            model_dir=str(self.store.path(backbone)),
+            adapter_dir=str(adapter_dir) if adapter_dir else None,
+            daemon_socket=str(self.daemon_socket(backbone)) if shared else None,
+            device=self.device,
+            max_batch_size=max_batch_size,
+            num_threads=num_threads,
+        )
+
+    def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceHandle:
+        """Start a worker for `spec`: forked from the zygote (libraries pre-loaded) or, if `fresh`, a new process."""
+        log_path = instance_log_path(self.log_dir, spec)
+        private_dir(self.log_dir)
+        private_dir(log_path.parent)
+        if fresh:
+            process = start_fresh_worker(spec, log_path)
+            handle = InstanceHandle(spec, process.pid, log_path, process)
+        else:
+            self.start_zygote()
+            handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
+        self.instances.append(handle)
+        self._write_record()
+        wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
+        return handle
+
+    def close(self) -> None:
+        self._closing.set()  # the supervisor restarts nothing from now on
+        for instance in self.instances:
+            instance.kill()
+        self.instances.clear()
+        if self._zygote is not None:
+            self._zygote.terminate()
+            try:
+                self._zygote.wait(10)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
+            self._zygote = None
+        with self._lock:
+            daemons = list(self._daemons.values())
+            self._daemons.clear()
+        for daemon in daemons:  # a daemon that will not answer is killed; close() must not leave processes behind
+            daemon.stop()
+        with self._lock:
+            self._record.remove()
+
+
+DEPLOYMENT_LOGS_DIR = "functions"
+
+
+def deployment_log_dir(log_dir: Path, deployment: str) -> Path:
+    """Where the instances of one deployment (FunctionSpec.uid) log: a directory of its own, so reading a function's
+    logs never matches another function's files, and deleting the function removes exactly its logs."""
+    if not deployment or not deployment.isalnum():
+        raise ValueError(f"deployment uid {deployment!r} is not alphanumeric")
+    return Path(log_dir) / DEPLOYMENT_LOGS_DIR / deployment
+
+
+def instance_log_path(log_dir: Path, spec: WorkerSpec) -> Path:
+    if spec.deployment is None:  # a worker outside any deployment (benches, tests): the node's log directory
+        return Path(log_dir) / f"{spec.instance_id}.log"
+    return deployment_log_dir(log_dir, spec.deployment) / f"{spec.instance_id}.log"
+
+
+def remove_deployment_logs(log_dir: Path, deployment: str) -> None:
+    shutil.rmtree(deployment_log_dir(log_dir, deployment), ignore_errors=True)

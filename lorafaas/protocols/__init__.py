@@ -1,0 +1,1 @@
+"""One module per process protocol: the backbone daemon's and the MoE LoRA server's messages and clients."""

@@ -1,0 +1,86 @@
+"""A backbone daemon's settings and the places it owns: socket, lock file and shared-memory segment names.
+
+One daemon per (home, backbone, device). Its lock file (held with flock for the daemon's life, released by the kernel
+even on SIGKILL) says who owns the pair; its segment (a memfd, no file anywhere) is labelled with the home, backbone,
+device and owner pid:
+
+    /memfd:lorafaas-<home tag>.<backbone>.<device>.<pid>      (as /proc/PID/maps shows it)
+
+Earlier versions kept segments as files of that name in /dev/shm; a starting daemon still removes those of dead
+owners. Next to the lock, the daemon keeps a record of its sealed segment and its leases (`<stem>.segment`), so that
+a successor handed the segment's descriptor can adopt it instead of loading a second copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafaas.cuda_ipc import check_device
+from lorafaas.errors import InvalidInput
+from lorafaas.formats.model_store import check_name
+
+SEGMENT_PREFIX = "lorafaas-"
+MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, the terminating NUL included
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    home: Path
+    backbone: str
+    device: str = "cpu"
+    # A lease not renewed by a heartbeat within this many seconds is reaped; None: leases live as long as their pid.
+    lease_ttl_s: float | None = None
+    reap_interval_s: float = 0.5
+    # A killed predecessor's sealed segment, handed over by the supervisor (`--adopt-fd`); adopted if the record
+    # still describes it, closed otherwise.
+    adopt_fd: int | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.backbone)
+        check_device(self.device)
+        if self.lease_ttl_s is not None and not 0.1 <= self.lease_ttl_s <= 86400:
+            raise InvalidInput(f"lease TTL is {self.lease_ttl_s} s; it must lie between 0.1 s and one day")
+        if not 0.01 <= self.reap_interval_s <= 60:
+            raise InvalidInput(f"reap interval is {self.reap_interval_s} s; it must lie between 0.01 s and 60 s")
+
+    @property
+    def paths(self) -> DaemonPaths:
+        return DaemonPaths.of(self.home, self.backbone, self.device)
+
+
+@dataclass(frozen=True)
+class DaemonPaths:
+    run_dir: Path
+    socket: Path
+    lock: Path
+    record: Path  # the sealed segment and its leases, for a successor to adopt (see adoption.py)
+    segment_prefix: str  # every segment of this (home, backbone, device) starts with it, followed by a pid
+
+    @classmethod
+    def of(cls, home: Path, backbone: str, device: str) -> DaemonPaths:
+        home = Path(home).expanduser().resolve()
+        run_dir = home / "run"
+        stem = f"{check_name(backbone)}@{check_device(device).replace(':', '-')}"
+        home_tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
+        socket = run_dir / f"{stem}.sock"
+        if len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:  # a deep home: keep the socket somewhere short
+            socket = Path(tempfile.gettempdir()) / f"lorafaas-{home_tag}" / f"{stem}.sock"
+        return cls(
+            run_dir=run_dir,
+            socket=socket,
+            lock=run_dir / f"{stem}.lock",
+            record=run_dir / f"{stem}.segment",
+            segment_prefix=f"{SEGMENT_PREFIX}{home_tag}.{backbone}.{device.replace(':', '-')}.",
+        )
+
+    def segment_name(self, pid: int) -> str:
+        return f"{self.segment_prefix}{pid}"
+
+    def segment_owner(self, name: str) -> int | None:
+        """The pid recorded in one of this daemon's segment names, or None if `name` is not one."""
+        rest = name.removeprefix(self.segment_prefix)
+        return int(rest) if rest != name and rest.isdigit() else None
