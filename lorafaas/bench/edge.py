@@ -10,6 +10,7 @@ attack got a 4xx. The platform runs on a tiny backbone: the gateway's answers, n
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import tempfile
@@ -21,9 +22,9 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from lorafaas.bench.live import percentile
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.progress import ProgressSink, SilentProgress
+from lorafaas.stats import percentile
 from lorafaas.testing.hostile import BOUNDARY, multipart_head, redos_adapter, tar_of_folders, truncated, zero_adapter
 
 PROBE_INTERVAL_S = 0.02
@@ -122,9 +123,10 @@ def attack_and_probe(url: str, key: str, scratch: Path, backbone_dir: Path, back
         len(statuses) == 2 + len(uploads)  # every attack but the scrapes recorded its answers
     return msgspec.to_builtins(EdgeResult(
         attacks=statuses, attacks_refused=refused,
-        healthz_idle_p50_ms=round(percentile(idle, 0.5) * 1e3, 2), healthz_idle_max_ms=round(max(idle) * 1e3, 2),
-        healthz_p50_ms=round(percentile(latencies, 0.5) * 1e3, 2),
-        healthz_p99_ms=round(percentile(latencies, 0.99) * 1e3, 2),
+        healthz_idle_p50_ms=round(percentile(idle, 50, math.nan) * 1e3, 2),
+        healthz_idle_max_ms=round(max(idle) * 1e3, 2),
+        healthz_p50_ms=round(percentile(latencies, 50, math.nan) * 1e3, 2),
+        healthz_p99_ms=round(percentile(latencies, 99, math.nan) * 1e3, 2),
         healthz_max_ms=round(max(latencies) * 1e3, 2), healthz_probes=len(latencies), attack_s=round(attack_s, 2),
     ))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import math
 import statistics
 import tempfile
 import time
@@ -26,6 +26,8 @@ import msgspec
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
+from lorafaas.sse import aevents
+from lorafaas.stats import percentile
 from lorafaas.testing.platform_process import PlatformProcess
 
 DEMO_FUNCTIONS = ("pirate", "haiku", "french")
@@ -171,16 +173,10 @@ async def _drive(platform: PlatformProcess, bursts: int, burst_size: int, gap_s:
         requests_per_s=round(len(ttfts) / makespan, 3),
         ttft_slo_attainment=round(sum(t <= slo_ttft_ms / 1e3 for t in ttfts) / len(outcomes), 3),
         mean_ttft_s=round(statistics.mean(ttfts), 3) if ttfts else float("nan"),
-        p99_ttft_s=round(percentile(ttfts, 0.99), 3),
+        p99_ttft_s=round(percentile(ttfts, 99, math.nan), 3),
         most_in_flight={name: d["batching"]["most_in_flight"] for name, d in described.items()},
         instances_started={name: sum(d["cold_starts"].values()) for name, d in described.items()},
     )
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank, from below) of `values`; NaN for none."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def _one(http: httpx.AsyncClient, name: str, prompt: str, max_tokens: int) -> float | None:
@@ -191,9 +187,9 @@ async def _one(http: httpx.AsyncClient, name: str, prompt: str, max_tokens: int)
     async with http.stream("POST", f"/v1/functions/{name}/invoke", json=body) as reply:
         if reply.status_code != 200:
             return None
-        async for line in reply.aiter_lines():
-            if line.startswith("data:"):
-                event = json.loads(line.removeprefix("data:"))
+        async for sse in aevents(reply):
+            if sse.data is not None:
+                event = sse.data
                 if event.get("type") == "token" and ttft is None:
                     ttft = time.perf_counter() - started
                 elif "error" in event:

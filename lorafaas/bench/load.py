@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,7 +31,6 @@ from lorafaas.bench.live import (
     DEMO_FUNCTIONS,
     PROMPTS,
     deploy_demo,
-    percentile,
     scaled_to_zero,
     scratch_platform,
 )
@@ -39,6 +38,8 @@ from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.protocols.daemon_config import DaemonPaths
+from lorafaas.sse import aevents
+from lorafaas.stats import percentile
 from lorafaas.testing.platform_process import PlatformProcess
 
 
@@ -97,8 +98,9 @@ def run_load_bench(store: ModelStore, clients: int = 20, duration_s: float = 300
         clients=clients, duration_s=duration_s, max_tokens=max_tokens, requests_sent=tally.sent,
         responses_complete=tally.complete, lost=tally.sent - tally.complete,
         duplicated=max(0, counted - tally.sent), errors=tally.errors, invocations_counted=counted,
-        requests_per_s=round(tally.complete / duration_s, 3), p50_ttft_s=round(percentile(tally.ttfts, 0.5), 3),
-        p99_ttft_s=round(percentile(tally.ttfts, 0.99), 3),
+        requests_per_s=round(tally.complete / duration_s, 3),
+        p50_ttft_s=round(percentile(tally.ttfts, 50, math.nan), 3),
+        p99_ttft_s=round(percentile(tally.ttfts, 99, math.nan), 3),
     )
 
 
@@ -143,10 +145,8 @@ async def _checked_request(http: httpx.AsyncClient, name: str, prompt: str, max_
             if reply.status_code != 200:
                 tally.fail(f"{name}: HTTP {reply.status_code} {(await reply.aread())[:200]!r}")
                 return False
-            async for line in reply.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line.removeprefix("data:"))
+            async for sse in aevents(reply):
+                event = sse.data or {}
                 if event.get("type") == "token":
                     ttft = ttft if ttft is not None else time.perf_counter() - started
                     texts.append(event["text"])

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import httpx
 import msgspec
-from httpx_sse import aconnect_sse
 
 from lorafaas.bench.serve_stats import LevelResult, LoadProbe, RequestOutcome, summarize
 from lorafaas.progress import ProgressSink, SilentProgress
+from lorafaas.sse import aevents
 
 # Short, common English words: each is one token (with its leading space) in the BPE vocabularies of the usual small
 # models (SmolLM2, Llama, Qwen), so a prompt of N words is close to N tokens; the server's own count is reported.
@@ -96,16 +96,16 @@ async def one_request(http: httpx.AsyncClient, target: Target, model: str, promp
     chunks = 0
     usage: dict | None = None
     try:
-        async with aconnect_sse(http, "POST", f"{target.url}/v1/completions", json=body, headers=headers) as source:
-            if source.response.status_code != 200:
-                await source.response.aread()
-                return _failed(model, f"HTTP {source.response.status_code}: {source.response.text[:300]}")
-            async for event in source.aiter_sse():
-                if event.data == "[DONE]":
+        async with http.stream("POST", f"{target.url}/v1/completions", json=body, headers=headers) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                return _failed(model, f"HTTP {reply.status_code}: {reply.text[:300]}")
+            async for event in aevents(reply):
+                if event.done:
                     break
-                document = json.loads(event.data)
-                if "error" in document:
-                    return _failed(model, f"error event: {json.dumps(document['error'])[:300]}")
+                document = event.data
+                if event.error is not None:
+                    return _failed(model, f"error event: {json.dumps(event.error)[:300]}")
                 usage = document.get("usage") or usage
                 if any(choice.get("text") for choice in document.get("choices", ())):
                     now = time.perf_counter()

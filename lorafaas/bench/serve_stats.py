@@ -12,8 +12,9 @@ import os
 import time
 
 import msgspec
-import numpy as np
 import psutil
+
+from lorafaas.stats import percentile
 
 
 class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,7 +31,7 @@ class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Distribution(msgspec.Struct, frozen=True, kw_only=True):
-    """Mean and percentiles, in milliseconds (numpy's linear interpolation, as vLLM's benchmark)."""
+    """Mean and percentiles, in milliseconds (linear interpolation, numpy's default and vLLM's benchmark's)."""
 
     mean_ms: float
     p50_ms: float
@@ -41,9 +42,9 @@ class Distribution(msgspec.Struct, frozen=True, kw_only=True):
     def of(cls, values_s: list[float]) -> Distribution:
         if not values_s:
             return cls(mean_ms=0.0, p50_ms=0.0, p90_ms=0.0, p99_ms=0.0)
-        ms = np.asarray(values_s, dtype=float) * 1e3
-        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-        return cls(mean_ms=float(ms.mean()), p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99))
+        ms = [v * 1e3 for v in values_s]
+        p50, p90, p99 = (percentile(ms, q) for q in (50, 90, 99))
+        return cls(mean_ms=sum(ms) / len(ms), p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99))
 
 
 class MachineLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,7 +104,7 @@ def summarize(target: str, url: str, concurrency: int, outcomes: list[RequestOut
         failed=len(outcomes) - len(done), duration_s=duration_s, output_tokens=tokens,
         short_replies=sum(1 for o in done if o.output_tokens < output_len),
         output_tokens_per_s=per_s(tokens), requests_per_s=per_s(len(done)),
-        mean_prompt_tokens=float(np.mean(prompts)) if prompts else None,
+        mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
         ttft=Distribution.of([o.ttft_s for o in done]), tpot=Distribution.of(tpot),
         itl=Distribution.of([gap for o in done for gap in o.chunk_gaps_s]),
         e2e_latency=Distribution.of([o.latency_s for o in done]), load=load, errors=errors,

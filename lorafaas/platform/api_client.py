@@ -14,6 +14,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.errors import PlatformUnavailable, Unauthorized
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.auth import read_admin_key
+from lorafaas.sse import events
 from lorafaas.wire import error_class
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -85,17 +86,10 @@ class ApiClient:
                 if reply.status_code >= 400:
                     reply.read()
                     self._raise(reply)
-                event_name = None
-                for line in reply.iter_lines():
-                    if line.startswith("event:"):
-                        event_name = line.removeprefix("event:").strip()
-                    elif line.startswith("data:"):
-                        document = json.loads(line.removeprefix("data:").strip())
-                        if event_name == "error":
-                            error = document["error"]
-                            raise error_class(error["code"])(error["message"])
-                        yield document
-                        event_name = None
+                for event in events(reply):
+                    if event.error is not None:
+                        raise error_class(event.error["code"])(event.error["message"])
+                    yield event.data
         except httpx.TransportError as exc:
             raise PlatformUnavailable(f"lost the connection to lorafaas at {self.url}: {exc}") from exc
 

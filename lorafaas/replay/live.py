@@ -11,7 +11,6 @@ that was waiting when it started: that request is a cold start (its breakdown is
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafaas.errors import InvalidInput, PlatformUnavailable
 from lorafaas.replay.results import RequestResult
 from lorafaas.replay.workload import Request, Workload
+from lorafaas.sse import aevents
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +144,10 @@ async def _invoke(
                     text = (await response.aread()).decode(errors="replace")
                     result.error = f"HTTP {response.status_code}: {text[:200]}"
                     return
-                event_name = None
-                async for line in response.aiter_lines():
-                    if line.startswith("event:"):
-                        event_name = line[6:].strip()
-                        continue
-                    if not line.startswith("data:"):
-                        continue
+                async for sse in aevents(response):
                     now = time.perf_counter() - t0
-                    event = json.loads(line[5:])
-                    if event_name == "error" or ("error" in event and event.get("type") is None):
+                    event = sse.data or {}
+                    if sse.error is not None:
                         result.error = f"stream error: {str(event)[:200]}"
                         return
                     if event.get("type") == "token" and result.ttft_s is None:

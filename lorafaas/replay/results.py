@@ -7,9 +7,10 @@ from it (so a request held back by the client's concurrency bound counts that wa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+
+from lorafaas.stats import percentile
 
 
 @dataclass(slots=True)
@@ -47,16 +48,6 @@ class RequestResult:
     @staticmethod
     def columns() -> list[str]:
         return [f.name for f in fields(RequestResult)] + ["tpot_s"]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

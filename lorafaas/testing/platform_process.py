@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ import httpx
 import psutil
 
 from lorafaas.platform.api_client import ApiClient
+from lorafaas.sse import aevents
 
 
 def free_port() -> int:
@@ -112,15 +112,9 @@ async def stream_invocation(http: httpx.AsyncClient, name: str, request: dict, h
         if reply.status_code != 200:
             await reply.aread()
             return {"status": reply.status_code, "text": "", "error": reply.json()["error"]}
-        event = None
-        async for line in reply.aiter_lines():
-            if line.startswith("event:"):
-                event = line.removeprefix("event:").strip()
-            elif line.startswith("data:"):
-                document = json.loads(line.removeprefix("data:").strip())
-                if event == "error":
-                    error = document["error"]
-                elif document.get("type") == "token":
-                    text += document["text"]
-                event = None
+        async for event in aevents(reply):
+            if event.error is not None:
+                error = event.error
+            elif event.data and event.data.get("type") == "token":
+                text += event.data["text"]
     return {"status": 200, "text": text, "error": error}

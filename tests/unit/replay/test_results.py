@@ -18,7 +18,7 @@ def test_tpot_percentile_summary() -> None:
     assert a.tpot_s == pytest.approx(0.25)
     assert _done(1, "a", 0.0, 0.5, 0.5, 1).tpot_s is None
     failed = RequestResult(2, "b", "t", 1.0, 10, 8, error="HTTP 503")
-    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
     s = summarize([a, _done(1, "a", 1.0, 1.5, 2.0, 1), failed])
     assert [x.function for x in s] == ["a", "b", "all"]
     assert s[0].ttft_s.mean == pytest.approx(1.0) and s[0].num_ok == 2
