@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from lorafaas.function_runtime.messages import SamplingParams
 
@@ -46,8 +47,11 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 class TextStream:
     """Incremental detokenization of one request's output with stop strings.
 
-    `push(ids)` returns the new text safe to show: it holds back an incomplete UTF-8 character and any tail that could
-    still become a stop string, and reports whether a stop string was reached (the text is cut before it).
+    `push(ids)` takes the output so far (one token more than the last call) and returns the new text safe to show: it
+    holds back an incomplete UTF-8 character and any tail that could still become a stop string, and reports whether
+    a stop string was reached (the text is cut before it). A fast tokenizer decodes one token per call through
+    tokenizers' `DecodeStream` (which buffers partial characters); other tokenizers re-decode the whole output.
+    `finish` settles on the whole output decoded once, so the final text is exactly `decode(output_ids)`.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
@@ -55,9 +59,14 @@ class TextStream:
         self._stop = stop
         self.text = ""  # all text shown so far
         self.stopped = False
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer behind a PreTrainedTokenizerFast
+        self._backend = backend
+        self._decoder = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._decoded = ""  # the incremental decoder's text so far
+        self._fed = 0  # output tokens given to the incremental decoder
 
     def push(self, output_ids: list[int]) -> str:
-        full = self._tokenizer.decode(output_ids, skip_special_tokens=True)
+        full = self._decode_incrementally(output_ids)
         for stop in self._stop:
             at = full.find(stop, max(0, len(self.text) - len(stop) + 1))
             if at != -1:
@@ -72,6 +81,16 @@ class TextStream:
         if self.stopped:
             return ""
         return self._advance(self._tokenizer.decode(output_ids, skip_special_tokens=True))
+
+    def _decode_incrementally(self, output_ids: list[int]) -> str:
+        if self._decoder is None:
+            return self._tokenizer.decode(output_ids, skip_special_tokens=True)
+        for token_id in output_ids[self._fed:]:
+            chunk = self._decoder.step(self._backend, token_id)
+            if chunk is not None:
+                self._decoded += chunk
+        self._fed = len(output_ids)
+        return self._decoded
 
     def _advance(self, upto: str) -> str:
         if len(upto) <= len(self.text):
