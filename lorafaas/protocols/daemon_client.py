@@ -238,8 +238,11 @@ def wait_until_ready(socket_path: Path, timeout_s: float, process: subprocess.Po
 def stop_daemon(process: subprocess.Popen, socket_path: Path, *, force: bool = False, timeout_s: float = 30.0) -> int:
     """Ask the daemon to shut down (LeasesHeld unless forced or no leases), wait for it; SIGKILL after the timeout."""
     if process.poll() is None:
-        with DaemonClient.connect(socket_path) as client:
-            client.shutdown(force=force)
+        try:
+            with DaemonClient.connect(socket_path) as client:
+                client.shutdown(force=force)
+        except DaemonUnavailable:
+            pass  # its socket is gone: it is shutting down already (Ctrl-C reaches the whole process group)
     try:
         return process.wait(timeout_s)
     except subprocess.TimeoutExpired:

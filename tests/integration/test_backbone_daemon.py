@@ -262,3 +262,11 @@ def test_a_descriptor_that_is_not_the_recorded_sealed_segment_is_refused_and_the
     finally:
         impostor.destroy()
         os.close(unsealed)
+
+
+def test_stopping_a_daemon_whose_socket_is_already_gone_waits_for_it_instead_of_raising(daemons) -> None:
+    """Ctrl-C on `lorafaas up` reaches the daemon too: it removes its socket and exits while the launcher stops it."""
+    config, process = daemons.start(daemons.home())
+    os.kill(process.pid, signal.SIGSTOP)  # caught between removing its socket and exiting
+    config.paths.socket.unlink()
+    assert stop_daemon(process, config.paths.socket, force=True, timeout_s=1.0) == -signal.SIGKILL
