@@ -12,6 +12,8 @@ temperature and top-k/top-p/min-p (vLLM's default `logprobs_mode`, raw_logprobs)
 Tokens are shown decoded one by one (`tokenizer.decode([id])`, as vLLM does, so a token holding part of a multi-byte
 character shows U+FFFD; `bytes` are that string's UTF-8); logprobs are clamped at -9999.0, as vLLM does (JSON has no
 -Infinity). Every generated token has an entry, the end-of-sequence token included (vLLM lists it too).
+With `return_tokens_as_token_ids: true` (vLLM's request field) tokens are shown as "token_id:ID" instead, so a token
+that is not valid text on its own can still be told apart.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ def chat_num_logprobs(logprobs: bool | None, top_logprobs: int | None) -> int | 
 class LogprobsShaper:
     """Collects a request's `TokenLogprobs` and hands them out shaped, whole or chunk by chunk (`take`)."""
 
-    def __init__(self, chat: bool, num_top: int) -> None:
+    def __init__(self, chat: bool, num_top: int, as_token_ids: bool = False) -> None:
         self.chat = chat
         self.num_top = num_top
+        self.as_token_ids = as_token_ids
         self._pending: list[TokenLogprobs] = []
         self._text_offset = 0  # completions: where the next token's text starts in the output
 
@@ -54,26 +57,31 @@ class LogprobsShaper:
 
     def _chat(self, entries: list[TokenLogprobs]) -> dict:
         return {"content": [
-            _chat_entry(e.sampled) | {"top_logprobs": [_chat_entry(t) for t in e.top[: self.num_top]]}
+            self._chat_entry(e.sampled) | {"top_logprobs": [self._chat_entry(t) for t in e.top[: self.num_top]]}
             for e in entries
         ]}
 
     def _completion(self, entries: list[TokenLogprobs]) -> dict:
         shaped = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for entry in entries:
-            shaped["tokens"].append(entry.sampled.token)
+            token = self._token(entry.sampled)
+            shaped["tokens"].append(token)
             shaped["token_logprobs"].append(_clamp(entry.sampled.logprob))
-            top = {entry.sampled.token: _clamp(entry.sampled.logprob)}
-            top.update((t.token, _clamp(t.logprob)) for t in entry.top[: self.num_top] if t.token not in top)
+            top = {token: _clamp(entry.sampled.logprob)}
+            for alternative in entry.top[: self.num_top]:
+                top.setdefault(self._token(alternative), _clamp(alternative.logprob))
             shaped["top_logprobs"].append(top)
             shaped["text_offset"].append(self._text_offset)
             self._text_offset += len(entry.sampled.token)
         return shaped
 
+    def _chat_entry(self, token: TokenLogprob) -> dict:
+        shown = self._token(token)
+        return {"token": shown, "logprob": _clamp(token.logprob),
+                "bytes": list(shown.encode("utf-8", errors="replace"))}
 
-def _chat_entry(token: TokenLogprob) -> dict:
-    return {"token": token.token, "logprob": _clamp(token.logprob),
-            "bytes": list(token.token.encode("utf-8", errors="replace"))}
+    def _token(self, token: TokenLogprob) -> str:
+        return f"token_id:{token.token_id}" if self.as_token_ids else token.token
 
 
 def _clamp(logprob: float) -> float:

@@ -48,6 +48,8 @@ class _OpenAIBody(SamplerFields):
     n: int = Field(1, ge=1, le=1, description="choices per request: lorafaas returns one")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: show logprobs tokens as 'token_id:ID' (tokens that are not text on their own)")
 
     def limit(self, default: int) -> int:
         if self.n != 1:
@@ -86,7 +88,8 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
         events = await start_invocation(service, metrics, who, body.model, request)
         num_logprobs = body.num_logprobs()
         reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat, service=service,
-                       logprobs=None if num_logprobs is None else LogprobsShaper(chat, num_logprobs),
+                       logprobs=None if num_logprobs is None
+                       else LogprobsShaper(chat, num_logprobs, bool(body.return_tokens_as_token_ids)),
                        echo=echo)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
