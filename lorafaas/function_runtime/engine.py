@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
-from lorafaas.function_runtime.messages import FinishReason, SamplingParams
-from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token
+from lorafaas.function_runtime.messages import FinishReason, SamplingParams, TokenLogprob, TokenLogprobs
+from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token, token_logprobs
 from lorafaas.models.reference import chat_template_ids
 
 
@@ -58,6 +58,7 @@ class StepOutput:
     prefill_s: float | None = None  # on a request's first token: the forward time of the prefill it was in
     prefill_batch: int | None = None  # how many requests that prefill held
     error: str | None = None  # this request failed alone (its batch-mates go on); finish_reason is "error"
+    logprobs: TokenLogprobs | None = None  # of token_id, when the request asked for them
 
 
 @dataclass
@@ -82,6 +83,7 @@ class GenerationEngine:
         self.device = model.device
         self.max_context = self.config.max_context or int(model.config.max_position_embeddings)
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = int(getattr(model.config, "vocab_size", None) or len(tokenizer))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._cancelled: set[str] = set()
@@ -103,6 +105,7 @@ class GenerationEngine:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises PromptTooLong or InvalidInput before anything is queued."""
         params.check(self.max_context)
+        params.check_vocab(self.vocab_size)
         if not prompt_ids:
             raise InvalidInput("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
@@ -223,14 +226,24 @@ class GenerationEngine:
         requests batched with it."""
         try:
             token_id = self._sample(logits, seq)
+            logprobs = self._logprobs(logits, seq, token_id)
         except (RuntimeError, ValueError) as exc:
             failed = self._finished(seq, None, "", "error")
             return dataclasses.replace(failed, error=f"sampling failed for this request: {exc}")
-        return self._emit(seq, token_id)
+        output = self._emit(seq, token_id)
+        return output if logprobs is None else dataclasses.replace(output, logprobs=logprobs)
 
     def _sample(self, logits: torch.Tensor, seq: _Sequence) -> int:
         """The data-dependent boundary: one row's logits ([vocab], on the device) -> the next token id, on the host."""
-        return next_token(logits, seq.params, seq.generator)
+        return next_token(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+
+    def _logprobs(self, logits: torch.Tensor, seq: _Sequence, token_id: int) -> TokenLogprobs | None:
+        if seq.params.logprobs is None:
+            return None
+        sampled, top = token_logprobs(logits, token_id, seq.params.logprobs)
+        decode = self.tokenizer.decode
+        return TokenLogprobs(sampled=TokenLogprob(token_id, decode([token_id]), sampled),
+                             top=tuple(TokenLogprob(i, decode([i]), lp) for i, lp in top))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda" and torch.cuda.is_initialized():

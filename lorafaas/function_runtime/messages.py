@@ -21,13 +21,27 @@ UnstageName = Literal["adapter_offload", "adapter_drop", "backbone"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's)
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| bound (OpenAI's and vLLM's)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What vLLM's SamplingParams means by the same names (see `sampling.next_token` for the order they apply in)."""
+
     max_tokens: int = 128
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (fixed-length benchmarks, as vLLM's)
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    logprobs: int | None = None  # None: none; n: the sampled token's logprob and the n most likely alternatives
 
     def check(self, max_tokens_limit: int) -> None:
         from lorafaas.errors import InvalidInput
@@ -42,6 +56,30 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput(f"seed is {self.seed}; it must be a signed 64-bit integer")
         if len(self.stop) > 8 or any(not s for s in self.stop):
             raise InvalidInput("stop takes at most 8 non-empty strings")
+        if self.top_k < -1:
+            raise InvalidInput(f"top_k is {self.top_k}; it must be -1 or 0 (off) or at least 1")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidInput(f"min_p is {self.min_p}; it must be between 0 and 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidInput(f"{name} is {getattr(self, name)}; it must be between -2 and 2")
+        if not 0 < self.repetition_penalty <= 100:
+            raise InvalidInput(f"repetition_penalty is {self.repetition_penalty}; it must be in (0, 100]")
+        for token_id, bias in self.logit_bias.items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidInput(f"logit_bias[{token_id}] is {bias}; a bias must be between -100 and 100")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidInput(f"logprobs is {self.logprobs}; it must be between 0 and {MAX_LOGPROBS}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in logit_bias must name tokens of the model's vocabulary."""
+        from lorafaas.errors import InvalidInput
+
+        outside = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
+        if outside:
+            raise InvalidInput(
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary (0 to {vocab_size - 1})"
+            )
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -135,12 +173,27 @@ class StageDone(msgspec.Struct, frozen=True, kw_only=True, tag="stage_done"):
     adapter: AdapterStats | None = None  # the adapter held after this step
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str  # the token decoded alone (as vLLM shows it)
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """A sampled token's log-probability and the most likely alternatives at its position, most likely first:
+    log-softmax of the model's raw logits (before bias, penalties, temperature and truncation; vLLM's raw_logprobs)."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
 class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
     request_id: str
     token_id: int
     text: str  # the new text this token completes (may be empty while a multi-byte character is pending)
     prefill_s: float | None = None  # on the first token: the prefill's forward time (feeds the batching model)
     prefill_batch: int | None = None  # on the first token: how many requests that prefill held
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):

@@ -29,19 +29,71 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
     return generator
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy below MIN_TEMPERATURE; otherwise temperature + nucleus (top_p) sampling. `logits` is [vocab].
-    The nucleus always holds the most likely token, however small top_p is (1e-300 is 0 in float32)."""
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               prompt_ids: list[int] = (), output_ids: list[int] = ()) -> int:
+    """The next token from one row's `logits` ([vocab]) in vLLM's order: logit_bias, then the penalties (repetition
+    over prompt + output, frequency and presence over the output), then greedy below MIN_TEMPERATURE, otherwise a
+    draw from `sampling_probs`."""
+    logits = processed_logits(logits, params, prompt_ids, output_ids)
     if is_greedy(params):
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    return int(torch.multinomial(sampling_probs(logits, params).cpu(), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from, given processed float32 logits: temperature, then min_p (relative to
+    the most likely token), top_k (ties with the k-th kept), top_p (over what top_k left, renormalized).
+    The nucleus always holds the most likely token, however small top_p is (1e-300 is 0 in float32)."""
+    logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
         outside[0] = False
         sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
+    return probs
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int] = (),
+                     output_ids: list[int] = ()) -> torch.Tensor:
+    """`logits` in float32 with logit_bias and the penalties applied (what greedy decoding takes the argmax of)."""
+    logits = logits.float()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(0, ids, bias)
+    if params.repetition_penalty != 1:
+        seen = _token_counts(list(prompt_ids) + list(output_ids), logits) > 0
+        factor = torch.where(seen, params.repetition_penalty, 1.0).to(logits.dtype)
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = _token_counts(output_ids, logits)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _token_counts(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """How often each vocabulary entry occurs in `token_ids`, as a float [vocab] tensor on the logits' device."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token_id` and the `num_top` most likely tokens (id, logprob), most likely first:
+    log-softmax of the raw logits, before bias, penalties, temperature and truncation (vLLM's raw_logprobs)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, num_top) if num_top else None
+    sampled = float(logprobs[token_id])
+    if top is None:
+        return sampled, []
+    return sampled, list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
 
 
 class TextStream:

@@ -194,7 +194,8 @@ class WorkerServer:
                 if out.token_id is not None:
                     route.first_token_s = route.first_token_s or now
                     self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text,
-                                                     prefill_s=out.prefill_s, prefill_batch=out.prefill_batch))
+                                                     prefill_s=out.prefill_s, prefill_batch=out.prefill_batch,
+                                                     logprobs=out.logprobs))
                 if out.finish_reason is not None:
                     del self._routes[out.request_id]
                     route.connection.request_ids.discard(out.request_id)

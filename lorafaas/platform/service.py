@@ -326,7 +326,10 @@ async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIt
 
 def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
     params = m.SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                              stop=tuple(request.stop), seed=request.seed)
+                              stop=tuple(request.stop), seed=request.seed, top_k=request.top_k, min_p=request.min_p,
+                              presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                              repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias),
+                              logprobs=request.logprobs)
     if request.messages is not None:
         messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
         return m.Generate(request_id=request_id, messages=messages, params=params)

@@ -146,12 +146,12 @@ def test_a_request_whose_sampling_fails_fails_alone(engine: GenerationEngine, mo
     real = engine_module.next_token
     calls = {"n": 0}
 
-    def flaky(logits, params, generator):
+    def flaky(logits, params, generator, *history):
         if params.seed == 666:
             calls["n"] += 1
             if calls["n"] >= 3:  # fails at its third token: mid-decode, beside the others
                 raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-        return real(logits, params, generator)
+        return real(logits, params, generator, *history)
 
     greedy = SamplingParams(max_tokens=8)
     requests = {"a": (PROMPTS[0], greedy), "b": (PROMPTS[1], greedy),
@@ -204,3 +204,52 @@ def test_prefill_passes_stay_within_the_token_budget_and_chunks_give_the_same_to
         del model.forward
     assert got == expected
     assert widths and all(rows * width <= budget for rows, width in widths), widths
+
+
+def test_penalties_top_k_bias_and_logprobs_batched_equal_alone(engine: GenerationEngine) -> None:
+    """Per-request sampler state (its own prompt and output for the penalties, its generator) is never mixed with a
+    batch-mate's: each of these samples the same tokens, with the same logprobs, batched as alone."""
+    requests = {
+        "penalized": (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.9, seed=11, top_k=8, min_p=0.05,
+                                                 presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3,
+                                                 logprobs=3)),
+        "biased": (PROMPTS[1], SamplingParams(max_tokens=10, logit_bias={100: 5.0, 101: -100.0},
+                                              repetition_penalty=2.0, logprobs=0)),
+        "plain": (PROMPTS[2], SamplingParams(max_tokens=10, temperature=1.0, seed=5)),
+        "top_k": (PROMPTS[3], SamplingParams(max_tokens=10, temperature=1.2, seed=2, top_k=3, top_p=0.9)),
+    }
+
+    alone = {rid: run(engine, {rid: req})[2][rid] for rid, req in requests.items()}
+    _, _, batched = run(engine, requests, arrivals={0: ["penalized", "plain"], 2: ["biased"], 3: ["top_k"]})
+    assert batched == alone
+    unpenalized = run(engine, {"x": (PROMPTS[1], SamplingParams(max_tokens=10))})[2]["x"]
+    assert alone["biased"] != unpenalized, "logit_bias and repetition_penalty changed nothing"
+
+
+def test_logprobs_of_each_token_batched_equal_alone(engine: GenerationEngine) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=4, top_k=5, presence_penalty=1.0, logprobs=4)
+
+    def logprobs_of(arrivals, requests):
+        seen: dict[str, list] = {}
+        arrivals = arrivals or {0: list(requests)}
+        step = 0
+        while step <= max(arrivals) or engine.has_work():
+            for rid in arrivals.get(step, []):
+                prompt, p = requests[rid]
+                engine.add(rid, engine.encode_chat([{"role": "user", "content": prompt}]), p)
+            for out in engine.step():
+                if out.logprobs is not None:
+                    seen.setdefault(out.request_id, []).append(out.logprobs)
+            step += 1
+        return seen
+
+    requests = {"a": (PROMPTS[0], params), "b": (PROMPTS[4], SamplingParams(max_tokens=6))}
+    alone = logprobs_of(None, {"a": requests["a"]})["a"]
+    batched = logprobs_of({0: ["b"], 1: ["a"]}, requests)
+    assert "b" not in batched, "logprobs only for the request that asked"
+    assert [e.sampled.token_id for e in batched["a"]] == [e.sampled.token_id for e in alone]
+    for got, want in zip(batched["a"], alone, strict=True):
+        assert got.sampled.logprob == pytest.approx(want.sampled.logprob, abs=1e-4)
+        assert [t.token_id for t in got.top] == [t.token_id for t in want.top]
+        assert len(got.top) == 4 and got.top[0].logprob >= got.top[-1].logprob
+        assert got.sampled.token == engine.tokenizer.decode([got.sampled.token_id])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput
@@ -27,13 +29,35 @@ def seed_field():
 
 
 
+class SamplerFields(BaseModel):
+    """vLLM's sampling parameters beyond temperature/top_p/seed (null or absent: off). Their semantics are vLLM's;
+    see `lorafaas.function_runtime.sampling.next_token` and docs/platform.md."""
+
+    top_k: int | None = Field(None, ge=-1, description="sample from the k most likely tokens; -1 or 0: off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0,
+                                description="drop tokens less likely than min_p x the most likely one; 0: off")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                           description="subtracted from the logit of every token already generated")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                            description="subtracted per time a token was already generated")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=100.0, description="divides the positive (multiplies the negative) logits of tokens in "
+        "the prompt or the output; 1: off")
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a string in JSON) -> a bias between -100 and 100 added to its logit")
+
+    def sampler_args(self) -> dict:
+        """The fields given, as InvocationRequest keyword arguments."""
+        return {name: getattr(self, name) for name in SamplerFields.model_fields if getattr(self, name) is not None}
+
+
 class MessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str = Field(pattern="^(system|user|assistant)$")
     content: str
 
 
-class InvokeBody(BaseModel):
+class InvokeBody(SamplerFields):
     """POST /v1/functions/{name}/invoke"""
 
     model_config = ConfigDict(extra="forbid")
@@ -48,7 +72,7 @@ class InvokeBody(BaseModel):
 
     def to_request(self) -> InvocationRequest:
         return make_request(self.prompt, self.messages, self.max_tokens, self.temperature, self.top_p, self.stop,
-                            self.seed)
+                            self.seed, **self.sampler_args())
 
 
 class DeploySpec(BaseModel):
@@ -72,7 +96,8 @@ class KeyBody(BaseModel):
     tenant: str = Field(pattern=NAME_PATTERN.pattern, description="1-63 lowercase letters, digits and '-'")
 
 
-def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -> InvocationRequest:
+def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed, **sampling) -> InvocationRequest:
+    """`sampling`: further InvocationRequest fields (top_k, penalties, logit_bias, logprobs)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     texts = {"prompt": prompt} | {f"stop[{i}]": text for i, text in enumerate(stops)}
     texts |= {f"messages[{i}].content": msg.content for i, msg in enumerate(messages or ())}
@@ -82,7 +107,7 @@ def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed) -
         prompt=prompt,
         messages=[ChatMessage(role=msg.role, content=msg.content) for msg in messages] if messages is not None
         else None,
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed, **sampling,
     )
 
 

@@ -126,6 +126,14 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float = 1.0
     stop: list[str] = []
     seed: int | None = None
+    # vLLM's sampling parameters beyond OpenAI's basic ones (their defaults switch them off)
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # the sampled token's logprob and this many alternatives per token
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> InvocationRequest:
         """Raise InvalidInput naming the first field out of bounds; return self."""
@@ -138,6 +146,17 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInput(f"top_p is {self.top_p:g}; it must be greater than 0 and at most 1")
         check_seed(self.seed)
+        if self.top_k < -1:
+            raise InvalidInput(f"top_k is {self.top_k}; it must be -1 or 0 (off) or at least 1")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidInput(f"repetition_penalty is {self.repetition_penalty}; it must be in (0, 100]")
+        for token_id, bias in self.logit_bias.items():
+            _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, 20)
         return self
 
 

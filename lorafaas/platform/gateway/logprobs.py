@@ -1,0 +1,88 @@
+"""Per-token log-probabilities as the OpenAI API shapes them, from the workers' `TokenLogprobs`.
+
+What the values are: log-softmax of the model's raw logits at each position, before logit_bias, penalties,
+temperature and top-k/top-p/min-p (vLLM's default `logprobs_mode`, raw_logprobs). Shapes follow vLLM's server:
+
+- chat (`logprobs: true`, `top_logprobs: 0..20`): `{"content": [{"token", "logprob", "bytes", "top_logprobs":
+  [{"token", "logprob", "bytes"}, ...]}]}`, the alternatives most likely first;
+- completions (`logprobs: 0..5`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, each
+  `top_logprobs` entry a {token: logprob} map of the sampled token and the `logprobs` most likely ones (so up to
+  logprobs + 1 entries, as OpenAI and vLLM document).
+
+Tokens are shown decoded one by one (`tokenizer.decode([id])`, as vLLM does, so a token holding part of a multi-byte
+character shows U+FFFD; `bytes` are that string's UTF-8); logprobs are clamped at -9999.0, as vLLM does (JSON has no
+-Infinity). Every generated token has an entry, the end-of-sequence token included (vLLM lists it too).
+With `return_tokens_as_token_ids: true` (vLLM's request field) tokens are shown as "token_id:ID" instead, so a token
+that is not valid text on its own can still be told apart.
+"""
+
+from __future__ import annotations
+
+from lorafaas.errors import InvalidInput
+from lorafaas.function_runtime.messages import MAX_LOGPROBS, TokenLogprob, TokenLogprobs
+
+MIN_LOGPROB = -9999.0  # vLLM's floor: a token the model rules out would otherwise be -inf
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound (OpenAI's)
+
+
+def chat_num_logprobs(logprobs: bool | None, top_logprobs: int | None) -> int | None:
+    """The alternatives per token a chat request asks for; None: no logprobs."""
+    if top_logprobs is not None and not logprobs:
+        raise InvalidInput("top_logprobs is set but logprobs is not true; set logprobs: true to use top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise InvalidInput(f"top_logprobs is {top_logprobs}; it must be between 0 and {MAX_LOGPROBS}")
+    return (top_logprobs or 0) if logprobs else None
+
+
+class LogprobsShaper:
+    """Collects a request's `TokenLogprobs` and hands them out shaped, whole or chunk by chunk (`take`)."""
+
+    def __init__(self, chat: bool, num_top: int, as_token_ids: bool = False) -> None:
+        self.chat = chat
+        self.num_top = num_top
+        self.as_token_ids = as_token_ids
+        self._pending: list[TokenLogprobs] = []
+        self._text_offset = 0  # completions: where the next token's text starts in the output
+
+    def add(self, logprobs: TokenLogprobs | None) -> None:
+        if logprobs is not None:
+            self._pending.append(logprobs)
+
+    def take(self) -> dict | None:
+        """The entries added since the last take, shaped; None when there are none."""
+        if not self._pending:
+            return None
+        entries, self._pending = self._pending, []
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries: list[TokenLogprobs]) -> dict:
+        return {"content": [
+            self._chat_entry(e.sampled) | {"top_logprobs": [self._chat_entry(t) for t in e.top[: self.num_top]]}
+            for e in entries
+        ]}
+
+    def _completion(self, entries: list[TokenLogprobs]) -> dict:
+        shaped = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            token = self._token(entry.sampled)
+            shaped["tokens"].append(token)
+            shaped["token_logprobs"].append(_clamp(entry.sampled.logprob))
+            top = {token: _clamp(entry.sampled.logprob)}
+            for alternative in entry.top[: self.num_top]:
+                top.setdefault(self._token(alternative), _clamp(alternative.logprob))
+            shaped["top_logprobs"].append(top)
+            shaped["text_offset"].append(self._text_offset)
+            self._text_offset += len(entry.sampled.token)
+        return shaped
+
+    def _chat_entry(self, token: TokenLogprob) -> dict:
+        shown = self._token(token)
+        return {"token": shown, "logprob": _clamp(token.logprob),
+                "bytes": list(shown.encode("utf-8", errors="replace"))}
+
+    def _token(self, token: TokenLogprob) -> str:
+        return f"token_id:{token.token_id}" if self.as_token_ids else token.token
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
