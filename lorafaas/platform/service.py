@@ -326,10 +326,14 @@ async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIt
 
 def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
     params = m.SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                              stop=tuple(request.stop), seed=request.seed)
+                              stop=tuple(request.stop), seed=request.seed, ignore_eos=request.ignore_eos)
     if request.messages is not None:
-        messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
+        messages = tuple(m.ChatMessage(msg.role, msg.content, msg.tool_call_id,
+                                       tuple(msg.tool_calls) if msg.tool_calls is not None else None, msg.name)
+                         for msg in request.messages)
         return m.Generate(request_id=request_id, messages=messages, params=params)
+    if request.prompt_token_ids is not None:
+        return m.Generate(request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids), params=params)
     return m.Generate(request_id=request_id, prompt=request.prompt, params=params)
 
 

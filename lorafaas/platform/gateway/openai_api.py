@@ -1,148 +1,116 @@
 """The OpenAI-compatible API: `model` is the function's name; the official `openai` client works unchanged.
 
-    GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream as SSE chunks ending with [DONE])
+    GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (stream as SSE chunks
+    ending with [DONE])
+
+Requests follow OpenAI's and vLLM's protocol (`openai_schemas`); errors are 400s in OpenAI's shape with `param`
+(`openai_errors`). `n` samples per prompt and a list of prompts run as one invocation per choice, side by side.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+import asyncio
+from collections.abc import Callable
 
+import msgspec
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
-from lorafaas.errors import InvalidInput, LorafaasError
-from lorafaas.function_runtime import messages as m
+from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.openai_reply import ChoicesReply
+from lorafaas.platform.gateway.openai_schemas import ChatBody, CompletionBody, Prompt, _OpenAIBody
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
-from lorafaas.platform.gateway.schemas import MessageIn, make_request, seed_field
-from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
+from lorafaas.platform.gateway.schemas import make_request
+from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, start_invocation
 from lorafaas.platform.service import FunctionService
-from lorafaas.platform.state.records import ApiKeyRecord
+from lorafaas.platform.state.records import ApiKeyRecord, ChatMessage, FunctionSpec, InvocationRequest
+
+CHAT_DEFAULT_MAX_TOKENS = 512
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 OPENAI_RESPONSES: dict[int | str, dict] = {
     200: {"description": "A (chat) completion, or with `stream: true` its chunks as server-sent events ending [DONE]",
           "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
-    **errors(404, 504),
+    **errors(400, 404, 504),
 }
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _OpenAIBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI parameters are accepted and ignored
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: list[str] | str | None = None
-    seed: int | None = seed_field()
-    n: int = Field(1, ge=1, le=1, description="choices per request: lorafaas returns one")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def limit(self, default: int) -> int:
-        if self.n != 1:
-            raise InvalidInput(f"n is {self.n}; lorafaas returns one choice per request (n=1)")
-        return self.max_completion_tokens or self.max_tokens or default
-
-
-class ChatBody(_OpenAIBody):
-    messages: list[MessageIn] = Field(min_length=1)
-
-
-class CompletionBody(_OpenAIBody):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
-        description="one prompt (a string, or a list holding one string)")
 
 
 def openai_router(service: FunctionService, metrics: GatewayMetrics,
                   caller: Callable[..., ApiKeyRecord]) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    async def respond(body: _OpenAIBody, request, chat: bool, who: ApiKeyRecord) -> Response:
-        """Run the invocation and shape it as a (chat) completion, or as its stream of chunks."""
-        events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Reply("chatcmpl" if chat else "cmpl", body.model, chat=chat, service=service)
+    async def respond(body: _OpenAIBody, requests: list[InvocationRequest], chat: bool,
+                      who: ApiKeyRecord) -> Response:
+        """Start every choice's invocation (a refusal of any is the request's error), then answer with them all."""
+        started = await asyncio.gather(*(start_invocation(service, metrics, who, body.model, request)
+                                         for request in requests), return_exceptions=True)
+        failures = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failures:
+            await asyncio.gather(*(outcome.rest.aclose() for outcome in started
+                                   if isinstance(outcome, InvocationEvents)))
+            raise failures[0]
+        reply = ChoicesReply(body.model, chat, service, n=body.n or 1)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.stream(events, include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(events))
+            return StreamingResponse(reply.stream(started, body.include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(started))
 
     @router.get("/v1/models", responses=errors())
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
-        return {"object": "list", "data": [
-            {"id": s.name, "object": "model", "created": int(s.created_at), "owned_by": s.tenant}
-            for s in await service.list(who)
-        ]}
+        return {"object": "list", "data": [_model(spec) for spec in await service.list(who)]}
+
+    @router.get("/v1/models/{model_id}", responses=errors(404))
+    async def model(model_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        return _model(await service.aget(who, model_id))
 
     @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
-        request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
-                               body.seed)
-        return await respond(body, request, chat=True, who=who)
+        body.check()
+        messages = body.records()
+        with counted_refusals(metrics, body.model):
+            spec = await service.aget(who, body.model)
+            requested, param = body.requested_max_tokens()
+            max_tokens = await max_tokens_for(service, spec, requested, CHAT_DEFAULT_MAX_TOKENS, param)
+            requests = _choices(body, spec, [messages], max_tokens)
+        return await respond(body, requests, chat=True, who=who)
 
     @router.post("/v1/completions", responses=OPENAI_RESPONSES)
     async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise InvalidInput(f"prompt holds {len(prompts)} prompts; send one per request")
-        request = make_request(prompts[0], None, body.limit(16), body.temperature, body.top_p, body.stop, body.seed)
-        return await respond(body, request, chat=False, who=who)
+        prompts = body.prompts()
+        body.check(num_prompts=len(prompts))
+        with counted_refusals(metrics, body.model):
+            spec = await service.aget(who, body.model)
+            max_tokens = await max_tokens_for(service, spec, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+            requests = _choices(body, spec, prompts, max_tokens)
+        return await respond(body, requests, chat=False, who=who)
 
     return router
 
 
-class _Reply:
-    """Shapes one invocation's events as an OpenAI (chat) completion or its stream of chunks."""
-
-    def __init__(self, prefix: str, model: str, chat: bool, service: FunctionService) -> None:
-        self.service = service
-        self.id = f"{prefix}-{secrets.token_hex(12)}"
-        self.model = model
-        self.chat = chat
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    async def whole(self, events) -> dict:
-        async for event in events:
-            if isinstance(event, m.Finished):
-                choice = {"index": 0, "finish_reason": _finish(event), "logprobs": None}
-                choice |= {"message": {"role": "assistant", "content": event.text}} if self.chat \
-                    else {"text": event.text}
-                return self._envelope(self.object, [choice]) | {"usage": usage(event)}
-        raise LorafaasError("the instance ended the request without a result")
-
-    async def stream(self, events, include_usage: bool) -> AsyncIterator[bytes]:
-        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        if self.chat:
-            yield sse(self._envelope(chunk_object, [self._delta({"role": "assistant", "content": ""}, None)]))
-        try:
-            async for event in events:
-                if isinstance(event, m.Token) and event.text:
-                    yield sse(self._envelope(chunk_object, [self._delta({"content": event.text}, None, event.text)]))
-                elif isinstance(event, m.Finished):
-                    yield sse(self._envelope(chunk_object, [self._delta({}, _finish(event), "")]))
-                    if include_usage:
-                        yield sse(self._envelope(chunk_object, []) | {"usage": usage(event)})
-            yield sse("[DONE]")
-        except LorafaasError as exc:
-            yield sse(error_body(exc, self.service))
-
-    def _delta(self, delta: dict, finish_reason: str | None, text: str = "") -> dict:
-        if self.chat:
-            return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-    def _envelope(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+def _choices(body: _OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
+             max_tokens: int) -> list[InvocationRequest]:
+    """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
+    requests = []
+    for prompt in prompts:
+        for i in range(body.n or 1):
+            seed = body.seed + i if body.seed is not None else None
+            text = prompt if isinstance(prompt, str) else None
+            messages = prompt if prompt and isinstance(prompt[0], ChatMessage) else None
+            request = make_request(text, messages, max_tokens, _or(body.temperature, 1.0), _or(body.top_p, 1.0),
+                                   body.stop, seed)
+            if isinstance(prompt, list) and messages is None:
+                request = _with(request, prompt_token_ids=list(prompt))
+            requests.append(_with(request, ignore_eos=bool(body.ignore_eos)).check(spec.max_tokens_limit))
+    return requests
 
 
-def _finish(event: m.Finished) -> str:
-    return "length" if event.finish_reason == "length" else "stop"
+def _model(spec: FunctionSpec) -> dict:
+    return {"id": spec.name, "object": "model", "created": int(spec.created_at), "owned_by": spec.tenant}
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _with(request: InvocationRequest, **changes) -> InvocationRequest:
+    return msgspec.structs.replace(request, **changes)

@@ -1,0 +1,180 @@
+"""Request bodies of the OpenAI-compatible routes, as OpenAI and vLLM (`entrypoints/openai/protocol.py`) define them.
+
+`null` for an optional field means its default. A parameter OpenAI or vLLM defines that lorafaas does not implement
+is accepted only at the value that turns it off (`logprobs: false`, `presence_penalty: 0`, ...); any other value, and
+any field neither defines, is a 400 naming it (`param`): nothing a caller sends is ignored silently.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from lorafaas.function_runtime.messages import ToolCall, ToolCallFunction
+from lorafaas.platform.gateway.openai_errors import InvalidParameter
+from lorafaas.platform.gateway.schemas import seed_field
+from lorafaas.platform.state.records import ChatMessage
+
+MAX_CHOICES = 32  # prompts x n in one request: each choice is one generation
+
+# Defined by OpenAI or vLLM, not implemented by lorafaas: the values that mean "not used" (null always does).
+_OFF_VALUES: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "length_penalty": (1,), "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "use_beam_search": (False,), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
+    "allowed_token_ids": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "echo_prompt": (False,),
+    "documents": (), "chat_template": (), "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "logits_processors": (), "prompt_embeds": (),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "priority": (0,), "cache_salt": (),
+    "kv_transfer_params": (), "vllm_xargs": (), "request_id": (), "reasoning_effort": (), "modalities": (["text"],),
+    "audio": (), "prediction": (), "web_search_options": (), "metadata": (), "store": (False,), "service_tier": (),
+    "verbosity": (), "prompt_cache_key": (), "safety_identifier": (),
+}
+# Carried by OpenAI's own response objects (so clients send them back in the history): null only.
+_MESSAGE_NULL_FIELDS = ("refusal", "annotations", "audio", "function_call", "reasoning_content", "reasoning")
+
+
+def refuse_unsupported(extra: dict | None, where: str = "") -> None:
+    for name, value in (extra or {}).items():
+        param = f"{where}{name}"
+        if name not in _OFF_VALUES:
+            raise InvalidParameter(param, f"{param} is not a parameter of this endpoint")
+        if value is not None and not any(_same(value, off) for off in _OFF_VALUES[name]):
+            raise InvalidParameter(param, f"{param} is not supported by lorafaas; leave it out (or send null)")
+
+
+def _same(value, off) -> bool:
+    numeric = (int, float)
+    if isinstance(off, numeric) and not isinstance(off, bool):
+        return isinstance(value, numeric) and not isinstance(value, bool) and value == off
+    return type(value) is type(off) and value == off
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is {str(part)[:80]}; lorafaas serves text models and takes "
+                                 "only text parts ({'type': 'text', 'text': '...'})")
+        return content
+
+    def to_record(self, index: int) -> ChatMessage:
+        where = f"messages[{index}]"
+        for name, value in (self.model_extra or {}).items():
+            if name not in _MESSAGE_NULL_FIELDS:
+                raise InvalidParameter(f"{where}.{name}", f"{where}.{name} is not a field of a chat message")
+            if value is not None:
+                raise InvalidParameter(f"{where}.{name}", f"{where}.{name} is not supported by lorafaas")
+        if self.content is None and self.role != "assistant":
+            raise InvalidParameter(f"{where}.content", f"{where}.content is null; only an assistant message may "
+                                                       "omit its content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidParameter(f"{where}.tool_calls", f"{where} is a {self.role} message; only assistant "
+                                                          "messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise InvalidParameter(f"{where}.tool_call_id", f"{where} is a {self.role} message; only tool "
+                                                            "messages carry tool_call_id")
+        # As vLLM renders text for a chat template: parts joined by newlines, no content as empty text.
+        content = "\n".join(p["text"] for p in self.content) if isinstance(self.content, list) else self.content or ""
+        calls = [ToolCall(id=call.id, type=call.type, function=ToolCallFunction(
+            name=call.function.name, arguments=call.function.arguments)) for call in self.tool_calls or ()]
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content,
+                           tool_call_id=self.tool_call_id, tool_calls=calls if self.tool_calls is not None else None,
+                           name=self.name)
+
+
+class _OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # checked by refuse_unsupported: never ignored
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: list[str] | str | None = None
+    seed: int | None = seed_field()
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = Field(None, description="vLLM's extension: generate max_tokens, past the EOS token")
+    user: str | None = Field(None, description="an end-user label for the caller's own tracking; no effect on output")
+
+    def check(self, num_prompts: int = 1) -> None:
+        refuse_unsupported(self.model_extra)
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidParameter("stream_options", "stream_options needs stream: true")
+            refuse_unsupported(self.stream_options.model_extra, "stream_options.")
+        if num_prompts * (self.n or 1) > MAX_CHOICES:
+            raise InvalidParameter("n", f"{num_prompts} prompt(s) x n={self.n} make {num_prompts * (self.n or 1)} "
+                                        f"choices; at most {MAX_CHOICES} per request")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatBody(_OpenAIBody):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def records(self) -> list[ChatMessage]:
+        return [message.to_record(i) for i, message in enumerate(self.messages)]
+
+
+Prompt = str | list[int]
+
+
+class CompletionBody(_OpenAIBody):
+    max_tokens: int | None = Field(None, ge=1, description="16 when omitted (as OpenAI and vLLM)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a prompt, a list of prompts, a prompt of token ids, or a list of them")
+
+    def prompts(self) -> list[Prompt]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidParameter("prompt", "prompt is an empty list; give a prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        for i, one in enumerate(prompt):
+            if isinstance(one, list) and not one:
+                raise InvalidParameter(f"prompt[{i}]", f"prompt[{i}] holds no token ids; give at least one")
+        return list(prompt)
