@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
@@ -94,8 +95,11 @@ class GenerationEngine:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return chat_template_ids(self.tokenizer, messages)
+        except jinja2.TemplateError as exc:  # the template's own refusal (roles out of order, a tool turn, ...)
+            raise InvalidInput(f"the backbone's chat template refused the messages: {exc}") from exc
 
     def encode_text(self, prompt: str) -> list[int]:
         # With the tokenizer's special tokens (a BOS where it adds one), as vLLM tokenizes a raw completion prompt.

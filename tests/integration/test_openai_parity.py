@@ -10,7 +10,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from lorafaas.function_runtime.messages import ChatMessage, ToolCall, ToolCallFunction
 from lorafaas.function_runtime.reference import chat_template_ids
 from lorafaas.platform.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
@@ -184,11 +183,11 @@ def test_text_parts_developer_role_and_tool_turns_render_through_the_chat_templa
     call = {"id": "call_1", "type": "function", "function": {"name": "depth", "arguments": '{"sea": "north"}'}}
     tool_turns = greedy([*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_1", "content": "3000 m"}])
-    rendered = [ChatMessage("user", PROMPT),
-                ChatMessage("assistant", "", tool_calls=(ToolCall(id="call_1", function=ToolCallFunction(
-                    name="depth", arguments='{"sea": "north"}')),)),
-                ChatMessage("tool", "3000 m", tool_call_id="call_1")]
-    expected = chat_template_ids(tokenizer, [message.template_dict() for message in rendered])
+    # As vLLM hands them to the template: null content as "", tool-call arguments parsed from their JSON.
+    parsed_call = {**call, "function": {"name": "depth", "arguments": {"sea": "north"}}}
+    rendered = [*USER, {"role": "assistant", "content": "", "tool_calls": [parsed_call]},
+                {"role": "tool", "content": "3000 m", "tool_call_id": "call_1"}]
+    expected = chat_template_ids(tokenizer, rendered)
     assert tool_turns.usage.prompt_tokens == len(expected)
     image = [{"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]
     assert bad_request(lambda: greedy([{"role": "user", "content": image}]))["param"] == "messages[0].content"

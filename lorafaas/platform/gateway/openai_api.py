@@ -59,9 +59,9 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
         return {"object": "list", "data": [_model(spec) for spec in await service.list(who)]}
 
-    @router.get("/v1/models/{model_id}", responses=errors(404))
-    async def model(model_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return _model(await service.aget(who, model_id))
+    @router.get("/v1/models/{name}", responses=errors(404))
+    async def model(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        return _model(await service.aget(who, name))
 
     @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
