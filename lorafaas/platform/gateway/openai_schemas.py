@@ -7,7 +7,7 @@ any field neither defines, is a 400 naming it (`param`): nothing a caller sends 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,8 +56,12 @@ def _same(value, off) -> bool:
     return type(value) is type(off) and value == off
 
 
+# Fields beyond the declared ones are read (refuse_unsupported), not ignored: the schema says they are not accepted.
+_CHECKED_EXTRAS = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _CHECKED_EXTRAS
     include_usage: bool | None = None
 
 
@@ -74,19 +78,26 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _CHECKED_EXTRAS
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content):
+        """Named here, before pydantic tries each member of the union and reports them all."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise ValueError(f"content part {i} is {str(part)[:80]}; lorafaas serves text models and takes "
                                  "only text parts ({'type': 'text', 'text': '...'})")
         return content
@@ -98,17 +109,9 @@ class ChatMessageIn(BaseModel):
                 raise InvalidParameter(f"{where}.{name}", f"{where}.{name} is not a field of a chat message")
             if value is not None:
                 raise InvalidParameter(f"{where}.{name}", f"{where}.{name} is not supported by lorafaas")
-        if self.content is None and self.role != "assistant":
-            raise InvalidParameter(f"{where}.content", f"{where}.content is null; only an assistant message may "
-                                                       "omit its content")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise InvalidParameter(f"{where}.tool_calls", f"{where} is a {self.role} message; only assistant "
-                                                          "messages carry tool_calls")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise InvalidParameter(f"{where}.tool_call_id", f"{where} is a {self.role} message; only tool "
-                                                            "messages carry tool_call_id")
-        # As vLLM renders text for a chat template: parts joined by newlines, no content as empty text.
-        content = "\n".join(p["text"] for p in self.content) if isinstance(self.content, list) else self.content or ""
+        # As vLLM renders text for a chat template: parts joined by newlines, null content as empty text; the
+        # template gets tool_calls, tool_call_id and name as sent, and decides what they mean.
+        content = "\n".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
         calls = [ToolCall(id=call.id, type=call.type, function=ToolCallFunction(
             name=call.function.name, arguments=call.function.arguments)) for call in self.tool_calls or ()]
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=content,
@@ -117,7 +120,7 @@ class ChatMessageIn(BaseModel):
 
 
 class _OpenAIBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # checked by refuse_unsupported: never ignored
+    model_config = _CHECKED_EXTRAS
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -159,22 +162,26 @@ class ChatBody(_OpenAIBody):
 
 
 Prompt = str | list[int]
+T = TypeVar("T")
+NonEmpty = Annotated[T, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionBody(_OpenAIBody):
     max_tokens: int | None = Field(None, ge=1, description="16 when omitted (as OpenAI and vLLM)")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | NonEmpty[list[str]] | TokenIds | NonEmpty[list[TokenIds]] = Field(
         description="a prompt, a list of prompts, a prompt of token ids, or a list of them")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_empty_lists(cls, prompt):
+        if prompt == []:
+            raise ValueError("prompt is an empty list; give a prompt")
+        for i, one in enumerate(prompt if isinstance(prompt, list) else ()):
+            if one == []:
+                raise ValueError(f"prompt[{i}] holds no token ids; give at least one")
+        return prompt
 
     def prompts(self) -> list[Prompt]:
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise InvalidParameter("prompt", "prompt is an empty list; give a prompt")
-        if isinstance(prompt[0], int):
-            return [prompt]
-        for i, one in enumerate(prompt):
-            if isinstance(one, list) and not one:
-                raise InvalidParameter(f"prompt[{i}]", f"prompt[{i}] holds no token ids; give at least one")
-        return list(prompt)
+        return [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
