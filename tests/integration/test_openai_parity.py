@@ -114,6 +114,8 @@ def test_validation_errors_are_400s_naming_the_parameter(platform, client) -> No
     assert bad_request(lambda: client.chat.completions.create(
         model="alpha", messages=[{"role": "robot", "content": "hi"}]))["param"] == "messages[0].role"
     assert bad_request(lambda: client.completions.create(model="alpha", prompt=PROMPT, top_p=0))["param"] == "top_p"
+    assert bad_request(lambda: client.completions.create(  # choice i samples with seed + i: past the seed bound
+        model="alpha", prompt=PROMPT, n=2, seed=2**53 - 1))["param"] == "seed"
     malformed = httpx.post(f"{platform.url}/v1/chat/completions", content=b"{not json", timeout=30,
                            headers={"Authorization": f"Bearer {platform.admin_key}",
                                     "Content-Type": "application/json"})

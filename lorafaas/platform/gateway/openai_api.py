@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_reply import ChoicesReply
-from lorafaas.platform.gateway.openai_schemas import ChatBody, CompletionBody, Prompt, _OpenAIBody
+from lorafaas.platform.gateway.openai_schemas import ChatBody, CompletionBody, OpenAIBody, Prompt
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import make_request
 from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, start_invocation
@@ -40,7 +40,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
                   caller: Callable[..., ApiKeyRecord]) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    async def respond(body: _OpenAIBody, requests: list[InvocationRequest], chat: bool,
+    async def respond(body: OpenAIBody, requests: list[InvocationRequest], chat: bool,
                       who: ApiKeyRecord) -> Response:
         """Start every choice's invocation (a refusal of any is the request's error), then answer with them all."""
         started = await asyncio.gather(*(start_invocation(service, metrics, who, body.model, request)
@@ -87,30 +87,28 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     return router
 
 
-def _choices(body: _OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
+def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
              max_tokens: int) -> list[InvocationRequest]:
     """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
     requests = []
     for prompt in prompts:
+        request = _request(body, prompt, max_tokens)
         for i in range(body.n or 1):
             seed = body.seed + i if body.seed is not None else None
-            text = prompt if isinstance(prompt, str) else None
-            messages = prompt if prompt and isinstance(prompt[0], ChatMessage) else None
-            request = make_request(text, messages, max_tokens, _or(body.temperature, 1.0), _or(body.top_p, 1.0),
-                                   body.stop, seed)
-            if isinstance(prompt, list) and messages is None:
-                request = _with(request, prompt_token_ids=list(prompt))
-            requests.append(_with(request, ignore_eos=bool(body.ignore_eos)).check(spec.max_tokens_limit))
+            requests.append(msgspec.structs.replace(request, seed=seed).check(spec.max_tokens_limit))
     return requests
+
+
+def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: int) -> InvocationRequest:
+    text = prompt if isinstance(prompt, str) else None
+    messages = prompt if text is None and isinstance(prompt[0], ChatMessage) else None
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    request = make_request(text, messages, max_tokens, temperature, top_p, body.stop, body.seed)
+    token_ids = list(prompt) if text is None and messages is None else None
+    return msgspec.structs.replace(request, prompt_token_ids=token_ids, ignore_eos=bool(body.ignore_eos))
 
 
 def _model(spec: FunctionSpec) -> dict:
     return {"id": spec.name, "object": "model", "created": int(spec.created_at), "owned_by": spec.tenant}
 
-
-def _or(value, default):
-    return default if value is None else value
-
-
-def _with(request: InvocationRequest, **changes) -> InvocationRequest:
-    return msgspec.structs.replace(request, **changes)

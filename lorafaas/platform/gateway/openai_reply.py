@@ -26,7 +26,13 @@ class ChoicesReply:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
     async def whole(self, choices: list[InvocationEvents]) -> dict:
-        finished = await asyncio.gather(*(_finished(events) for events in choices))
+        tasks = [asyncio.create_task(_finished(events)) for events in choices]
+        try:
+            finished = await asyncio.gather(*tasks)
+        finally:  # a choice that failed (or a client gone) stops the others' generations too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return self._envelope(self.object, [self._choice(i, event) for i, event in enumerate(finished)]) | {
             "usage": self._usage(finished)}
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from lorafaas.function_runtime.messages import ToolCall, ToolCallFunction
 from lorafaas.platform.gateway.openai_errors import InvalidParameter
 from lorafaas.platform.gateway.schemas import seed_field
-from lorafaas.platform.state.records import ChatMessage
+from lorafaas.platform.state.records import MAX_SEED, ChatMessage
 
 MAX_CHOICES = 32  # prompts x n in one request: each choice is one generation
 
@@ -36,16 +36,17 @@ _OFF_VALUES: dict[str, tuple] = {
     "audio": (), "prediction": (), "web_search_options": (), "metadata": (), "store": (False,), "service_tier": (),
     "verbosity": (), "prompt_cache_key": (), "safety_identifier": (),
 }
+_STREAM_OPTIONS_OFF_VALUES: dict[str, tuple] = {"continuous_usage_stats": (False,), "include_obfuscation": ()}
 # Carried by OpenAI's own response objects (so clients send them back in the history): null only.
 _MESSAGE_NULL_FIELDS = ("refusal", "annotations", "audio", "function_call", "reasoning_content", "reasoning")
 
 
-def refuse_unsupported(extra: dict | None, where: str = "") -> None:
+def refuse_unsupported(extra: dict | None, where: str = "", off_values: dict[str, tuple] = _OFF_VALUES) -> None:
     for name, value in (extra or {}).items():
         param = f"{where}{name}"
-        if name not in _OFF_VALUES:
+        if name not in off_values:
             raise InvalidParameter(param, f"{param} is not a parameter of this endpoint")
-        if value is not None and not any(_same(value, off) for off in _OFF_VALUES[name]):
+        if value is not None and not any(_same(value, off) for off in off_values[name]):
             raise InvalidParameter(param, f"{param} is not supported by lorafaas; leave it out (or send null)")
 
 
@@ -119,7 +120,7 @@ class ChatMessageIn(BaseModel):
                            name=self.name)
 
 
-class _OpenAIBody(BaseModel):
+class OpenAIBody(BaseModel):
     model_config = _CHECKED_EXTRAS
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -138,17 +139,20 @@ class _OpenAIBody(BaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 raise InvalidParameter("stream_options", "stream_options needs stream: true")
-            refuse_unsupported(self.stream_options.model_extra, "stream_options.")
-        if num_prompts * (self.n or 1) > MAX_CHOICES:
-            raise InvalidParameter("n", f"{num_prompts} prompt(s) x n={self.n} make {num_prompts * (self.n or 1)} "
-                                        f"choices; at most {MAX_CHOICES} per request")
+            refuse_unsupported(self.stream_options.model_extra, "stream_options.", _STREAM_OPTIONS_OFF_VALUES)
+        n = self.n or 1
+        if num_prompts * n > MAX_CHOICES:
+            raise InvalidParameter("n", f"{num_prompts} prompt(s) x n={n} make {num_prompts * n} choices; at most "
+                                        f"{MAX_CHOICES} per request")
+        if self.seed is not None and self.seed + n - 1 > MAX_SEED:  # choice i samples with seed + i
+            raise InvalidParameter("seed", f"seed is {self.seed}; with n={n} it must be at most {MAX_SEED - n + 1}")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatBody(_OpenAIBody):
+class ChatBody(OpenAIBody):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
@@ -167,7 +171,7 @@ NonEmpty = Annotated[T, Field(min_length=1)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
-class CompletionBody(_OpenAIBody):
+class CompletionBody(OpenAIBody):
     max_tokens: int | None = Field(None, ge=1, description="16 when omitted (as OpenAI and vLLM)")
     prompt: str | NonEmpty[list[str]] | TokenIds | NonEmpty[list[TokenIds]] = Field(
         description="a prompt, a list of prompts, a prompt of token ids, or a list of them")
