@@ -7,7 +7,7 @@ any field neither defines, is a 400 naming it (`param`): nothing a caller sends 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,7 +27,7 @@ _OFF_VALUES: dict[str, tuple] = {
     "use_beam_search": (False,), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
     "allowed_token_ids": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
-    "add_generation_prompt": (True,), "continue_final_message": (False,), "echo_prompt": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "include_reasoning": (True,),
     "documents": (), "chat_template": (), "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (), "logits_processors": (), "prompt_embeds": (),
@@ -134,8 +134,12 @@ class OpenAIBody(BaseModel):
     ignore_eos: bool | None = Field(None, description="vLLM's extension: generate max_tokens, past the EOS token")
     user: str | None = Field(None, description="an end-user label for the caller's own tracking; no effect on output")
 
+    # vLLM tokenizes a chat prompt without special tokens (the template has them) and a completion prompt with them.
+    special_tokens_added: ClassVar[bool]
+
     def check(self, num_prompts: int = 1) -> None:
-        refuse_unsupported(self.model_extra)
+        off_values = _OFF_VALUES | {"add_special_tokens": (self.special_tokens_added,)}
+        refuse_unsupported(self.model_extra, off_values=off_values)
         if self.stream_options is not None:
             if not self.stream:
                 raise InvalidParameter("stream_options", "stream_options needs stream: true")
@@ -153,6 +157,7 @@ class OpenAIBody(BaseModel):
 
 
 class ChatBody(OpenAIBody):
+    special_tokens_added: ClassVar[bool] = False
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
@@ -172,6 +177,7 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionBody(OpenAIBody):
+    special_tokens_added: ClassVar[bool] = True
     max_tokens: int | None = Field(None, ge=1, description="16 when omitted (as OpenAI and vLLM)")
     prompt: str | NonEmpty[list[str]] | TokenIds | NonEmpty[list[TokenIds]] = Field(
         description="a prompt, a list of prompts, a prompt of token ids, or a list of them")
