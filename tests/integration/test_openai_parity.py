@@ -20,9 +20,22 @@ CONTEXT = 256  # the tiny backbones' max_position_embeddings
 USER = [{"role": "user", "content": PROMPT}]
 
 
+# ChatML that renders an assistant's tool calls (their arguments as JSON) and a tool turn's call id, as tool-aware
+# templates (Qwen's, Llama 3's) do.
+TOOL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}{{ call['function']['name'] + '(' "
+    "+ call['function']['arguments'] | tojson + ')' }}{% endfor %}"
+    "{% if message.get('tool_call_id') %}{{ ' [' + message['tool_call_id'] + ']' }}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
 def bos_backbone(out_dir: Path, tiny_dense_dir: Path) -> Path:
-    """tiny-dense whose tokenizer adds a BOS token to every text it encodes (as Llama's does)."""
+    """tiny-dense whose tokenizer adds a BOS token to every text it encodes (as Llama's does), and whose chat
+    template renders tool turns."""
     shutil.copytree(tiny_dense_dir, out_dir)
+    (out_dir / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     tokenizer_file = out_dir / "tokenizer.json"
     tokenizer = json.loads(tokenizer_file.read_text())
     bos = next(t for t in tokenizer["added_tokens"] if t["content"] == "<|im_start|>")
@@ -167,9 +180,9 @@ def test_null_fields_mean_their_defaults(platform) -> None:
     assert completion.status_code == 200, completion.text
 
 
-def test_text_parts_developer_role_and_tool_turns_render_through_the_chat_template(client, tokenizer) -> None:
-    def greedy(messages: list[dict]):
-        return client.chat.completions.create(model="alpha", messages=messages, max_tokens=6, temperature=0)
+def test_text_parts_developer_role_and_tool_turns_render_through_the_chat_template(platform, client) -> None:
+    def greedy(messages: list[dict], model: str = "alpha"):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
 
     parts = greedy([{"role": "user", "content": [{"type": "text", "text": "Tell me"},
                                                  {"type": "text", "text": "about the ocean."}]}])
@@ -184,13 +197,16 @@ def test_text_parts_developer_role_and_tool_turns_render_through_the_chat_templa
 
     call = {"id": "call_1", "type": "function", "function": {"name": "depth", "arguments": '{"sea": "north"}'}}
     tool_turns = greedy([*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_1", "content": "3000 m"}])
+                         {"role": "tool", "tool_call_id": "call_1", "content": "3000 m"}], model="bos")
     # As vLLM hands them to the template: null content as "", tool-call arguments parsed from their JSON.
     parsed_call = {**call, "function": {"name": "depth", "arguments": {"sea": "north"}}}
     rendered = [*USER, {"role": "assistant", "content": "", "tool_calls": [parsed_call]},
                 {"role": "tool", "content": "3000 m", "tool_call_id": "call_1"}]
-    expected = chat_template_ids(tokenizer, rendered)
+    tool_tokenizer = AutoTokenizer.from_pretrained(platform.home / "models" / "tiny-bos")
+    expected = chat_template_ids(tool_tokenizer, rendered)
     assert tool_turns.usage.prompt_tokens == len(expected)
+    as_text = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}, rendered[-1]]  # arguments unparsed
+    assert len(chat_template_ids(tool_tokenizer, as_text)) != len(expected), "the template sees the parsed arguments"
     image = [{"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]
     assert bad_request(lambda: greedy([{"role": "user", "content": image}]))["param"] == "messages[0].content"
     # Null content is empty text for any role, as vLLM reads it.
