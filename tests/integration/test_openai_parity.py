@@ -23,7 +23,8 @@ USER = [{"role": "user", "content": PROMPT}]
 # ChatML that renders an assistant's tool calls (their arguments as JSON) and a tool turn's call id, as tool-aware
 # templates (Qwen's, Llama 3's) do.
 TOOL_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('a conversation starts with a user turn') }}"
+    "{% endif %}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
     "{% for call in message.get('tool_calls') or [] %}{{ call['function']['name'] + '(' "
     "+ call['function']['arguments'] | tojson + ')' }}{% endfor %}"
     "{% if message.get('tool_call_id') %}{{ ' [' + message['tool_call_id'] + ']' }}{% endif %}"
@@ -207,6 +208,8 @@ def test_text_parts_developer_role_and_tool_turns_render_through_the_chat_templa
     assert tool_turns.usage.prompt_tokens == len(expected)
     as_text = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}, rendered[-1]]  # arguments unparsed
     assert len(chat_template_ids(tool_tokenizer, as_text)) != len(expected), "the template sees the parsed arguments"
+    refused = bad_request(lambda: greedy([{"role": "assistant", "content": "Ahoy"}], model="bos"))
+    assert "starts with a user turn" in refused["message"]
     image = [{"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]
     assert bad_request(lambda: greedy([{"role": "user", "content": image}]))["param"] == "messages[0].content"
     # Null content is empty text for any role, as vLLM reads it.
