@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Generate.prompt_token_ids, tool turns in ChatMessage
 
 # The artifact kinds the scheduler reasons about, in loading order.
 StageName = Literal["libraries", "backbone", "adapter", "warmup"]
