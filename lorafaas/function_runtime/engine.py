@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
@@ -96,11 +97,22 @@ class GenerationEngine:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return chat_template_ids(self.tokenizer, messages)
+        except jinja2.TemplateError as exc:  # the template's own refusal (roles out of order, a tool turn, ...)
+            raise InvalidInput(f"the backbone's chat template refused the messages: {exc}") from exc
 
     def encode_text(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        # With the tokenizer's special tokens (a BOS where it adds one), as vLLM tokenizes a raw completion prompt.
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def check_token_ids(self, token_ids) -> list[int]:
+        vocab_size = self.model.get_input_embeddings().num_embeddings
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidInput(f"prompt token {i} is {token_id}; token ids are between 0 and {vocab_size - 1}")
+        return list(token_ids)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises PromptTooLong or InvalidInput before anything is queued."""
@@ -268,7 +280,8 @@ class GenerationEngine:
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:
         if token_id in self.eos_ids and not seq.params.ignore_eos:
-            return self._finished(seq, token_id, seq.stream.finish(seq.output_ids), "stop")
+            # The sampled EOS counts as a completion token (as vLLM counts it), though it adds no text.
+            return self._finished(seq, token_id, seq.stream.finish(seq.output_ids), "stop", num_eos=1)
         seq.output_ids.append(token_id)
         text = seq.stream.push(seq.output_ids)
         if seq.stream.stopped:
@@ -277,10 +290,12 @@ class GenerationEngine:
             return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "length")
         return StepOutput(request_id=seq.request_id, token_id=token_id, text=text)
 
-    def _finished(self, seq: _Sequence, token_id: int | None, text: str, reason: FinishReason) -> StepOutput:
+    def _finished(self, seq: _Sequence, token_id: int | None, text: str, reason: FinishReason,
+                  num_eos: int = 0) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id, token_id=token_id, text=text, finish_reason=reason,
-            full_text=seq.stream.text, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+            full_text=seq.stream.text, prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids) + num_eos,
         )
 
     # -- the batch's KV cache --------------------------------------------------------------------------------------

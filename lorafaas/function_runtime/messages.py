@@ -7,11 +7,12 @@ its `request_id`, so one connection can multiplex many requests.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Generate.prompt_token_ids, tool turns in ChatMessage
 
 # The artifact kinds the scheduler reasons about, in loading order.
 StageName = Literal["libraries", "backbone", "adapter", "warmup"]
@@ -82,9 +83,46 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
+class ToolCallFunction(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    function: ToolCallFunction
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    # Tool turns (OpenAI's `tool` messages, an assistant's tool calls): given to the chat template, which renders them.
+    tool_call_id: str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (as vLLM passes it: tool-call arguments parsed from JSON)."""
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class MemoryStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +177,7 @@ class Unstage(msgspec.Struct, frozen=True, tag="unstage"):
 class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     request_id: str
     prompt: str | None = None  # raw text, no chat template
+    prompt_token_ids: tuple[int, ...] | None = None  # a prompt already tokenized
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the tokenizer's chat template
     params: SamplingParams = SamplingParams()
 

@@ -150,13 +150,15 @@ class WorkerServer:
         arrived = time.perf_counter()
         if request.request_id in self._routes:
             raise InvalidInput(f"request id {request.request_id!r} is already in flight")
-        if (request.prompt is None) == (request.messages is None):
-            raise InvalidInput("give exactly one of prompt and messages")
+        if sum(given is not None for given in (request.prompt, request.messages, request.prompt_token_ids)) != 1:
+            raise InvalidInput("give exactly one of prompt, prompt_token_ids and messages")
         if not self.instance.ready or self.instance.engine is None:  # a cold start: load what is not pre-loaded
             await self._run(self.instance.load_for_request)
         engine = self.instance.engine
         if request.messages is not None:
-            prompt_ids = engine.encode_chat([{"role": msg.role, "content": msg.content} for msg in request.messages])
+            prompt_ids = engine.encode_chat([msg.template_dict() for msg in request.messages])
+        elif request.prompt_token_ids is not None:
+            prompt_ids = engine.check_token_ids(request.prompt_token_ids)
         else:
             prompt_ids = engine.encode_text(request.prompt)
         engine.add(request.request_id, prompt_ids, request.params)

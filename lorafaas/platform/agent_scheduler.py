@@ -144,6 +144,8 @@ class AgentScheduler:
 
     @staticmethod
     def request_tokens(request: m.Generate) -> int:
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids) + request.params.max_tokens
         text = request.prompt or "".join(msg.content for msg in request.messages or ())
         return len(text) // CHARS_PER_TOKEN + 32 + request.params.max_tokens  # + chat template overhead
 

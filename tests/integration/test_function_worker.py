@@ -81,7 +81,7 @@ def test_staged_loading_reports_each_step_and_output_equals_peft(launcher, home,
     assert stats.memory.shared_bytes > 0, "the backbone is mapped from the daemon's segment"
     assert ids == reference_ids(home, adapters["alpha"], PROMPTS[0], 10)
     assert text == finished.text
-    assert finished.completion_tokens == len(ids) - (finished.finish_reason == "stop")  # EOS is not counted
+    assert finished.completion_tokens == len(ids)  # a sampled EOS counts, as vLLM counts it
 
 
 def test_two_functions_interleaved_equal_each_request_alone(launcher, adapters) -> None:

@@ -1,7 +1,8 @@
 """The gateway's FastAPI application: function CRUD, invoke (JSON, SSE, async), invocations, health, metrics.
 
 Every failure is a JSON body `{"error": {"code", "message", "type"}}` with a 4xx/5xx status, produced in one place
-(`_error_response`) from LorafaasError's `code` and `http_status`.
+(`_error_response`) from LorafaasError's `code` and `http_status`. On the OpenAI routes the body also carries `param`
+and a validation failure is a 400, not a 422 (`openai_errors`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,19 @@ from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLa
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
 from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
+from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.openai_errors import is_openai_path, openai_status, param_of
 from lorafaas.platform.gateway.openapi_docs import INVOKE_RESPONSES, METRICS_RESPONSES, TEXT_RESPONSES, bearer, errors
-from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
-from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
+from lorafaas.platform.gateway.schemas import INVOKE_DEFAULT_MAX_TOKENS, DeploySpec, InvokeBody, KeyBody
+from lorafaas.platform.gateway.streaming import (
+    InvocationEvents,
+    counted_refusals,
+    error_body,
+    sse,
+    start_invocation,
+    usage,
+)
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
 
@@ -110,7 +120,10 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     @app.post("/v1/functions/{name}/invoke", tags=["invoke"], responses=INVOKE_RESPONSES)
     async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
                      who: ApiKeyRecord = Depends(caller)) -> Response:
-        invocation = body.to_request()
+        with counted_refusals(metrics, name):
+            spec = await service.aget(who, name)
+            max_tokens = await max_tokens_for(service, spec, body.max_tokens, INVOKE_DEFAULT_MAX_TOKENS)
+            invocation = body.to_request(max_tokens)
         if mode == "async" or "respond-async" in request.headers.get("prefer", ""):
             record = await service.submit(who, name, invocation)
             return JSONResponse(
@@ -200,29 +213,41 @@ def _first_problem(errors: list[dict]) -> str:
     return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
 
 
-def _error_response(status: int, code: str, message: str) -> JSONResponse:
+def _error_response(status: int, code: str, message: str, openai_param: str | bool | None = False) -> JSONResponse:
+    """The error body; on the OpenAI routes (`openai_param` not False) a 422 is a 400 and `param` names the field."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"code": code, "message": message, "type": kind}}, status_code=status)
+    error = {"code": code, "message": message, "type": kind}
+    if openai_param is not False:
+        status, error["param"] = openai_status(status), openai_param
+    return JSONResponse({"error": error}, status_code=status)
 
 
 def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
-    async def lorafaas_error(_: Request, exc: LorafaasError) -> JSONResponse:
+    def openai_param(request: Request, param: str | None) -> str | bool | None:
+        return param if is_openai_path(request.url.path) else False
+
+    async def lorafaas_error(request: Request, exc: LorafaasError) -> JSONResponse:
         if exc.http_status >= 500:
             log.warning("%s: %s", exc.code, exc.message)
-        return _error_response(exc.http_status, exc.code, service.public_message(exc.message))
+        return _error_response(exc.http_status, exc.code, service.public_message(exc.message),
+                               openai_param(request, getattr(exc, "param", None)))
 
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return _error_response(400, "malformed_json", "the request body is not valid JSON")
-        return _error_response(422, "invalid_input", _first_problem(errors))
+            return _error_response(400, "malformed_json", "the request body is not valid JSON",
+                                   openai_param(request, None))
+        param = param_of(errors[0].get("loc", ())) if errors else None
+        return _error_response(422, "invalid_input", _first_problem(errors), openai_param(request, param))
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific
             bad = exc.__cause__
             return _error_response(400, "malformed_json", f"the request body is not valid UTF-8 (byte "
-                                   f"0x{bad.object[bad.start]:02x} at offset {bad.start})")
-        reply = _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+                                   f"0x{bad.object[bad.start]:02x} at offset {bad.start})",
+                                   openai_param(request, None))
+        reply = _error_response(exc.status_code, f"http_{exc.status_code}", str(exc.detail),
+                                openai_param(request, None))
         reply.headers.update(exc.headers or {})
         if exc.status_code == 405:  # every method of the path, not only those of the one route Starlette tried
             methods = {method for route in app.routes if isinstance(route, APIRoute)
@@ -233,7 +258,8 @@ def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not a user's mistake: logged with its traceback once, and still answered as JSON.
         log.error("%s %s failed unexpectedly", request.method, request.url.path, exc_info=exc)
-        return _error_response(500, "internal", f"internal error ({type(exc).__name__}); see the platform's log")
+        return _error_response(500, "internal", f"internal error ({type(exc).__name__}); see the platform's log",
+                               openai_param(request, None))
 
     handlers: dict[type, Callable[..., Awaitable[JSONResponse]]] = {
         LorafaasError: lorafaas_error, RequestValidationError: validation_error, HTTPException: http_error,

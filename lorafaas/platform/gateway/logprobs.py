@@ -18,20 +18,10 @@ that is not valid text on its own can still be told apart.
 
 from __future__ import annotations
 
-from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime.messages import MAX_LOGPROBS, TokenLogprob, TokenLogprobs
+from lorafaas.function_runtime.messages import TokenLogprob, TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: a token the model rules out would otherwise be -inf
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound (OpenAI's)
-
-
-def chat_num_logprobs(logprobs: bool | None, top_logprobs: int | None) -> int | None:
-    """The alternatives per token a chat request asks for; None: no logprobs."""
-    if top_logprobs is not None and not logprobs:
-        raise InvalidInput("top_logprobs is set but logprobs is not true; set logprobs: true to use top_logprobs")
-    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise InvalidInput(f"top_logprobs is {top_logprobs}; it must be between 0 and {MAX_LOGPROBS}")
-    return (top_logprobs or 0) if logprobs else None
 
 
 class LogprobsShaper:

@@ -20,6 +20,7 @@ from lorafaas.platform.state.records import (
     InvocationRequest,
 )
 
+INVOKE_DEFAULT_MAX_TOKENS = 128
 
 # The same bounds the records check (InvocationRequest.check, FunctionSpec.check), stated here so /openapi.json
 # shows them; a value outside them is a 422 naming the field either way.
@@ -63,15 +64,19 @@ class InvokeBody(SamplerFields):
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
     messages: list[MessageIn] | None = Field(None, min_length=1)
-    max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_LIMIT, description="at most the function's max_tokens_limit")
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_LIMIT,
+        description=f"at most the function's max_tokens_limit; omitted: {INVOKE_DEFAULT_MAX_TOKENS}, or less where "
+                    "the function's limit or the room left in the context is smaller")
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy by default: the same prompt gives the same answer
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
     seed: int | None = seed_field()
     stream: bool = False
 
-    def to_request(self) -> InvocationRequest:
-        return make_request(self.prompt, self.messages, self.max_tokens, self.temperature, self.top_p, self.stop,
+    def to_request(self, max_tokens: int) -> InvocationRequest:
+        """The request, generating `max_tokens` (this body's, checked against the function, or its default)."""
+        return make_request(self.prompt, self.messages, max_tokens, self.temperature, self.top_p, self.stop,
                             self.seed, **self.sampler_args())
 
 
@@ -105,8 +110,8 @@ def make_request(prompt, messages, max_tokens, temperature, top_p, stop, seed, *
         _check_encodable(field_name, text)
     return InvocationRequest(
         prompt=prompt,
-        messages=[ChatMessage(role=msg.role, content=msg.content) for msg in messages] if messages is not None
-        else None,
+        messages=[msg if isinstance(msg, ChatMessage) else ChatMessage(role=msg.role, content=msg.content)
+                  for msg in messages] if messages is not None else None,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed, **sampling,
     )
 

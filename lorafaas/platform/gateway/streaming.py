@@ -5,9 +5,10 @@ Shared by lorafaas' own API and the OpenAI-compatible one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from lorafaas.errors import ClientError, FunctionNotFound, LorafaasError
 from lorafaas.function_runtime import messages as m
@@ -50,15 +51,23 @@ async def start_invocation(service: FunctionService, metrics: GatewayMetrics, wh
                            invocation: InvocationRequest) -> InvocationEvents:
     started = time.perf_counter()
     stream = service.invoke(who, name, invocation)
-    try:
+    with counted_refusals(metrics, name):
         first = await anext(stream)
+    return InvocationEvents(first, stream, name, metrics, started)
+
+
+@contextlib.contextmanager
+def counted_refusals(metrics: GatewayMetrics, name: str) -> Iterator[None]:
+    """A LorafaasError raised inside counts as a rejected (client error) or failed invocation of `name`: also for the
+    checks a route makes before it starts the invocation."""
+    try:
+        yield
     except LorafaasError as exc:
         # A name that is not (the caller's) function gets one shared label: requested names are the caller's to
         # choose, and one series per name would let a client grow /metrics and the gateway's memory without bound.
         label = UNKNOWN_FUNCTION if isinstance(exc, FunctionNotFound) else name
         metrics.observe(label, "rejected" if isinstance(exc, ClientError) else "failed")
         raise
-    return InvocationEvents(first, stream, name, metrics, started)
 
 
 def sse(document: dict | str, event: str | None = None) -> bytes:

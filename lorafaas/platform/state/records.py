@@ -15,6 +15,7 @@ import msgspec
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import check_name
+from lorafaas.function_runtime.messages import ToolCall
 
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 LORA_MODES = ("local", "remote")  # remote: MoE expert adapters run on the shared LoRA server
@@ -112,8 +113,11 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    tool_calls: list[ToolCall] | None = None  # an assistant turn: the calls it made
+    name: str | None = None
 
 
 class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +125,7 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None  # a prompt already tokenized (the OpenAI API's token-id prompts)
     max_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -134,11 +139,14 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives per token
+    ignore_eos: bool = False
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> InvocationRequest:
         """Raise InvalidInput naming the first field out of bounds; return self."""
-        if (self.prompt is None) == (self.messages is None):
+        if sum(given is not None for given in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
             raise InvalidInput("give exactly one of 'prompt' or 'messages'")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise InvalidInput("'prompt' holds no token ids; give at least one")
         if self.messages is not None and not self.messages:
             raise InvalidInput("'messages' is empty; give at least one message")
         _check_range("max_tokens", self.max_tokens, 1, max_tokens_limit)
