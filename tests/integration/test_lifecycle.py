@@ -178,13 +178,19 @@ def test_an_adapter_update_under_load_answers_what_was_accepted_and_leaks_no_old
 
         async def update_under_load() -> list[dict]:
             async with http_client(platform, platform.admin_key) as http:
-                accepted = [asyncio.create_task(stream(http, "busy", body(32))) for _ in range(40)]
-                await asyncio.sleep(0.2)  # 8 in the worker's batch, the rest queued
-                # Pause version 1 so that it still holds accepted work when the update lands: a tiny backbone
-                # otherwise answers all 40 before the upload is validated, and nothing would be left to drain.
+                # Version 1 is paused while the requests arrive and the update lands: a tiny backbone otherwise
+                # answers all 40 before the upload is validated (even within 0.2 s), and nothing is left to drain.
                 os.kill(old["pid"], signal.SIGSTOP)
                 try:
-                    assert not all(t.done() for t in accepted), "all 40 answered within 0.2 s: nothing to drain"
+                    accepted = [asyncio.create_task(stream(http, "busy", body(32))) for _ in range(40)]
+                    for _ in range(400):  # all 40 accepted: dispatched to version 1 or queued for it
+                        described = (await http.get("/v1/functions/busy")).json()
+                        held = sum(i["in_flight"] for i in described["instances"])
+                        if held + described["admission"]["queued"] == 40:
+                            break
+                        await asyncio.sleep(0.05)
+                    else:
+                        raise AssertionError(f"40 requests not all accepted: {described}")
                     files = {"adapter": ("adapter.tar.gz", _archive(adapters["beta"]), "application/gzip")}
                     reply = await http.patch("/v1/functions/busy", data={"spec": "{}"}, files=files)
                     assert reply.status_code == 200, reply.text
