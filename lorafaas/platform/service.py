@@ -257,6 +257,14 @@ class FunctionService:
             raise InvocationNotFound(f"invocation {invocation_id!r} does not exist")
         return record
 
+    async def list_invocations(self, caller: ApiKeyRecord, function: str | None, status: str | None, limit: int
+                               ) -> list[InvocationRecord]:
+        """The caller's invocations still retained (a tenant's own; every tenant's for the admin), newest first."""
+        records = await asyncio.to_thread(self.store.list_invocations, status)
+        mine = [r for r in reversed(records) if (caller.is_admin or r.tenant == caller.tenant)
+                and function in (None, r.function)]
+        return mine[:limit]
+
     def _run_in_background(self, record: InvocationRecord) -> None:
         task = asyncio.create_task(self._run(record))
         self._background.add(task)

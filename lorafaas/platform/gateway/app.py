@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import BinaryIO
 
 import msgspec
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -32,10 +32,11 @@ from lorafaas.platform.gateway.openapi_docs import INVOKE_RESPONSES, METRICS_RES
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
-from lorafaas.platform.state.records import ApiKeyRecord
+from lorafaas.platform.state.records import ApiKeyRecord, InvocationStatus
 
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
+MAX_LISTED_INVOCATIONS = 1000
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
@@ -122,6 +123,16 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         if body.stream:
             return StreamingResponse(_native_sse(events, service), media_type="text/event-stream")
         return JSONResponse(await _collect(events, name))
+
+    @app.get("/v1/invocations", tags=["invoke"], responses=errors())
+    async def list_invocations(
+        function: str | None = Query(None, max_length=256, description="only this function's invocations"),
+        status: InvocationStatus | None = Query(None, description="only invocations in this status"),
+        limit: int = Query(100, ge=1, le=MAX_LISTED_INVOCATIONS, description="at most this many, newest first"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> dict:
+        records = await service.list_invocations(who, function, status, limit)
+        return {"invocations": [msgspec.to_builtins(r) for r in records]}
 
     @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
