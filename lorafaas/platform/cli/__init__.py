@@ -11,7 +11,7 @@ from rich.markup import escape
 from lorafaas import __version__
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
-from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, moe, replay, up
+from lorafaas.platform.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up
 from lorafaas.platform.cli.output import err_console
 
 app = typer.Typer(
@@ -29,11 +29,14 @@ app.command("demo")(demo.demo)
 app.command("up")(up.up)
 app.command("deploy")(functions.deploy)
 app.command("list")(functions.list_functions)
+app.command("ls", help="List functions (alias of list).")(functions.list_functions)
 app.command("describe")(functions.describe)
 app.command("invoke")(functions.invoke)
 app.command("logs")(functions.logs)
 app.command("scale")(functions.scale)
 app.command("delete")(functions.delete)
+app.command("rm", help="Delete a function and stop its instances (alias of delete).")(functions.delete)
+app.add_typer(invocations.app, name="invocations")
 app.add_typer(functions.keys_app, name="keys")
 app.command("replay")(replay.replay)
 
