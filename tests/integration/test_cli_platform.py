@@ -134,7 +134,8 @@ def test_invoke_async_returns_the_id_at_once_and_invocations_get_list_wait(admin
 
 
 def test_a_tenant_lists_and_gets_only_its_own_invocations(platform, admin, adapters, lorafaas) -> None:
-    tenant_key = admin.create_key("acme")["key"]
+    created = admin.create_key("acme")
+    tenant_key = created["key"]
     deploy(admin, "admins-fn", adapters["alpha"])
     mine = admin.invoke_async("admins-fn", chat())["invocation_id"]
     with ApiClient(platform.url, tenant_key) as acme:
@@ -148,6 +149,8 @@ def test_a_tenant_lists_and_gets_only_its_own_invocations(platform, admin, adapt
     hidden = lorafaas("invocations", "get", mine, env=as_tenant)
     assert hidden.returncode == 2 and "does not exist" in hidden.stderr
     assert {r["invocation_id"] for r in admin.invocations()} >= {mine, theirs}  # the admin sees every tenant's
+    revoked = lorafaas("keys", "revoke", created["key_id"], "--json")
+    assert json.loads(revoked.stdout) == {"revoked": created["key_id"], "tenant": "acme"}
 
 
 # -- item 10: the CLI finds the local platform ------------------------------------------------------------------------

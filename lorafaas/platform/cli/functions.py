@@ -91,7 +91,7 @@ def deploy(
     else:
         err_console.print(f"deployed [bold]{result['name']}[/] version {result['version']} on {result['backbone']} "
                           f"(adapter {result['adapter_digest'][:12]}); call it with `lorafaas{hint_flags(ctx, url)} "
-                          f"invoke {result['name']} \"...\"`", markup=True, highlight=False, soft_wrap=True)
+                          f"invoke {result['name']} \"...\"`", highlight=False)
 
 
 def _drop_unchanged_identity(spec: dict, current: dict, source: str) -> None:
@@ -219,7 +219,7 @@ def invoke(
             else:
                 print_text(accepted["invocation_id"])
                 err_console.print(f"accepted; `lorafaas{hint_flags(ctx, url)} invocations wait "
-                                  f"{accepted['invocation_id']}` prints the result", markup=False, soft_wrap=True)
+                                  f"{accepted['invocation_id']}` prints the result", markup=False)
             return
         if stream:
             for event in client.invoke_stream(name, body):
@@ -311,10 +311,14 @@ def list_keys(ctx: typer.Context, url: str | None = URL, as_json: bool = JSON) -
 
 
 @keys_app.command("revoke")
-def revoke_key(ctx: typer.Context, key_id: str, url: str | None = URL) -> None:
+def revoke_key(ctx: typer.Context, key_id: str, url: str | None = URL,
+               as_json: bool = typer.Option(False, "--json", help='Print {"revoked", "tenant"}.')) -> None:
     """Revoke the key KEY_ID (see `keys list`): requests with it get 401 from now on."""
     with client_for(ctx, url) as client:
         revoked = client.revoke_key(key_id)
+    if as_json:
+        print_json(revoked)
+        return
     err_console.print(f"revoked key {revoked['revoked']} of tenant {revoked['tenant']}")
 
 

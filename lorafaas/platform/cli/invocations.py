@@ -29,7 +29,7 @@ def get(ctx: typer.Context, invocation_id: str, url: str | None = URL, as_json: 
     if as_json:
         print_json(record)
         return
-    err_console.print(_summary(record), markup=False, highlight=False, soft_wrap=True)
+    err_console.print(_summary(record), markup=False, highlight=False)
     if record["status"] == "succeeded":
         print_text(record["result_text"])
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 console = Console()
-err_console = Console(stderr=True)
+# Messages are never hard-wrapped: a wrapped hint, path or key cannot be copied and run (a terminal wraps them).
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def print_json(document: object) -> None:
