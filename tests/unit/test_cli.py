@@ -4,7 +4,11 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+import typer
+
 from lorafaas.platform.adapters.files import read_adapter
+from lorafaas.platform.cli import app, main
 
 
 def test_import_from_dir_then_list(tmp_path: Path, tiny_dense_dir: Path, cli) -> None:
@@ -79,3 +83,19 @@ def test_train_rejects_malformed_data_with_line_number(tmp_path: Path, tiny_stor
     assert result.returncode == 2
     assert f"{data.name}:2: expected" in result.stderr.replace("\n", "")
     assert not (tmp_path / "out").exists()
+
+
+def _command_paths(cmd, path=()) -> list[tuple[str, ...]]:
+    subcommands = getattr(cmd, "commands", {}).items()
+    return [path, *(p for name, sub in subcommands for p in _command_paths(sub, (*path, name)))]
+
+
+def test_every_help_shows_boolean_options_as_bare_flags(capsys) -> None:
+    paths = _command_paths(typer.main.get_command(app))
+    assert ("invoke",) in paths and ("bench", "coldstart") in paths and ("keys", "create") in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as exited:
+            main([*path, "--help"])
+        assert exited.value.code == 0
+        shown = capsys.readouterr().out
+        assert "--help" in shown and "<bool>" not in shown, (path, shown)
