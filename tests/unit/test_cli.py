@@ -99,3 +99,19 @@ def test_every_help_shows_boolean_options_as_bare_flags(capsys) -> None:
         assert exited.value.code == 0
         shown = capsys.readouterr().out
         assert "--help" in shown and "<bool>" not in shown, (path, shown)
+
+
+def test_adapter_inspect_shows_rslora_and_the_effective_scaling(tmp_path: Path, tiny_adapter_dir: Path, cli) -> None:
+    adapter = Path(shutil.copytree(tiny_adapter_dir, tmp_path / "rslora"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    rank = config["r"]
+    config |= {"use_rslora": True, "lora_alpha": 8, "alpha_pattern": {"v_proj": 2}}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    shown = json.loads(cli("adapter", "inspect", str(adapter), "--json").stdout)
+    assert shown["use_rslora"] is True
+    assert shown["scaling"] == pytest.approx(8 / rank**0.5)  # rsLoRA: alpha / sqrt(r), not alpha / r
+    overrides = shown["scaling_overrides"]
+    assert overrides and all(m.endswith("v_proj") for m in overrides)
+    assert all(v == pytest.approx(2 / rank**0.5) for v in overrides.values())
+    table = cli("adapter", "inspect", str(adapter)).stdout
+    assert "use_rslora" in table and f"{8 / rank**0.5:g}" in table
