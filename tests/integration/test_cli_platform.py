@@ -276,3 +276,21 @@ def test_ls_and_rm_are_aliases(admin, adapters, lorafaas) -> None:
     removed = lorafaas("rm", "aliased")
     assert removed.returncode == 0 and "deleted aliased" in removed.stderr
     assert admin.list() == []
+
+
+def test_a_settings_only_change_keeps_the_warm_instances(admin, adapters, lorafaas) -> None:
+    deploy(admin, "settled", adapters["alpha"], keep_alive_s=300)
+    answer = admin.invoke("settled", chat())["text"]
+    [before] = admin.describe("settled")["instances"]
+    changed = lorafaas("deploy", "settled", "--replace", "--keep-alive", "120", "--slo-ttft-ms", "900", "--max", "3",
+                       "--max-tokens-limit", "64")
+    assert changed.returncode == 0, changed.stderr
+    scaled = lorafaas("scale", "settled", "--max", "2")
+    assert scaled.returncode == 0, scaled.stderr
+    described = admin.describe("settled")
+    spec = described["function"]
+    assert (spec["version"], spec["keep_alive_s"], spec["slo_ttft_ms"], spec["max_instances"],
+            spec["max_tokens_limit"]) == (3, 120.0, 900, 2, 64)
+    assert [(i["instance_id"], i["pid"]) for i in described["instances"]] == [(before["instance_id"], before["pid"])]
+    assert admin.invoke("settled", chat())["text"] == answer
+    assert [(i["pid"], i["state"]) for i in admin.describe("settled")["instances"]] == [(before["pid"], "ready")]
