@@ -92,8 +92,9 @@ class ApiClient:
     def delete(self, name: str) -> dict:
         return self._call("DELETE", f"/v1/functions/{name}").json()
 
-    def logs(self, name: str) -> str:
-        return self._call("GET", f"/v1/functions/{name}/logs").text
+    def logs(self, name: str, tail: int | None = None, since: float | None = None) -> str:
+        params = {k: v for k, v in {"tail": tail, "since": since}.items() if v is not None}
+        return self._call("GET", f"/v1/functions/{name}/logs", params=params).text
 
     # -- invocations -----------------------------------------------------------------------------------------------
 

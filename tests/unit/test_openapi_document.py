@@ -51,3 +51,9 @@ def test_listing_invocations_is_described_with_its_filters_and_bounds() -> None:
     assert (params["limit"]["minimum"], params["limit"]["maximum"], params["limit"]["default"]) == (1, 1000, 100)
     assert set(params["status"]["anyOf"][0]["enum"]) == {"queued", "running", "succeeded", "failed", "cancelled"}
     assert "401" in listing["responses"]
+
+
+def test_the_log_cuts_are_described_with_their_bounds() -> None:
+    params = {p["name"]: p["schema"] for p in document()["paths"]["/v1/functions/{name}/logs"]["get"]["parameters"]}
+    assert (params["tail"]["anyOf"][0]["minimum"], params["tail"]["anyOf"][0]["maximum"]) == (0, 100_000)
+    assert params["since"]["anyOf"][0]["minimum"] == 0

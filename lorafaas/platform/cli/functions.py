@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
+import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -12,7 +15,8 @@ from click.core import ParameterSource
 from rich.table import Table
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import InvalidInput
+from lorafaas.errors import FunctionNotFound, InvalidInput
+from lorafaas.platform import log_lines
 from lorafaas.platform.api_client import ApiClient, resolve_key, resolve_url
 from lorafaas.platform.cli.function_file import read_function_file
 from lorafaas.platform.cli.output import console, err_console, print_json, print_json_line, print_text
@@ -21,6 +25,8 @@ URL = typer.Option(None, "--url", envvar="LORAFAAS_URL", show_default=False,
                    help="The lorafaas gateway (default: $LORAFAAS_URL, else the URL `lorafaas up` recorded in the "
                         "home, else http://127.0.0.1:8080).")
 JSON = typer.Option(False, "--json", help="Print one JSON document.")
+FOLLOW_POLL_S = 1.0
+SECONDS_PER = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def client_for(ctx: typer.Context, url: str | None) -> ApiClient:
@@ -237,15 +243,81 @@ def invoke(
         print_text(result["text"])
 
 
-def logs(ctx: typer.Context, name: str, url: str | None = URL,
-         as_json: bool = typer.Option(False, "--json", help='Print {"function", "text"}.')) -> None:
-    """Print the logs of a function's instances."""
+def logs(
+    ctx: typer.Context,
+    name: str,
+    tail: int | None = typer.Option(None, "--tail", min=0, help="Only the last N lines of each instance.",
+                                    show_default=False),
+    since: str | None = typer.Option(None, "--since", show_default=False,
+                                     help="Only lines logged since then: a duration back from now (30s, 5m, 2h, "
+                                          "1d) or a local time (2026-11-24T06:52:47)."),
+    follow: bool = typer.Option(False, "--follow", help="Keep printing lines as they are logged, until "
+                                                         "interrupted or the function is deleted."),
+    url: str | None = URL,
+    as_json: bool = typer.Option(False, "--json", help='Print {"function", "text"}; with --follow, one '
+                                                       '{"instance", "text", "logged_at"} per line.'),
+) -> None:
+    """Print the logs of a function's instances (each under a `==> instance <==` header), verbatim."""
+    since_ts = parse_since(since) if since is not None else None
     with client_for(ctx, url) as client:
-        text = client.logs(name)
-    if as_json:
-        print_json({"function": name, "text": text})
-    else:
-        print_text(text, end="" if text.endswith("\n") or not text else "\n")
+        text = client.logs(name, tail, since_ts)
+        if not follow:
+            if as_json:
+                print_json({"function": name, "text": text})
+            else:
+                print_text(text, end="" if text.endswith("\n") or not text else "\n")
+            return
+        try:
+            follow_logs(client, name, log_lines.parse(text), as_json)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+
+def follow_logs(client: ApiClient, name: str, lines: list[log_lines.LogLine], as_json: bool) -> None:
+    """Print `lines`, then every line logged after them, polling the gateway by time stamp: each poll asks for the
+    lines logged at the newest stamp printed or later, and skips those of that stamp it printed already."""
+    instance: str | None = None
+    cursor: float | None = None  # the newest stamp printed
+    printed: Counter = Counter()  # (instance, text) of the lines printed at `cursor` (all of them while it is None)
+    while True:
+        for line in lines:
+            if as_json:
+                print_json_line({"instance": line.instance, "text": line.text, "logged_at": line.logged_at})
+            else:
+                if line.instance != instance:
+                    print_text(f"==> {line.instance} <==")
+                    instance = line.instance
+                print_text(line.text, flush=True)
+            if line.logged_at is not None and (cursor is None or line.logged_at > cursor):
+                cursor, printed = line.logged_at, Counter()
+            if line.logged_at == cursor:
+                printed[(line.instance, line.text)] += 1
+        time.sleep(FOLLOW_POLL_S)
+        try:
+            polled = log_lines.parse(client.logs(name, since=cursor))
+        except FunctionNotFound:
+            err_console.print(f"function {name} was deleted; stopped following its logs")
+            return
+        already = printed.copy()  # every poll returns the lines of stamp `cursor` again
+        lines = []
+        for line in polled:
+            key = (line.instance, line.text)
+            if line.logged_at == cursor and already[key] > 0:
+                already[key] -= 1
+                continue
+            lines.append(line)
+
+
+def parse_since(value: str) -> float:
+    """`--since`: a duration back from now (30s, 5m, 2h, 1d) or a local ISO time, as unix time."""
+    duration = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", value.strip())
+    if duration:
+        return time.time() - float(duration.group(1)) * SECONDS_PER[duration.group(2)]
+    try:
+        return datetime.fromisoformat(value.strip()).timestamp()
+    except ValueError:
+        raise InvalidInput(f"--since {value!r} is neither a duration (30s, 5m, 2h, 1d) nor a time like "
+                           "2026-11-24T06:52:47") from None
 
 
 def scale(

@@ -37,6 +37,8 @@ from lorafaas.platform.state.records import ApiKeyRecord, InvocationStatus
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
 MAX_LISTED_INVOCATIONS = 1000
+MAX_LOG_TAIL_LINES = 100_000
+MAX_UNIX_TIME = 2**33  # the year 2242: a bound the OpenAPI document states
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
@@ -105,8 +107,14 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return {"deleted": name}
 
     @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})
-    async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> PlainTextResponse:
-        return PlainTextResponse(await service.logs(who, name))
+    async def logs(
+        name: str,
+        tail: int | None = Query(None, ge=0, le=MAX_LOG_TAIL_LINES, description="the last N lines of each instance"),
+        since: float | None = Query(None, ge=0, le=MAX_UNIX_TIME,
+                                    description="only lines logged at this unix time or later"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> PlainTextResponse:
+        return PlainTextResponse(await service.logs(who, name, tail, since))
 
     @app.post("/v1/functions/{name}/invoke", tags=["invoke"], responses=INVOKE_RESPONSES)
     async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
