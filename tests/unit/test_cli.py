@@ -115,3 +115,22 @@ def test_adapter_inspect_shows_rslora_and_the_effective_scaling(tmp_path: Path, 
     assert all(v == pytest.approx(2 / rank**0.5) for v in overrides.values())
     table = cli("adapter", "inspect", str(adapter)).stdout
     assert "use_rslora" in table and f"{8 / rank**0.5:g}" in table
+
+
+def test_the_remaining_writers_print_json(tmp_path: Path, tiny_dense_dir: Path, tiny_store, cli) -> None:
+    home = str(tmp_path / "home")
+    imported = json.loads(cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir),
+                              "--json").stdout)
+    assert imported["name"] == "tiny" and imported["created"] is True and Path(imported["path"]).is_dir()
+    again = json.loads(cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir),
+                           "--json").stdout)
+    assert again["created"] is False and again["weights_sha256"] == imported["weights_sha256"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "response": w}) + "\n" for w in ("a", "b")))
+    trained = json.loads(cli("--home", home, "adapter", "train", "echo", "--backbone", "tiny", "--data", str(data),
+                             "--rank", "2", "--steps", "2", "--out", str(tmp_path / "echo"), "--json").stdout)
+    assert trained["rank"] == 2 and trained["final_loss"] > 0 and trained["path"] == str(tmp_path / "echo")
+    moe_home = str(tiny_store.models_dir.parent)
+    experts = json.loads(cli("--home", moe_home, "moe", "create-adapter", str(tmp_path / "experts"), "--backbone",
+                             "tiny-moe", "--rank", "2", "--json").stdout)
+    assert experts["rank"] == 2 and experts["path"] == str(tmp_path / "experts")

@@ -87,6 +87,7 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     target_modules: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--target-modules", help="Comma-separated."),
     out: Path | None = typer.Option(None, "--out", help="Output directory (must be empty or absent)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the adapter's summary and the losses."),
 ) -> None:
     """Fine-tune a LoRA adapter with PEFT on the CPU."""
     from lorafaas.platform.adapters.train import TrainConfig, train_adapter
@@ -102,6 +103,10 @@ def train(
     with RichProgress() as progress:
         result = train_adapter(ModelStore(config.models_dir), backbone, data, out_dir, train_config, progress)
     info = read_adapter(out_dir)
+    if as_json:
+        _show(info, True, {"first_loss": result.first_loss, "final_loss": result.final_loss,
+                           "seconds": result.seconds})
+        return
     err_console.print(
         f"trained [bold]{name}[/] in {result.seconds:.0f} s: loss {result.first_loss:.3f} -> {result.final_loss:.3f}; "
         f"{human_bytes(info.num_bytes)} at {out_dir}"
