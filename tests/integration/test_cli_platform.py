@@ -110,7 +110,8 @@ def test_invoke_async_returns_the_id_at_once_and_invocations_get_list_wait(admin
         assert shown["status"] in ("queued", "running") and shown["function"] == "waiter"
     finally:
         os.kill(instance["pid"], signal.SIGCONT)
-    waited = lorafaas("invocations", "wait", invocation_id, "--timeout", "120")
+    [wait_hint] = re.findall(r"`lorafaas ([^`]*)`", accepted.stderr)  # the command it printed, run as printed
+    waited = lorafaas(*shlex.split(wait_hint), "--timeout", "120")
     assert waited.returncode == 0, waited.stderr
     record = admin.invocation(invocation_id)
     assert record["status"] == "succeeded"
@@ -163,21 +164,24 @@ def test_the_cli_finds_a_local_platform_on_a_non_default_port(platform, admin, a
     assert (platform.home / "gateway.url").read_text().strip() == platform.url
     listed = lorafaas("list", "--json", env=NO_URL)
     assert listed.returncode == 0, listed.stderr
-    deployed = lorafaas("deploy", "hinted", "--adapter", str(adapters["alpha"]), "--backbone", "tiny-dense",
-                        env=NO_URL)
-    assert deployed.returncode == 0, deployed.stderr
-    [hint] = re.findall(r"`(lorafaas [^`]*)`", deployed.stderr)
-    argv = shlex.split(hint)
-    hinted = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **NO_URL}, stdin=subprocess.DEVNULL)
-    assert hinted.returncode == 0, (hint, hinted.stderr)
-    assert hinted.stdout.strip()
-    # --url > $LORAFAAS_URL > the recorded URL
     dead = "http://127.0.0.1:9"
+    for name, flags, shell in [("hinted", (), NO_URL), ("hinted-url", ("--url", platform.url), {"LORAFAAS_URL": dead})]:
+        deployed = lorafaas("deploy", name, "--adapter", str(adapters["alpha"]), "--backbone", "tiny-dense", *flags,
+                            env=NO_URL)
+        assert deployed.returncode == 0, deployed.stderr
+        [hint] = re.findall(r"`(lorafaas [^`]*)`", deployed.stderr)
+        argv = shlex.split(hint)
+        assert argv[1:3] == ["--home", str(platform.home)] and ("--url" in argv) == bool(flags)
+        # Run as printed, in a shell where the hint needs what it names (a --url given must survive a stale variable)
+        hinted = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, **shell}, stdin=subprocess.DEVNULL)
+        assert hinted.returncode == 0, (hint, hinted.stderr)
+        assert hinted.stdout.strip()
+    # --url > $LORAFAAS_URL > the recorded URL
     unreachable = lorafaas("list", env={"LORAFAAS_URL": dead})
     assert unreachable.returncode == 1 and dead in unreachable.stderr
     flagged = lorafaas("list", "--json", "--url", platform.url, env={"LORAFAAS_URL": dead})
-    assert flagged.returncode == 0 and [f["name"] for f in json.loads(flagged.stdout)] == ["hinted"]
+    assert flagged.returncode == 0 and [f["name"] for f in json.loads(flagged.stdout)] == ["hinted", "hinted-url"]
 
 
 # -- items 11 and 12: function.yaml ------------------------------------------------------------------------------------

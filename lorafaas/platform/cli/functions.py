@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
-from click.core import ParameterSource
+from rich.markup import escape
 from rich.table import Table
 
 from lorafaas.config import LorafaasConfig
@@ -34,17 +34,14 @@ def client_for(ctx: typer.Context, url: str | None) -> ApiClient:
     return ApiClient(resolve_url(config, url), resolve_key(config))
 
 
-
-def hint_flags(ctx: typer.Context, url: str | None) -> str:
-    """The options a printed `lorafaas ...` hint needs to reach the same platform from the same shell: --home if it
-    was given, --url if it was given on the command line (an environment variable or the recorded URL still hold)."""
-    flags = ""
-    home = ctx.find_root().params.get("home")
-    if home is not None:
-        flags += f" --home {shlex.quote(str(ctx.obj.home))}"
-    if url and ctx.get_parameter_source("url") is ParameterSource.COMMANDLINE:
-        flags += f" --url {shlex.quote(url)}"
-    return flags
+def hint(ctx: typer.Context, url: str | None, command: str) -> str:
+    """`lorafaas COMMAND` as a printed hint, with the options it needs to reach the same platform from the same shell:
+    --home if it was given, --url if it was given on the command line (an environment variable or the URL recorded
+    in the home still hold there)."""
+    home = f" --home {shlex.quote(str(ctx.obj.home))}" if ctx.find_root().params.get("home") is not None else ""
+    source = ctx.get_parameter_source("url")  # typer's own copy of click's ParameterSource: compared by name
+    given_url = url and source is not None and source.name == "COMMANDLINE"
+    return f"lorafaas{home} {command}" + (f" --url {shlex.quote(url)}" if given_url else "")
 
 
 def deploy(
@@ -95,9 +92,9 @@ def deploy(
     if as_json:
         print_json(result)
     else:
+        call = hint(ctx, url, f'invoke {result["name"]} "..."')
         err_console.print(f"deployed [bold]{result['name']}[/] version {result['version']} on {result['backbone']} "
-                          f"(adapter {result['adapter_digest'][:12]}); call it with `lorafaas{hint_flags(ctx, url)} "
-                          f"invoke {result['name']} \"...\"`", highlight=False)
+                          f"(adapter {result['adapter_digest'][:12]}); call it with `{escape(call)}`", highlight=False)
 
 
 def _drop_unchanged_identity(spec: dict, current: dict, source: str) -> None:
@@ -224,8 +221,8 @@ def invoke(
                 print_json(accepted)
             else:
                 print_text(accepted["invocation_id"])
-                err_console.print(f"accepted; `lorafaas{hint_flags(ctx, url)} invocations wait "
-                                  f"{accepted['invocation_id']}` prints the result", markup=False)
+                wait = hint(ctx, url, f"invocations wait {accepted['invocation_id']}")
+                err_console.print(f"accepted; `{wait}` prints the result", markup=False)
             return
         if stream:
             for event in client.invoke_stream(name, body):
