@@ -184,6 +184,13 @@ def test_the_cli_finds_a_local_platform_on_a_non_default_port(platform, admin, a
     assert flagged.returncode == 0 and [f["name"] for f in json.loads(flagged.stdout)] == ["hinted", "hinted-url"]
 
 
+def test_up_records_its_url_while_it_serves(tmp_path) -> None:
+    with PlatformProcess(tmp_path / "home") as running:
+        assert (running.home / "gateway.url").read_text() == running.url + "\n"
+    assert running.process.returncode == -signal.SIGTERM  # stopped by SIGTERM, and still ends by it
+    assert not (running.home / "gateway.url").exists()  # a stopped platform leaves no URL to find
+
+
 # -- items 11 and 12: function.yaml ------------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 from pathlib import Path
 
 import typer
@@ -80,9 +81,18 @@ def up(
         if demo_names:
             err_console.print(f"demo functions: {', '.join(demo_names)}")
 
+    def forget_then_terminate(sig: int, _frame) -> None:
+        # uvicorn stops on SIGTERM, restores the handler it found (this one) and raises the signal again: the URL is
+        # forgotten here, then the process ends by the signal as before (exit status -15 to its parent).
+        forget_url(config.home, url)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
+
+    previous = signal.signal(signal.SIGTERM, forget_then_terminate)
     try:
         run_server(server_config, on_ready=announce)
-    finally:
+    finally:  # a normal return, Ctrl-C or a failure to start
+        signal.signal(signal.SIGTERM, previous)
         forget_url(config.home, url)
 
 
