@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from lorafaas import __version__
-from lorafaas.cli import adapter, backbone, bench, demo, functions, moe, replay, up
+from lorafaas.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up
 from lorafaas.cli.output import err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
@@ -29,11 +29,14 @@ app.command("demo")(demo.demo)
 app.command("up")(up.up)
 app.command("deploy")(functions.deploy)
 app.command("list")(functions.list_functions)
+app.command("ls", help="List functions (alias of list).")(functions.list_functions)
 app.command("describe")(functions.describe)
 app.command("invoke")(functions.invoke)
 app.command("logs")(functions.logs)
 app.command("scale")(functions.scale)
 app.command("delete")(functions.delete)
+app.command("rm", help="Delete a function and stop its instances (alias of delete).")(functions.delete)
+app.add_typer(invocations.app, name="invocations")
 app.add_typer(functions.keys_app, name="keys")
 app.command("replay")(replay.replay)
 
@@ -60,7 +63,24 @@ def main(argv: list[str] | None = None) -> None:
     # lorafaas never fetches from a model hub; without this, transformers/peft try the network on unknown names.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        app(args=argv, prog_name="lorafaas")
+        command().main(args=argv, prog_name="lorafaas")
     except LorafaasError as exc:
         err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
         raise SystemExit(2 if isinstance(exc, ClientError) else 1) from None
+
+
+def command():
+    """`app` as the click command it runs, with boolean flags shown as bare flags in help (typer labels them
+    `<bool>`, which reads as an option that takes a value)."""
+    root_command = typer.main.get_command(app)
+    _show_flags_bare(root_command)
+    return root_command
+
+
+def _show_flags_bare(cmd) -> None:
+    help_option = cmd.get_help_option(cmd.context_class(cmd))  # made (and cached) on first use, like --help's own
+    for param in [*cmd.params, *([help_option] if help_option is not None else [])]:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(cmd, "commands", {}).values():
+        _show_flags_bare(sub)

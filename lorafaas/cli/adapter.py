@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -16,15 +17,34 @@ app = typer.Typer(help="Inspect, validate and train LoRA adapters.", no_args_is_
 
 
 def _show(info: AdapterInfo, as_json: bool, extra: dict | None = None) -> None:
-    summary = {**info.summary(), **(extra or {})}
+    summary = {**info.summary(), **_scaling(info), **(extra or {})}
     if as_json:
         print_json(summary)
         return
     table = Table(show_header=False)
     for key, value in summary.items():
-        shown = human_bytes(value) if key == "bytes" else ", ".join(value) if isinstance(value, list) else value
+        if key == "scaling_overrides" and not value:
+            continue
+        if key == "bytes":
+            shown = human_bytes(value)
+        elif isinstance(value, list):
+            shown = ", ".join(value)
+        elif isinstance(value, dict):
+            shown = ", ".join(f"{k}: {v:g}" for k, v in value.items())
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else value
         table.add_row(key, str(shown))
     console.print(table)
+
+
+def _scaling(info: AdapterInfo) -> dict:
+    """What PEFT multiplies a module's LoRA output by: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; and the
+    modules whose rank_pattern / alpha_pattern give them another scaling."""
+    use_rslora = bool(info.config.get("use_rslora"))
+    scaling = info.alpha / math.sqrt(info.rank) if use_rslora else info.alpha / info.rank
+    overrides = {module: entry.scaling for module, entry in info.layout.loras.items()
+                 if not math.isclose(entry.scaling, scaling)}
+    return {"use_rslora": use_rslora, "scaling": scaling, "scaling_overrides": overrides}
 
 
 @app.command("inspect")
@@ -32,7 +52,7 @@ def inspect(
     path: Path = typer.Argument(..., help="Adapter directory (adapter_config.json + adapter_model.safetensors)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Show an adapter's base model, rank, alpha, target modules and size."""
+    """Show an adapter's base model, rank, alpha, rsLoRA and the effective scaling, target modules and size."""
     _show(read_adapter(path), as_json)
 
 
@@ -67,6 +87,7 @@ def train(
     seed: int = typer.Option(0, "--seed"),
     target_modules: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--target-modules", help="Comma-separated."),
     out: Path | None = typer.Option(None, "--out", help="Output directory (must be empty or absent)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the adapter's summary and the losses."),
 ) -> None:
     """Fine-tune a LoRA adapter with PEFT on the CPU."""
     from lorafaas.formats.model_store import check_name
@@ -82,6 +103,10 @@ def train(
     with RichProgress() as progress:
         result = train_adapter(ModelStore(config.models_dir), backbone, data, out_dir, train_config, progress)
     info = read_adapter(out_dir)
+    if as_json:
+        _show(info, True, {"first_loss": result.first_loss, "final_loss": result.final_loss,
+                           "seconds": result.seconds})
+        return
     err_console.print(
         f"trained [bold]{name}[/] in {result.seconds:.0f} s: loss {result.first_loss:.3f} -> {result.final_loss:.3f}; "
         f"{human_bytes(info.num_bytes)} at {out_dir}"

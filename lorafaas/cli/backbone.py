@@ -22,6 +22,7 @@ def import_backbone(
     from_dir: Path | None = typer.Option(
         None, "--from", help="A local Hugging Face causal-LM directory with safetensors weights."
     ),
+    as_json: bool = typer.Option(False, "--json", help="Print the stored manifest, `created` and `path`."),
 ) -> None:
     """Import a backbone into the model store (a second import of the same weights is a no-op)."""
     from lorafaas.platform.builtin_backbones import import_builtin
@@ -33,6 +34,9 @@ def import_backbone(
             manifest, created = import_builtin(store, name, progress)
         else:
             manifest, created = store.import_dir(name, from_dir, progress)
+    if as_json:
+        print_json({**msgspec.to_builtins(manifest), "created": created, "path": str(store.path(name))})
+        return
     verb = "imported" if created else "already imported"
     err_console.print(
         f"{verb} [bold]{manifest.name}[/] ({manifest.architecture}, {manifest.num_parameters / 1e6:.1f}M parameters, "

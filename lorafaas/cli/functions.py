@@ -2,28 +2,46 @@
 
 from __future__ import annotations
 
+import re
+import shlex
+import sys
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
-import yaml
+from rich.markup import escape
 from rich.table import Table
 
-from lorafaas.cli.output import console, err_console, print_json
+from lorafaas.cli.function_file import read_function_file
+from lorafaas.cli.output import console, err_console, print_json, print_json_line, print_text
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import InvalidInput
-from lorafaas.platform.api_client import DEFAULT_URL, ApiClient, resolve_key
+from lorafaas.errors import FunctionNotFound, InvalidInput
+from lorafaas.platform import log_lines
+from lorafaas.platform.api_client import ApiClient, resolve_key, resolve_url
 
-URL = typer.Option(DEFAULT_URL, "--url", envvar="LORAFAAS_URL", help="The lorafaas gateway.")
+URL = typer.Option(None, "--url", envvar="LORAFAAS_URL", show_default=False,
+                   help="The lorafaas gateway (default: $LORAFAAS_URL, else the URL `lorafaas up` recorded in the "
+                        "home, else http://127.0.0.1:8080).")
 JSON = typer.Option(False, "--json", help="Print one JSON document.")
-YAML_FIELDS = {"name", "adapter", "backbone", "slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances",
-               "max_tokens_limit", "max_request_s", "lora_mode", "tenant"}
+FOLLOW_POLL_S = 1.0
+SECONDS_PER = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _client(ctx: typer.Context, url: str) -> ApiClient:
+def client_for(ctx: typer.Context, url: str | None) -> ApiClient:
     config: LorafaasConfig = ctx.obj
-    return ApiClient(url, resolve_key(config))
+    return ApiClient(resolve_url(config, url), resolve_key(config))
+
+
+def hint(ctx: typer.Context, url: str | None, command: str) -> str:
+    """`lorafaas COMMAND` as a printed hint, with the options it needs to reach the same platform from the same shell:
+    --home if it was given, --url if it was given on the command line (an environment variable or the URL recorded
+    in the home still hold there)."""
+    home = f" --home {shlex.quote(str(ctx.obj.home))}" if ctx.find_root().params.get("home") is not None else ""
+    source = ctx.get_parameter_source("url")  # typer's own copy of click's ParameterSource: compared by name
+    given_url = url and source is not None and source.name == "COMMANDLINE"
+    return f"lorafaas{home} {command}" + (f" --url {shlex.quote(url)}" if given_url else "")
 
 
 def deploy(
@@ -44,25 +62,28 @@ def deploy(
         "or local (each instance holds its expert adapter)."
     ),
     tenant: str | None = typer.Option(None, "--tenant", help="Deploy for this tenant (admin key only)."),
-    file: Path | None = typer.Option(None, "-f", "--file", help="function.yaml with the same fields."),
+    file: Path | None = typer.Option(
+        None, "-f", "--file", help="function.yaml: keys spelled as these flags (keep-alive: 60), see "
+        "examples/function.yaml; flags given too win."
+    ),
     replace: bool = typer.Option(False, "--replace", help="Update an existing function (atomic switch)."),
-    url: str = URL,
+    url: str | None = URL,
     as_json: bool = JSON,
 ) -> None:
     """Deploy a LoRA adapter as a function."""
-    spec = _read_function_file(file) if file else {}
+    spec = read_function_file(file) if file else {}
     flags = {"name": name, "backbone": backbone, "slo_ttft_ms": slo_ttft_ms, "keep_alive_s": keep_alive_s,
              "min_instances": min_instances, "max_instances": max_instances, "max_tokens_limit": max_tokens_limit,
              "max_request_s": max_request_s, "lora_mode": lora_mode, "tenant": tenant}
     spec |= {k: v for k, v in flags.items() if v is not None}
-    adapter_dir = adapter or (Path(spec.pop("adapter")) if "adapter" in spec else None)
+    adapter_dir = adapter or (Path(spec["adapter"]) if spec.get("adapter") is not None else None)
     spec.pop("adapter", None)
     if not spec.get("name"):
         raise InvalidInput("give the function's name (NAME or `name:` in -f)")
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         if replace:
             fn = spec.pop("name")
-            spec.pop("backbone", None)
+            _drop_unchanged_identity(spec, client.describe(fn)["function"], f"-f {file}" if file else "the flags")
             result = client.update(fn, spec, adapter_dir)
         else:
             if adapter_dir is None or not spec.get("backbone"):
@@ -71,30 +92,27 @@ def deploy(
     if as_json:
         print_json(result)
     else:
+        call = hint(ctx, url, f'invoke {result["name"]} "..."')
         err_console.print(f"deployed [bold]{result['name']}[/] version {result['version']} on {result['backbone']} "
-                          f"(adapter {result['adapter_digest'][:12]}); call it with `lorafaas invoke {result['name']} "
-                          "\"...\"`")
+                          f"(adapter {result['adapter_digest'][:12]}); call it with `{escape(call)}`", highlight=False)
 
 
-def _read_function_file(path: Path) -> dict:
-    try:
-        document = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise InvalidInput(f"cannot read {path}: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidInput(f"{path} must be a YAML mapping of function fields")
-    unknown = set(document) - YAML_FIELDS
-    if unknown:
-        raise InvalidInput(f"{path}: unknown field(s) {', '.join(sorted(unknown))}; known: "
-                           f"{', '.join(sorted(YAML_FIELDS))}")
-    if "adapter" in document:  # relative to the YAML file
-        document["adapter"] = str((path.parent / document["adapter"]).resolve())
-    return document
+def _drop_unchanged_identity(spec: dict, current: dict, source: str) -> None:
+    """`--replace` changes settings and the adapter, never what a function is: a backbone or tenant that differs
+    from the stored one is refused before anything is sent; an unchanged one is dropped from the update."""
+    for field in ("backbone", "tenant"):
+        wanted = spec.pop(field, None)
+        if wanted is not None and wanted != current[field]:
+            raise InvalidInput(
+                f"function {current['name']!r} has {field} {current[field]!r}, and {source} names {wanted!r}: "
+                f"--replace cannot change a function's {field}; deploy it under a new name, or delete "
+                f"{current['name']!r} first"
+            )
 
 
-def list_functions(ctx: typer.Context, url: str = URL, as_json: bool = JSON) -> None:
+def list_functions(ctx: typer.Context, url: str | None = URL, as_json: bool = JSON) -> None:
     """List functions."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         functions = client.list()
     if as_json:
         print_json(functions)
@@ -107,9 +125,9 @@ def list_functions(ctx: typer.Context, url: str = URL, as_json: bool = JSON) -> 
     console.print(table)
 
 
-def describe(ctx: typer.Context, name: str, url: str = URL, as_json: bool = JSON) -> None:
+def describe(ctx: typer.Context, name: str, url: str | None = URL, as_json: bool = JSON) -> None:
     """Show a function's spec, its instances (pid, device, state) and its last cold start."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         info = client.describe(name)
     if as_json:
         print_json(info)
@@ -159,80 +177,185 @@ def _breakdown(steps: dict) -> str:
 def invoke(
     ctx: typer.Context,
     name: str,
-    prompt: str,
-    stream: bool = typer.Option(False, "--stream", help="Print tokens as they arrive."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Upper bound on generated tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    prompt: str | None = typer.Argument(None, help="The prompt; omitted or -, it is read from stdin.",
+                                        show_default=False),
+    stream: bool = typer.Option(False, "--stream", help="Print tokens as they arrive (with --json: one JSON "
+                                                         "event per line)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Upper bound on generated tokens "
+                                                                      "(default: the platform's).", show_default=False),
+    temperature: float | None = typer.Option(None, "--temperature", help="0 is greedy (the default).",
+                                             show_default=False),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling: keep the most likely tokens "
+                                                              "up to this probability mass.", show_default=False),
+    seed: int | None = typer.Option(None, "--seed", help="The same seed gives the same sample.", show_default=False),
+    stop: list[str] | None = typer.Option(None, "--stop", help="Stop at this text (repeat for several).",
+                                          show_default=False),
+    system: str | None = typer.Option(None, "--system", help="A system message before the prompt.",
+                                      show_default=False),
     raw: bool = typer.Option(False, "--raw", help="Send PROMPT as plain text, without the chat template."),
-    run_async: bool = typer.Option(False, "--async", help="Return an invocation id at once; poll it to the end."),
-    url: str = URL,
+    run_async: bool = typer.Option(False, "--async", help="Print the invocation id at once and return; see "
+                                                          "`lorafaas invocations get|wait ID`."),
+    url: str | None = URL,
     as_json: bool = JSON,
 ) -> None:
     """Call a function."""
-    body = {"max_tokens": max_tokens, "temperature": temperature}
-    body |= {"prompt": prompt} if raw else {"messages": [{"role": "user", "content": prompt}]}
-    with _client(ctx, url) as client:
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise InvalidInput("give PROMPT, or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise InvalidInput("the prompt is empty")
+    if raw and system is not None:
+        raise InvalidInput("--system needs the chat template; it cannot go with --raw")
+    body = {k: v for k, v in {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                              "stop": stop or None}.items() if v is not None}
+    if raw:
+        body["prompt"] = prompt
+    else:
+        system_turn = [{"role": "system", "content": system}] if system is not None else []
+        body["messages"] = [*system_turn, {"role": "user", "content": prompt}]
+    with client_for(ctx, url) as client:
         if run_async:
             accepted = client.invoke_async(name, body)
-            err_console.print(f"accepted as {accepted['invocation_id']}; waiting for the result")
-            while (record := client.invocation(accepted["invocation_id"]))["status"] in ("queued", "running"):
-                time.sleep(0.2)
             if as_json:
-                print_json(record)
+                print_json(accepted)
             else:
-                console.print(record["result_text"] if record["status"] == "succeeded"
-                              else f"[red]{record['status']}:[/] {record['error_message']}")
+                print_text(accepted["invocation_id"])
+                wait = hint(ctx, url, f"invocations wait {accepted['invocation_id']}")
+                err_console.print(f"accepted; `{wait}` prints the result", markup=False)
             return
         if stream:
             for event in client.invoke_stream(name, body):
-                if event["type"] == "token":
-                    console.print(event["text"], end="", soft_wrap=True, markup=False, highlight=False)
-            console.print()
+                if as_json:
+                    print_json_line(event)
+                elif event["type"] == "token":
+                    print_text(event["text"], end="", flush=True)
+            if not as_json:
+                print_text("")
             return
         result = client.invoke(name, body)
     if as_json:
         print_json(result)
     else:
-        console.print(result["text"], markup=False, highlight=False)
+        print_text(result["text"])
 
 
-def logs(ctx: typer.Context, name: str, url: str = URL) -> None:
-    """Print the logs of a function's instances."""
-    with _client(ctx, url) as client:
-        console.print(client.logs(name), markup=False, highlight=False)
+def logs(
+    ctx: typer.Context,
+    name: str,
+    tail: int | None = typer.Option(None, "--tail", min=0, help="Only the last N lines of each instance.",
+                                    show_default=False),
+    since: str | None = typer.Option(None, "--since", show_default=False,
+                                     help="Only lines logged since then: a duration back from now (30s, 5m, 2h, "
+                                          "1d) or a local time (2026-11-24T06:52:47)."),
+    follow: bool = typer.Option(False, "--follow", help="Keep printing lines as they are logged, until "
+                                                         "interrupted or the function is deleted."),
+    url: str | None = URL,
+    as_json: bool = typer.Option(False, "--json", help='Print {"function", "text"}; with --follow, one '
+                                                       '{"instance", "text", "logged_at"} per line.'),
+) -> None:
+    """Print the logs of a function's instances (each under a `==> instance <==` header), verbatim."""
+    since_ts = parse_since(since) if since is not None else None
+    with client_for(ctx, url) as client:
+        text = client.logs(name, tail, since_ts)
+        if not follow:
+            if as_json:
+                print_json({"function": name, "text": text})
+            else:
+                print_text(text, end="" if text.endswith("\n") or not text else "\n")
+            return
+        try:
+            follow_logs(client, name, log_lines.parse(text), as_json)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+
+def follow_logs(client: ApiClient, name: str, lines: list[log_lines.LogLine], as_json: bool) -> None:
+    """Print `lines`, then every line logged after them, polling the gateway by time stamp: each poll asks for the
+    lines logged at the newest stamp printed or later, and skips those of that stamp it printed already."""
+    instance: str | None = None
+    cursor: float | None = None  # the newest stamp printed
+    printed: Counter = Counter()  # (instance, text) of the lines printed at `cursor` (all of them while it is None)
+    while True:
+        for line in lines:
+            if as_json:
+                print_json_line({"instance": line.instance, "text": line.text, "logged_at": line.logged_at})
+            else:
+                if line.instance != instance:
+                    print_text(f"==> {line.instance} <==")
+                    instance = line.instance
+                print_text(line.text, flush=True)
+            if line.logged_at is not None and (cursor is None or line.logged_at > cursor):
+                cursor, printed = line.logged_at, Counter()
+            if line.logged_at == cursor:
+                printed[(line.instance, line.text)] += 1
+        time.sleep(FOLLOW_POLL_S)
+        try:
+            polled = log_lines.parse(client.logs(name, since=cursor))
+        except FunctionNotFound:
+            err_console.print(f"function {name} was deleted; stopped following its logs")
+            return
+        already = printed.copy()  # every poll returns the lines of stamp `cursor` again
+        lines = []
+        for line in polled:
+            key = (line.instance, line.text)
+            if line.logged_at == cursor and already[key] > 0:
+                already[key] -= 1
+                continue
+            lines.append(line)
+
+
+def parse_since(value: str) -> float:
+    """`--since`: a duration back from now (30s, 5m, 2h, 1d) or a local ISO time, as unix time."""
+    duration = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", value.strip())
+    if duration:
+        return time.time() - float(duration.group(1)) * SECONDS_PER[duration.group(2)]
+    try:
+        return datetime.fromisoformat(value.strip()).timestamp()
+    except ValueError:
+        raise InvalidInput(f"--since {value!r} is neither a duration (30s, 5m, 2h, 1d) nor a time like "
+                           "2026-11-24T06:52:47") from None
 
 
 def scale(
     ctx: typer.Context,
     name: str,
-    min_instances: int | None = typer.Option(None, "--min"),
-    max_instances: int | None = typer.Option(None, "--max"),
-    url: str = URL,
+    min_instances: int | None = typer.Option(None, "--min", help="Instances kept ready at all times."),
+    max_instances: int | None = typer.Option(None, "--max", help="Upper bound on instances."),
+    url: str | None = URL,
+    as_json: bool = typer.Option(False, "--json", help="Print the updated function."),
 ) -> None:
     """Set a function's minimum and maximum number of instances."""
     changes = {k: v for k, v in {"min_instances": min_instances, "max_instances": max_instances}.items()
                if v is not None}
     if not changes:
         raise InvalidInput("give --min and/or --max")
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         spec = client.update(name, changes)
-    err_console.print(f"{name}: instances {spec['min_instances']}..{spec['max_instances']}")
+    if as_json:
+        print_json(spec)
+    else:
+        err_console.print(f"{name}: instances {spec['min_instances']}..{spec['max_instances']}")
 
 
-def delete(ctx: typer.Context, name: str, url: str = URL) -> None:
+def delete(ctx: typer.Context, name: str, url: str | None = URL,
+           as_json: bool = typer.Option(False, "--json", help='Print {"deleted": NAME}.')) -> None:
     """Delete a function and stop its instances."""
-    with _client(ctx, url) as client:
-        client.delete(name)
-    err_console.print(f"deleted {name}")
+    with client_for(ctx, url) as client:
+        deleted = client.delete(name)
+    if as_json:
+        print_json(deleted)
+    else:
+        err_console.print(f"deleted {name}")
 
 
 keys_app = typer.Typer(help="API keys (admin key only).", no_args_is_help=True)
 
 
 @keys_app.command("create")
-def create_key(ctx: typer.Context, tenant: str, url: str = URL, as_json: bool = JSON) -> None:
+def create_key(ctx: typer.Context, tenant: str, url: str | None = URL, as_json: bool = JSON) -> None:
     """Make an API key for TENANT; it is printed once and stored only hashed."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         created = client.create_key(tenant)
     if as_json:
         print_json(created)
@@ -242,9 +365,9 @@ def create_key(ctx: typer.Context, tenant: str, url: str = URL, as_json: bool = 
 
 
 @keys_app.command("list")
-def list_keys(ctx: typer.Context, url: str = URL, as_json: bool = JSON) -> None:
+def list_keys(ctx: typer.Context, url: str | None = URL, as_json: bool = JSON) -> None:
     """List API keys (ids and tenants; never the keys)."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         keys = client.list_keys()
     if as_json:
         print_json(keys)
@@ -257,10 +380,14 @@ def list_keys(ctx: typer.Context, url: str = URL, as_json: bool = JSON) -> None:
 
 
 @keys_app.command("revoke")
-def revoke_key(ctx: typer.Context, key_id: str, url: str = URL) -> None:
+def revoke_key(ctx: typer.Context, key_id: str, url: str | None = URL,
+               as_json: bool = typer.Option(False, "--json", help='Print {"revoked", "tenant"}.')) -> None:
     """Revoke the key KEY_ID (see `keys list`): requests with it get 401 from now on."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         revoked = client.revoke_key(key_id)
+    if as_json:
+        print_json(revoked)
+        return
     err_console.print(f"revoked key {revoked['revoked']} of tenant {revoked['tenant']}")
 
 

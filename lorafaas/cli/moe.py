@@ -83,6 +83,7 @@ def create_adapter(
     alpha: int = typer.Option(16, "--alpha", min=1),
     seed: int = typer.Option(0, "--seed"),
     attention: str = typer.Option("q_proj,v_proj", "--attention", help="Attention projections, comma-separated."),
+    as_json: bool = typer.Option(False, "--json", help="Print the adapter's summary."),
 ) -> None:
     """Write a random expert adapter (every expert of every MoE layer) for a backbone: for tests and benchmarks."""
     from lorafaas.formats.expert_adapters import read_expert_adapter_info, write_expert_adapter
@@ -102,6 +103,9 @@ def create_adapter(
         base_model_name=backbone,
     )
     info = read_expert_adapter_info(out)
+    if as_json:
+        print_json(info.summary())
+        return
     err_console.print(
         f"wrote an expert adapter for {backbone!r} at {out}: {human_bytes(info.expert_bytes)} of "
         f"expert factors, {human_bytes(info.attention_bytes)} of attention factors"

@@ -1,4 +1,8 @@
-"""Terminal output shared by the CLI commands: rich tables and progress on stderr, JSON documents on stdout."""
+"""Terminal output shared by the CLI commands: rich tables and progress on stderr, JSON documents on stdout.
+
+Model text and log lines go to stdout verbatim (`print_text`), never through rich: rich hard-wraps at the terminal's
+width (80 columns when piped), which would put newlines into generated text and split log lines.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,25 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 console = Console()
-err_console = Console(stderr=True)
+# Messages are never hard-wrapped: a wrapped hint, path or key cannot be copied and run (a terminal wraps them).
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def print_json(document: object) -> None:
     sys.stdout.write(json.dumps(document, indent=2, default=str, ensure_ascii=False) + "\n")
+
+
+def print_json_line(document: object) -> None:
+    """One JSON document on one line (JSON lines), flushed: a stream read line by line sees each event at once."""
+    sys.stdout.write(json.dumps(document, default=str, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_text(text: str, end: str = "\n", flush: bool = False) -> None:
+    """`text` exactly as given (no wrapping, markup or highlighting)."""
+    sys.stdout.write(text + end)
+    if flush:
+        sys.stdout.flush()
 
 
 def human_bytes(num_bytes: float) -> str:

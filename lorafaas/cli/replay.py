@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from lorafaas.cli.output import console, err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.api_client import DEFAULT_URL, resolve_key
+from lorafaas.platform.api_client import resolve_key, resolve_url
 from lorafaas.replay.build import WorkloadOptions, build_workload, parse_select
 from lorafaas.replay.report import summary_table, write_report
 from lorafaas.replay.workload import Mapping
@@ -21,7 +21,9 @@ from lorafaas.replay.workload import Mapping
 def replay(
     ctx: typer.Context,
     trace: Path = typer.Argument(..., help="Azure trace: LLM inference CSV, 2019 invocations or 2021 invocations."),
-    url: str = typer.Option(DEFAULT_URL, "--url", envvar="LORAFAAS_URL", help="The lorafaas gateway (live)."),
+    url: str | None = typer.Option(None, "--url", envvar="LORAFAAS_URL", show_default=False,
+                                   help="The lorafaas gateway (live) (default: $LORAFAAS_URL, else the URL `lorafaas "
+                                        "up` recorded in the home, else http://127.0.0.1:8080)."),
     mapping: list[str] = typer.Option([], "--map", help="TRACE_FN=FUNCTION (repeatable; `*` matches every trace "
                                                         "function; the LLM trace is one trace function)."),
     speedup: float = typer.Option(1.0, "--speedup", help="Divide arrival times by this."),
@@ -69,6 +71,7 @@ def replay(
     config: LorafaasConfig = ctx.obj
     from lorafaas.replay.live import LiveConfig, run_live
 
+    url = resolve_url(config, url)
     live = LiveConfig(url, resolve_key(config), max_in_flight=concurrency)
     err_console.print(f"replaying {len(workload.requests)} requests over {workload.duration_s:.0f} s onto "
                       f"{', '.join(workload.functions)} at {url}")

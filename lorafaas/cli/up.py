@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
+import signal
 from pathlib import Path
 
 import typer
@@ -11,6 +13,7 @@ import typer
 from lorafaas.cli.output import RichProgress, err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import InvalidInput
+from lorafaas.platform.api_client import forget_url, record_url
 
 
 def up(
@@ -48,7 +51,10 @@ def up(
         compute_slots=compute_slots, hang_timeout_s=hang_timeout,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
-    url = f"http://{host}:{port}"
+    url = f"http://{_local_address(host)}:{port}"
+    # The hints name the home only when it differs from the one a plain `lorafaas` in this shell uses; the URL needs
+    # no flag: the CLI finds it in the home (recorded below once the platform serves).
+    home_flag = f" --home {shlex.quote(str(config.home))}" if config.home != LorafaasConfig.from_env().home else ""
     if demo:  # the one long step of a first start, with its progress bar, before the server starts
         from lorafaas.formats.model_store import ModelStore
         from lorafaas.platform.builtin_backbones import DEFAULT_BACKBONE, import_builtin
@@ -60,12 +66,13 @@ def up(
         if platform.new_admin_key:
             err_console.print(f"[bold]admin key[/] (shown once; also kept in {config.home / 'admin.key'}, mode 0600):")
             err_console.print(platform.new_admin_key, markup=False)
+        record_url(config.home, url)
         err_console.print(f"[green]lorafaas is up[/] at {url} (home {config.home}); Ctrl-C stops it")
         for name in demo_names[:1]:
             key = f"$(cat {config.home}/admin.key)"
             body = '{"messages": [{"role": "user", "content": "Tell me about the ocean."}], "stream": true}'
             err_console.print(
-                f"try:\n  lorafaas invoke {name} \"Tell me about the ocean.\"\n"
+                f"try:\n  lorafaas{home_flag} invoke {name} \"Tell me about the ocean.\"\n"
                 f"  curl -N {url}/v1/functions/{name}/invoke -H \"Authorization: Bearer {key}\" "
                 f"-H 'Content-Type: application/json' -d '{body}'\n"
                 f"  OpenAI client: base_url='{url}/v1', api_key=<the admin key>, model='{name}'",
@@ -74,7 +81,28 @@ def up(
         if demo_names:
             err_console.print(f"demo functions: {', '.join(demo_names)}")
 
-    run_server(server_config, on_ready=announce)
+    def forget_then_terminate(sig: int, _frame) -> None:
+        # uvicorn stops on SIGTERM, restores the handler it found (this one) and raises the signal again: the URL is
+        # forgotten here, then the process ends by the signal as before (exit status -15 to its parent).
+        forget_url(config.home, url)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
+
+    previous = signal.signal(signal.SIGTERM, forget_then_terminate)
+    try:
+        run_server(server_config, on_ready=announce)
+    finally:  # a normal return, Ctrl-C or a failure to start
+        signal.signal(signal.SIGTERM, previous)
+        forget_url(config.home, url)
+
+
+def _local_address(host: str) -> str:
+    """The address a client on this machine reaches a server listening on `host` at (any-address -> loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 def _admin_key_from_env() -> str | None:

@@ -18,6 +18,35 @@ from lorafaas.sse import events
 from lorafaas.wire import error_class
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+URL_FILE = "gateway.url"  # in the home: where the local platform (`lorafaas up`) listens, for the CLI to find it
+
+
+def resolve_url(config: LorafaasConfig, given: str | None) -> str:
+    """`given` (--url, else $LORAFAAS_URL), else the URL a local platform recorded in the home, else DEFAULT_URL."""
+    if given:
+        return given
+    try:
+        recorded = (config.home / URL_FILE).read_text().strip()
+    except FileNotFoundError:
+        recorded = ""
+    return recorded or DEFAULT_URL
+
+
+def record_url(home: Path, url: str) -> None:
+    """Written by `lorafaas up` once it serves (atomically: a CLI reading it never sees half a URL)."""
+    partial = home / f".{URL_FILE}.{os.getpid()}"
+    partial.write_text(url + "\n")
+    partial.replace(home / URL_FILE)
+
+
+def forget_url(home: Path, url: str) -> None:
+    """Removed by `lorafaas up` when it stops, unless another platform on this home has recorded its own since."""
+    path = home / URL_FILE
+    try:
+        if path.read_text().strip() == url:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def resolve_key(config: LorafaasConfig) -> str:
@@ -64,8 +93,9 @@ class ApiClient:
     def delete(self, name: str) -> dict:
         return self._call("DELETE", f"/v1/functions/{name}").json()
 
-    def logs(self, name: str) -> str:
-        return self._call("GET", f"/v1/functions/{name}/logs").text
+    def logs(self, name: str, tail: int | None = None, since: float | None = None) -> str:
+        params = {k: v for k, v in {"tail": tail, "since": since}.items() if v is not None}
+        return self._call("GET", f"/v1/functions/{name}/logs", params=params).text
 
     # -- invocations -----------------------------------------------------------------------------------------------
 
@@ -77,7 +107,12 @@ class ApiClient:
                           headers={"Prefer": "respond-async"}).json()
 
     def invocation(self, invocation_id: str) -> dict:
-        return self._call("GET", f"/v1/invocations/{invocation_id}").json()
+        return self._call("GET", f"/v1/invocations/{quote(invocation_id, safe='')}").json()
+
+    def invocations(self, function: str | None = None, status: str | None = None, limit: int | None = None
+                    ) -> list[dict]:
+        params = {k: v for k, v in {"function": function, "status": status, "limit": limit}.items() if v is not None}
+        return self._call("GET", "/v1/invocations", params=params).json()["invocations"]
 
     def invoke_stream(self, name: str, body: dict) -> Iterator[dict]:
         """Yield the SSE events' JSON documents; an `error` event is raised as its LorafaasError."""

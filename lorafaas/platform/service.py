@@ -33,6 +33,7 @@ from lorafaas.errors import (
 )
 from lorafaas.formats.model_store import ModelStore, read_model_config
 from lorafaas.function_runtime import messages as m
+from lorafaas.platform import log_lines
 from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, check_tenant_quota
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
@@ -159,21 +160,27 @@ class FunctionService:
                 "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name},
                 "failures": self.agent.failures(spec.name)}
 
-    async def logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int = 64 * 1024) -> str:
-        return await asyncio.to_thread(self._logs, caller, name, tail_bytes)
+    async def logs(self, caller: ApiKeyRecord, name: str, tail: int | None = None, since: float | None = None,
+                   tail_bytes: int = 64 * 1024) -> str:
+        return await asyncio.to_thread(self._logs, caller, name, tail, since, tail_bytes)
 
-    def _logs(self, caller: ApiKeyRecord, name: str, tail_bytes: int) -> str:
-        """The tail of each instance log of this deployment of the function (never a predecessor's or a
-        namesake's: the files live in the deployment's own directory)."""
+    def _logs(self, caller: ApiKeyRecord, name: str, tail: int | None, since: float | None, tail_bytes: int) -> str:
+        """The last `tail_bytes` of each instance log of this deployment of the function (never a predecessor's or a
+        namesake's: the files live in the deployment's own directory), cut to the lines logged at `since` or later
+        (unix time) and to the last `tail` lines of each."""
         spec = self.get(caller, name)
         directory = deployment_log_dir(self.agent.launcher.log_dir, spec.uid)
         paths = sorted(directory.glob("*.log"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
-        parts = []
+        sections = []
         for path in paths:
             with path.open("rb") as f:
-                f.seek(max(0, path.stat().st_size - tail_bytes))
-                parts.append(f"==> {path.stem} <==\n" + f.read().decode(errors="replace"))
-        return "\n".join(parts)
+                start = max(0, path.stat().st_size - tail_bytes)
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+            if start:  # the window began inside a line: drop that part-line
+                text = text.partition("\n")[2]
+            sections.append(log_lines.cut(log_lines.stamped(path.stem, text), tail, since))
+        return log_lines.render(sections)
 
     def _check_lora_mode(self, spec: FunctionSpec) -> None:
         """A LoRA mode is a choice for MoE backbones only: refuse one given for a dense backbone."""
@@ -256,6 +263,14 @@ class FunctionService:
         if not (caller.is_admin or record.tenant == caller.tenant):
             raise InvocationNotFound(f"invocation {invocation_id!r} does not exist")
         return record
+
+    async def list_invocations(self, caller: ApiKeyRecord, function: str | None, status: str | None, limit: int
+                               ) -> list[InvocationRecord]:
+        """The caller's invocations still retained (a tenant's own; every tenant's for the admin), newest first."""
+        records = await asyncio.to_thread(self.store.list_invocations, status)
+        mine = [r for r in reversed(records) if (caller.is_admin or r.tenant == caller.tenant)
+                and function in (None, r.function)]
+        return mine[:limit]
 
     def _run_in_background(self, record: InvocationRecord) -> None:
         task = asyncio.create_task(self._run(record))

@@ -4,6 +4,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+import typer
+
+from lorafaas.cli import app, main
 from lorafaas.formats.adapter_files import read_adapter
 
 
@@ -79,3 +83,54 @@ def test_train_rejects_malformed_data_with_line_number(tmp_path: Path, tiny_stor
     assert result.returncode == 2
     assert f"{data.name}:2: expected" in result.stderr.replace("\n", "")
     assert not (tmp_path / "out").exists()
+
+
+def _command_paths(cmd, path=()) -> list[tuple[str, ...]]:
+    subcommands = getattr(cmd, "commands", {}).items()
+    return [path, *(p for name, sub in subcommands for p in _command_paths(sub, (*path, name)))]
+
+
+def test_every_help_shows_boolean_options_as_bare_flags(capsys) -> None:
+    paths = _command_paths(typer.main.get_command(app))
+    assert ("invoke",) in paths and ("bench", "coldstart") in paths and ("keys", "create") in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as exited:
+            main([*path, "--help"])
+        assert exited.value.code == 0
+        shown = capsys.readouterr().out
+        assert "--help" in shown and "<bool>" not in shown, (path, shown)
+
+
+def test_adapter_inspect_shows_rslora_and_the_effective_scaling(tmp_path: Path, tiny_adapter_dir: Path, cli) -> None:
+    adapter = Path(shutil.copytree(tiny_adapter_dir, tmp_path / "rslora"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    rank = config["r"]
+    config |= {"use_rslora": True, "lora_alpha": 8, "alpha_pattern": {"v_proj": 2}}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    shown = json.loads(cli("adapter", "inspect", str(adapter), "--json").stdout)
+    assert shown["use_rslora"] is True
+    assert shown["scaling"] == pytest.approx(8 / rank**0.5)  # rsLoRA: alpha / sqrt(r), not alpha / r
+    overrides = shown["scaling_overrides"]
+    assert overrides and all(m.endswith("v_proj") for m in overrides)
+    assert all(v == pytest.approx(2 / rank**0.5) for v in overrides.values())
+    table = cli("adapter", "inspect", str(adapter)).stdout
+    assert "use_rslora" in table and f"{8 / rank**0.5:g}" in table
+
+
+def test_the_remaining_writers_print_json(tmp_path: Path, tiny_dense_dir: Path, tiny_store, cli) -> None:
+    home = str(tmp_path / "home")
+    imported = json.loads(cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir),
+                              "--json").stdout)
+    assert imported["name"] == "tiny" and imported["created"] is True and Path(imported["path"]).is_dir()
+    again = json.loads(cli("--home", home, "backbone", "import", "tiny", "--from", str(tiny_dense_dir),
+                           "--json").stdout)
+    assert again["created"] is False and again["weights_sha256"] == imported["weights_sha256"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "response": w}) + "\n" for w in ("a", "b")))
+    trained = json.loads(cli("--home", home, "adapter", "train", "echo", "--backbone", "tiny", "--data", str(data),
+                             "--rank", "2", "--steps", "2", "--out", str(tmp_path / "echo"), "--json").stdout)
+    assert trained["rank"] == 2 and trained["final_loss"] > 0 and trained["path"] == str(tmp_path / "echo")
+    moe_home = str(tiny_store.models_dir.parent)
+    experts = json.loads(cli("--home", moe_home, "moe", "create-adapter", str(tmp_path / "experts"), "--backbone",
+                             "tiny-moe", "--rank", "2", "--json").stdout)
+    assert experts["rank"] == 2 and experts["path"] == str(tmp_path / "experts")

@@ -41,3 +41,19 @@ def test_security_async_streaming_and_text_are_described() -> None:
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     seed = doc["components"]["schemas"]["InvokeBody"]["properties"]["seed"]["anyOf"][0]
     assert (seed["minimum"], seed["maximum"]) == (-(2**53 - 1), 2**53 - 1)
+
+
+def test_listing_invocations_is_described_with_its_filters_and_bounds() -> None:
+    listing = document()["paths"]["/v1/invocations"]["get"]
+    assert listing["security"] == [{"apiKey": []}]
+    params = {p["name"]: p["schema"] for p in listing["parameters"]}
+    assert set(params) == {"function", "status", "limit"}
+    assert (params["limit"]["minimum"], params["limit"]["maximum"], params["limit"]["default"]) == (1, 1000, 100)
+    assert set(params["status"]["anyOf"][0]["enum"]) == {"queued", "running", "succeeded", "failed", "cancelled"}
+    assert "401" in listing["responses"]
+
+
+def test_the_log_cuts_are_described_with_their_bounds() -> None:
+    params = {p["name"]: p["schema"] for p in document()["paths"]["/v1/functions/{name}/logs"]["get"]["parameters"]}
+    assert (params["tail"]["anyOf"][0]["minimum"], params["tail"]["anyOf"][0]["maximum"]) == (0, 100_000)
+    assert params["since"]["anyOf"][0]["minimum"] == 0

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import BinaryIO
 
 import msgspec
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -42,10 +42,13 @@ from lorafaas.platform.gateway.streaming import (
     usage,
 )
 from lorafaas.platform.service import FunctionService
-from lorafaas.platform.state.records import ApiKeyRecord
+from lorafaas.platform.state.records import ApiKeyRecord, InvocationStatus
 
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
+MAX_LISTED_INVOCATIONS = 1000
+MAX_LOG_TAIL_LINES = 100_000
+MAX_UNIX_TIME = 2**33  # the year 2242: a bound the OpenAPI document states
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
@@ -114,8 +117,14 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return {"deleted": name}
 
     @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})
-    async def logs(name: str, who: ApiKeyRecord = Depends(caller)) -> PlainTextResponse:
-        return PlainTextResponse(await service.logs(who, name))
+    async def logs(
+        name: str,
+        tail: int | None = Query(None, ge=0, le=MAX_LOG_TAIL_LINES, description="the last N lines of each instance"),
+        since: float | None = Query(None, ge=0, le=MAX_UNIX_TIME,
+                                    description="only lines logged at this unix time or later"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> PlainTextResponse:
+        return PlainTextResponse(await service.logs(who, name, tail, since))
 
     @app.post("/v1/functions/{name}/invoke", tags=["invoke"], responses=INVOKE_RESPONSES)
     async def invoke(name: str, body: InvokeBody, request: Request, mode: str | None = None,
@@ -135,6 +144,16 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         if body.stream:
             return StreamingResponse(_native_sse(events, service), media_type="text/event-stream")
         return JSONResponse(await _collect(events, name))
+
+    @app.get("/v1/invocations", tags=["invoke"], responses=errors())
+    async def list_invocations(
+        function: str | None = Query(None, max_length=256, description="only this function's invocations"),
+        status: InvocationStatus | None = Query(None, description="only invocations in this status"),
+        limit: int = Query(100, ge=1, le=MAX_LISTED_INVOCATIONS, description="at most this many, newest first"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> dict:
+        records = await service.list_invocations(who, function, status, limit)
+        return {"invocations": [msgspec.to_builtins(r) for r in records]}
 
     @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
