@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from lorafaas import __version__
-from lorafaas.cli import adapter, backbone, bench, demo, functions, moe, replay, up
+from lorafaas.cli import adapter, backbone, bench, demo, functions, moe, replay, up, usage
 from lorafaas.cli.output import err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
@@ -34,6 +34,7 @@ app.command("invoke")(functions.invoke)
 app.command("logs")(functions.logs)
 app.command("scale")(functions.scale)
 app.command("delete")(functions.delete)
+app.command("usage")(usage.usage)
 app.add_typer(functions.keys_app, name="keys")
 app.command("replay")(replay.replay)
 

@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import BinaryIO
+from datetime import datetime
+from typing import Annotated, BinaryIO, Literal
 
 import msgspec
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -36,6 +37,7 @@ from lorafaas.platform.state.records import ApiKeyRecord
 
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
+UnixSeconds = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
@@ -126,6 +128,19 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
+
+    @app.get("/v1/usage", tags=["usage"], responses=errors())
+    async def usage_summary(
+        since: UnixSeconds | datetime | None = Query(
+            None, description="From this time on: unix seconds or ISO 8601 (UTC if no zone)"),
+        until: UnixSeconds | datetime | None = Query(
+            None, description="Before this time (exclusive): unix seconds or ISO 8601 (UTC if no zone)"),
+        group_by: Literal["function", "tenant"] = Query("function", description="Sum per function or per tenant"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> dict:
+        """Invocations, tokens, device-seconds and memory GB-seconds charged (docs/platform.md, "Usage"): the
+        caller's tenant only, every tenant's with the admin key."""
+        return await service.usage_summary(who, since, until, group_by)
 
     @app.post("/v1/keys", status_code=201, tags=["keys"], responses=errors(403))
     async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
