@@ -11,7 +11,8 @@ else resident (kept-alive instances, pre-loaded artifacts) at the idle rate. Liv
                         invocation (since the instance's last request ended or it became ready) x the adapter and
                         the instance's share of the backbone copy (divided among the instances bound to it)
 
-The idle time after an instance's last invocation, until it is retired, is not charged to anyone.
+The idle time after an instance's last invocation, until it stops (keep-alive expired, drained, shutdown), is charged
+to its function when it stops, as a usage record of kind `keep_alive` (NodeAgent.on_keep_alive).
 """
 
 from __future__ import annotations

@@ -121,6 +121,8 @@ class NodeAgent:
         self._last_plan_s = -1e9
         self._last_end: dict[str, float] = {}  # when each function last became idle (agent clock)
         self.device_share = DeviceShareClock(self.clock)  # what each request's share of the device is (metering)
+        # Called with (instance, idle seconds, bytes) when an idle instance stops: its last keep-alive is charged.
+        self.on_keep_alive: Callable[[Instance, float, float], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -264,13 +266,20 @@ class NodeAgent:
         meter.dispatched_s, meter.instance_id = dispatched_s, instance.instance_id
         if instance.ready_s >= meter.arrived_s:  # it became ready after the request arrived: the request waited
             meter.cold_start, meter.cold_start_s = instance.start_kind, dict(instance.cold_start)
-        adapter_bytes = int((instance.adapter or {}).get("held_bytes", 0))
-        meter.active_bytes = instance.backbone_bytes + adapter_bytes
+        meter.active_bytes = instance.backbone_bytes + _adapter_bytes(instance)
         if instance.in_flight == 1:  # it was idle until this request: the keep-alive since is charged to it
-            bound = sum(1 for i in self.table.all() if i.backbone == instance.backbone
-                        and i.state in ("ready", "draining", "hung"))
-            meter.keep_alive_s += max(0.0, dispatched_s - max(instance.last_used_s, instance.ready_s))
-            meter.idle_bytes = adapter_bytes + instance.backbone_bytes / max(1, bound)
+            meter.keep_alive_s += self._idle_s(instance, dispatched_s)
+            meter.idle_bytes = self._idle_bytes(instance)
+
+    def _idle_s(self, instance: Instance, now_s: float) -> float:
+        return max(0.0, now_s - max(instance.last_used_s, instance.ready_s))
+
+    def _idle_bytes(self, instance: Instance) -> float:
+        """What an idle instance keeps loaded for its function: its adapter and its share of the backbone copy
+        (divided among the instances bound to it)."""
+        bound = sum(1 for i in self.table.all() if i.backbone == instance.backbone
+                    and i.state in ("ready", "draining", "hung"))
+        return _adapter_bytes(instance) + instance.backbone_bytes / max(1, bound)
 
     def _release(self, instance: Instance) -> None:
         """A request admitted to `instance` is over."""
@@ -481,6 +490,8 @@ class NodeAgent:
     async def stop_instance(self, instance: Instance, reason: str = "") -> None:
         if instance.state in ("stopping", "stopped", "crashed"):
             return
+        if instance.staged and not instance.in_flight and self.on_keep_alive is not None:
+            self.on_keep_alive(instance, self._idle_s(instance, self.clock()), self._idle_bytes(instance))
         self.table.transition(instance, "stopping", reason)
         if instance.client is not None:
             with contextlib.suppress(LorafaasError, OSError):
@@ -647,6 +658,10 @@ class NodeAgent:
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         return self.table.count_by_state()
+
+
+def _adapter_bytes(instance: Instance) -> int:
+    return int((instance.adapter or {}).get("held_bytes", 0))
 
 
 def _log_failure(task: asyncio.Task) -> None:

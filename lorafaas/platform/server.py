@@ -162,8 +162,8 @@ class Platform:
         finally:
             self.ready = False
             expiry.cancel()
-            await self.service.usage.flush()  # the usage of invocations that just finished is stored before exit
             await self.agent.stop()
+            await self.service.usage.flush()  # the usage of the last invocations and keep-alives is stored first
             self.store.close()
 
     async def _expire_forever(self) -> None:

@@ -64,6 +64,7 @@ class FunctionService:
                                       for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: set[asyncio.Task] = set()
         self.usage = UsageRecorder(store, getattr(agent.launcher, "log_dir", None))
+        agent.on_keep_alive = self.usage.record_keep_alive
 
     # -- start-up --------------------------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from lorafaas.errors import InvalidInput
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.backends.local import deployment_log_dir
-from lorafaas.platform.metering import UsageMeter
+from lorafaas.platform.instance_table import Instance
+from lorafaas.platform.metering import GB, UsageMeter
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import FunctionSpec, UsageRecord
 
@@ -40,8 +41,21 @@ class UsageRecorder:
 
     def record(self, spec: FunctionSpec, invocation_id: str, finished: m.Finished, meter: UsageMeter) -> None:
         """Store the invocation's usage in the background; returns at once."""
-        record = usage_record(spec, invocation_id, finished, meter, time.time())
-        task = asyncio.create_task(asyncio.to_thread(self._write, record))
+        self._spawn(usage_record(spec, invocation_id, finished, meter, time.time()), report=True)
+
+    def record_keep_alive(self, instance: Instance, idle_s: float, idle_bytes: float) -> None:
+        """An idle instance stops: its last keep-alive is charged to its function (NodeAgent.on_keep_alive)."""
+        identity = instance.identity
+        if not idle_s or not identity.uid:
+            return
+        record = UsageRecord(invocation_id=f"keep-alive-{instance.instance_id}", kind="keep_alive",
+                             tenant=identity.tenant, function=identity.function, deployment=identity.uid,
+                             instance_id=instance.instance_id, finished_at=time.time(),
+                             memory_idle_gb_s=idle_bytes * idle_s / GB, keep_alive_s=idle_s)
+        self._spawn(record, report=False)
+
+    def _spawn(self, record: UsageRecord, report: bool) -> None:
+        task = asyncio.create_task(asyncio.to_thread(self._write, record, report))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -50,7 +64,7 @@ class UsageRecorder:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _write(self, record: UsageRecord) -> None:
+    def _write(self, record: UsageRecord, report: bool) -> None:
         try:
             self.store.put_usage(record)
         except Exception as exc:  # whatever the store raised: billing data lost is reported, the invocation stands
@@ -58,7 +72,7 @@ class UsageRecorder:
                 self.num_failures += 1
             log.warning("%s: the usage of invocation %s was not recorded: %s", record.function, record.invocation_id,
                         getattr(exc, "message", repr(exc)))
-        if self.log_dir is not None and record.instance_id:
+        if report and self.log_dir is not None and record.instance_id:
             try:
                 directory = deployment_log_dir(self.log_dir, record.deployment)
                 if directory.is_dir():  # never re-create the logs of a deleted function
@@ -136,8 +150,9 @@ def _empty() -> dict:
 
 
 def _add(target: dict, r: UsageRecord) -> None:
-    target["invocations"] += 1
-    target["cold_starts"] += r.cold_start != "warm"
+    if r.kind == "invocation":
+        target["invocations"] += 1
+        target["cold_starts"] += r.cold_start != "warm"
     for name in SUMMED:
         target[name] += getattr(r, name)
     target["memory_gb_s"] += r.memory_gb_s

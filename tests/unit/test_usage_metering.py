@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from lorafaas.errors import InvalidInput
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import UsageCollector
+from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.platform.state.sqlite import SQLiteStore
@@ -88,6 +89,25 @@ def test_time_bounds_are_unix_seconds_or_iso_8601(value, seconds) -> None:
 def test_a_bad_time_bound_names_its_field(value) -> None:
     with pytest.raises(InvalidInput, match=r"^until is"):
         parse_time("until", value)
+
+
+def test_an_idle_instance_that_stops_charges_its_last_keep_alive_to_its_function(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "state.db")
+    recorder = UsageRecorder(store, log_dir=None)
+    instance = Instance("i7", Identity.of(SPEC), "cpu")
+
+    async def stop_one() -> None:
+        recorder.record(SPEC, "r1", FINISHED, UsageMeter(device_s=0.5, active_bytes=10**9))
+        recorder.record_keep_alive(instance, idle_s=30.0, idle_bytes=0.25 * 10**9)
+        await recorder.flush()
+
+    asyncio.run(stop_one())
+    records = store.list_usage()
+    assert sorted(r.kind for r in records) == ["invocation", "keep_alive"]
+    [group] = summarize(records, "function")["groups"]
+    assert (group["invocations"], group["keep_alive_s"], group["memory_idle_gb_s"]) == (1, 30.0, 7.5)
+    assert group["memory_gb_s"] == 8.0 and group["device_s"] == 0.5
+    store.close()
 
 
 def test_a_store_that_fails_costs_the_invocation_nothing_and_is_counted_in_metrics(tmp_path: Path, caplog) -> None:
