@@ -35,17 +35,18 @@ def platform(request, tmp_path: Path, tiny_dense_dir: Path):
     running.stop()
 
 
-def invoke_every_route(url: str, key: str, function: str) -> dict[str, int]:
+def invoke_every_route(url: str, key: str, function: str, native_ids: set[str]) -> dict[str, int]:
     """One sync, one streaming (native SSE), one OpenAI chat and one OpenAI streaming completion; returns the sums
-    of the usage the replies reported."""
+    of the usage the replies reported, and adds the invocation ids the native replies named to `native_ids`."""
     headers = {"Authorization": f"Bearer {key}"}
     body = {"messages": MESSAGES, "max_tokens": 6}
-    replies = [httpx.post(f"{url}/v1/functions/{function}/invoke", json=body, headers=headers, timeout=120)
-               .raise_for_status().json()["usage"]]
+    answer = httpx.post(f"{url}/v1/functions/{function}/invoke", json=body, headers=headers, timeout=120)
+    replies = [answer.raise_for_status().json()["usage"]]
     with httpx.stream("POST", f"{url}/v1/functions/{function}/invoke", json={**body, "stream": True},
                       headers=headers, timeout=120) as reply:
         events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
     replies.append(events[-1]["usage"])
+    native_ids.update({answer.json()["invocation_id"], events[-1]["invocation_id"]})
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
     chat = client.chat.completions.create(model=function, messages=MESSAGES, max_tokens=5)
     replies.append(chat.usage.model_dump())
@@ -108,12 +109,13 @@ def test_usage_sums_isolation_reports_cli_and_restart(platform: PlatformProcess,
 
     started = time.time()
     wall_started = time.monotonic()
-    expected = {"sea": invoke_every_route(platform.url, keys["acme"], "sea")}
+    native_ids: dict[str, set[str]] = {"sea": set(), "sky": set()}
+    expected = {"sea": invoke_every_route(platform.url, keys["acme"], "sea", native_ids["sea"])}
     between = time.time()
-    expected["sky"] = invoke_every_route(platform.url, keys["globex"], "sky")
+    expected["sky"] = invoke_every_route(platform.url, keys["globex"], "sky", native_ids["sky"])
     for extra in (invoke_async(platform, keys["globex"], "sky"), invoke_at_once(platform.url, keys["globex"], "sky")):
         expected["sky"] = {k: expected["sky"][k] + extra[k] for k in extra}
-    second = invoke_every_route(platform.url, keys["acme"], "sea")
+    second = invoke_every_route(platform.url, keys["acme"], "sea", native_ids["sea"])
     wall_s = time.monotonic() - wall_started
     expected["sea"] = {k: expected["sea"][k] + second[k] for k in second}
 
@@ -155,6 +157,7 @@ def test_usage_sums_isolation_reports_cli_and_restart(platform: PlatformProcess,
     # One REPORT line per invocation in the function's logs, its tokens as billed.
     reports = REPORT.findall(admin.logs("sea"))
     assert len(reports) == 8 and len({r[0] for r in reports}) == 8
+    assert len(native_ids["sea"]) == 4 and native_ids["sea"] <= {r[0] for r in reports}  # the ids the replies named
     assert sum(int(r[1]) for r in reports) == expected["sea"]["prompt_tokens"]
     assert sum(int(r[2]) for r in reports) == expected["sea"]["completion_tokens"]
     assert sum(r[3] != "warm" for r in reports) == 1 and reports[0][3].startswith("libraries_preloaded (spawn ")

@@ -169,7 +169,8 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 async def _collect(events: InvocationEvents, name: str) -> dict:
     async for event in events:
         if isinstance(event, m.Finished):
-            return {"function": name, "text": event.text, "finish_reason": event.finish_reason,
+            return {"function": name, "invocation_id": event.request_id, "text": event.text,
+                    "finish_reason": event.finish_reason,
                     "usage": usage(event),
                     "timings": {"ttft_s": round(events.ttft_s, 4), "e2e_s": round(event.e2e_s, 4)}}
     raise LorafaasError("the instance ended the request without a result")
@@ -181,7 +182,8 @@ async def _native_sse(events: InvocationEvents, service: FunctionService) -> Asy
             if isinstance(event, m.Token):
                 yield sse({"type": "token", "text": event.text, "token_id": event.token_id})
             else:
-                yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
+                yield sse({"type": "done", "invocation_id": event.request_id, "text": event.text,
+                           "finish_reason": event.finish_reason,
                            "usage": usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
     except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
         yield sse(error_body(exc, service), event="error")
