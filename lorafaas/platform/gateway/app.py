@@ -29,7 +29,14 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
 from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.gateway.openapi_docs import INVOKE_RESPONSES, METRICS_RESPONSES, TEXT_RESPONSES, bearer, errors
+from lorafaas.platform.gateway.openapi_docs import (
+    INVOKE_RESPONSES,
+    METRICS_RESPONSES,
+    TEXT_RESPONSES,
+    UsageSummary,
+    bearer,
+    errors,
+)
 from lorafaas.platform.gateway.schemas import DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse, start_invocation, usage
 from lorafaas.platform.service import FunctionService
@@ -129,7 +136,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
 
-    @app.get("/v1/usage", tags=["usage"], responses=errors())
+    @app.get("/v1/usage", tags=["usage"], responses={200: {"model": UsageSummary}, **errors()})
     async def usage_summary(
         since: UnixSeconds | datetime | None = Query(
             None, description="From this time on: unix seconds or ISO 8601 (UTC if no zone)"),
