@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from lorafaas import __version__
-from lorafaas.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up
+from lorafaas.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up, usage
 from lorafaas.cli.output import err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
@@ -37,6 +37,7 @@ app.command("scale")(functions.scale)
 app.command("delete")(functions.delete)
 app.command("rm", help="Delete a function and stop its instances (alias of delete).")(functions.delete)
 app.add_typer(invocations.app, name="invocations")
+app.command("usage")(usage.usage)
 app.add_typer(functions.keys_app, name="keys")
 app.command("replay")(replay.replay)
 

@@ -106,6 +106,10 @@ class ApiClient:
         return self._call("POST", f"/v1/functions/{name}/invoke", json=body,
                           headers={"Prefer": "respond-async"}).json()
 
+    def usage(self, since: str | None = None, until: str | None = None, group_by: str = "function") -> dict:
+        params = {"group_by": group_by, **{k: v for k, v in {"since": since, "until": until}.items() if v}}
+        return self._call("GET", "/v1/usage", params=params).json()
+
     def invocation(self, invocation_id: str) -> dict:
         return self._call("GET", f"/v1/invocations/{quote(invocation_id, safe='')}").json()
 

@@ -35,6 +35,7 @@ from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
+from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (
     AdmissionDecision,
@@ -119,6 +120,9 @@ class NodeAgent:
         self.library_import_s: float | None = None
         self._last_plan_s = -1e9
         self._last_end: dict[str, float] = {}  # when each function last became idle (agent clock)
+        self.device_share = DeviceShareClock(self.clock)  # what each request's share of the device is (metering)
+        # Called with (instance, idle seconds, bytes) when an idle instance stops: its last keep-alive is charged.
+        self.on_keep_alive: Callable[[Instance, float, float], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -203,10 +207,14 @@ class NodeAgent:
 
     # -- invocation ------------------------------------------------------------------------------------------------
 
-    async def invoke(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
+    async def invoke(self, spec: FunctionSpec, request: m.Generate, meter: UsageMeter | None = None
+                     ) -> AsyncIterator[m.Token | m.Finished]:
         """Stream one request's events. It waits in its identity's queue until the admission policy dispatches it;
-        a request that fails before its first token is retried once elsewhere (never on another identity)."""
+        a request that fails before its first token is retried once elsewhere (never on another identity).
+        `meter`, when given, is complete when `Finished` is yielded: times, cold start and charges (metering.py)."""
         self._observe_arrival(spec.name)
+        meter = meter or UsageMeter()
+        meter.arrived_s = self.clock()
         for attempt in (1, 2):
             admitted = await self.admission.admit(spec)
             instance, dispatched = admitted.instance, self.clock()
@@ -222,13 +230,20 @@ class NodeAgent:
                     self._release(instance)
                     raise
             self.in_flight_tokens[spec.name] = self.in_flight_tokens.get(spec.name, 0) + tokens
+            self._meter_dispatch(meter, instance, dispatched)
+            share_mark: float | None = self.device_share.enter()
             try:
                 async for event in instance.client.generate(request):
                     instance.last_progress_s = self.clock()
                     if not produced:
                         produced = True
+                        meter.first_event_s = instance.last_progress_s
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         self._observe_prefill(spec, admitted.batch_size, event, self.clock() - dispatched)
+                    if isinstance(event, m.Finished):  # charged now: the caller may never pull past it
+                        meter.finished_s = instance.last_progress_s
+                        meter.device_s += self.device_share.leave(share_mark)
+                        share_mark = None
                     yield event
                 return
             except InstanceUnavailable as exc:
@@ -241,8 +256,30 @@ class NodeAgent:
                 log.warning("%s: instance %s failed before the first token (%s); retrying", spec.name,
                             instance.instance_id, failure.message)
             finally:
+                if share_mark is not None:  # it failed or was abandoned: its device time still counts (a retry's)
+                    meter.device_s += self.device_share.leave(share_mark)
                 self.in_flight_tokens[spec.name] = max(0, self.in_flight_tokens.get(spec.name, 0) - tokens)
                 self._release(instance)
+
+    def _meter_dispatch(self, meter: UsageMeter, instance: Instance, dispatched_s: float) -> None:
+        """What a request dispatched to `instance` is charged besides its device share (see metering.py)."""
+        meter.dispatched_s, meter.instance_id = dispatched_s, instance.instance_id
+        if instance.ready_s >= meter.arrived_s:  # it became ready after the request arrived: the request waited
+            meter.cold_start, meter.cold_start_s = instance.start_kind, dict(instance.cold_start)
+        meter.active_bytes = instance.backbone_bytes + _adapter_bytes(instance)
+        if instance.in_flight == 1:  # it was idle until this request: the keep-alive since is charged to it
+            meter.keep_alive_s += self._idle_s(instance, dispatched_s)
+            meter.idle_bytes = self._idle_bytes(instance)
+
+    def _idle_s(self, instance: Instance, now_s: float) -> float:
+        return max(0.0, now_s - max(instance.last_used_s, instance.ready_s))
+
+    def _idle_bytes(self, instance: Instance) -> float:
+        """What an idle instance keeps loaded for its function: its adapter and its share of the backbone copy
+        (divided among the instances bound to it)."""
+        bound = sum(1 for i in self.table.all() if i.backbone == instance.backbone
+                    and i.state in ("ready", "draining", "hung"))
+        return _adapter_bytes(instance) + instance.backbone_bytes / max(1, bound)
 
     def _release(self, instance: Instance) -> None:
         """A request admitted to `instance` is over."""
@@ -373,6 +410,7 @@ class NodeAgent:
             )
             worker_spec = await asyncio.to_thread(  # an expert adapter's mode; may start the LoRA server
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
+            instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
             instance.instance_id = instance.handle.spec.instance_id  # a pod adopted after a restart keeps its id
@@ -395,7 +433,8 @@ class NodeAgent:
             raise
         instance.cold_start["total"] = time.perf_counter() - started
         instance.staged = True
-        instance.last_used_s = instance.last_progress_s = self.clock()
+        instance.start_kind = kind
+        instance.last_used_s = instance.last_progress_s = instance.ready_s = self.clock()
         self._spawn(self._watch(instance))
         if not self.table.transition(instance, "ready") and instance.state == "draining":
             self._finish_drain(instance)  # deleted or updated while it started: it serves only what waits for it
@@ -408,6 +447,14 @@ class NodeAgent:
         log.info("%s: instance %s (pid %s) started in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
                  instance.cold_start["total"] * 1e3, kind)
         return instance
+
+    def _backbone_bytes(self, backbone: str) -> int:
+        """The backbone's size as its store manifest records it; 0 when the store cannot say (never fatal)."""
+        try:
+            return self.launcher.store.get(backbone).bytes
+        except (LorafaasError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("%s: backbone size unknown, not charged to its functions: %s", backbone, exc)
+            return 0
 
     async def _watch(self, instance: Instance) -> None:
         await instance.client.wait_closed()
@@ -443,6 +490,8 @@ class NodeAgent:
     async def stop_instance(self, instance: Instance, reason: str = "") -> None:
         if instance.state in ("stopping", "stopped", "crashed"):
             return
+        if instance.staged and not instance.in_flight and self.on_keep_alive is not None:
+            self.on_keep_alive(instance, self._idle_s(instance, self.clock()), self._idle_bytes(instance))
         self.table.transition(instance, "stopping", reason)
         if instance.client is not None:
             with contextlib.suppress(LorafaasError, OSError):
@@ -609,6 +658,10 @@ class NodeAgent:
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         return self.table.count_by_state()
+
+
+def _adapter_bytes(instance: Instance) -> int:
+    return int((instance.adapter or {}).get("held_bytes", 0))
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -135,7 +135,7 @@ class Platform:
         self.agent = NodeAgent(self.launcher, self.adapters.path, agent_config, lora_servers=lora_servers)
         self.service = FunctionService(self.store, self.models, self.adapters, self.agent,
                                        AdapterLimits(max_tenant_bytes=config.tenant_adapter_bytes))
-        self.metrics = GatewayMetrics(self.agent)
+        self.metrics = GatewayMetrics(self.agent, self.service.usage)
         self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
         self.ready = False
         self.app = create_app(self.service, self.metrics, lifespan=self._lifespan, is_ready=lambda: self.ready)
@@ -163,6 +163,7 @@ class Platform:
             self.ready = False
             expiry.cancel()
             await self.agent.stop()
+            await self.service.usage.flush()  # the usage of the last invocations and keep-alives is stored first
             self.store.close()
 
     async def _expire_forever(self) -> None:

@@ -38,9 +38,11 @@ from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, 
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
 from lorafaas.platform.backends.local import deployment_log_dir, remove_deployment_logs
+from lorafaas.platform.metering import UsageMeter
 from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, InvocationRequest
+from lorafaas.platform.usage import TimeBound, UsageRecorder, parse_time, summarize
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class FunctionService:
         self._private_roots = sorted({str(p) for root in (models.models_dir.parent, adapters.root)
                                       for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: set[asyncio.Task] = set()
+        self.usage = UsageRecorder(store, getattr(agent.launcher, "log_dir", None))
+        agent.on_keep_alive = self.usage.record_keep_alive
 
     # -- start-up --------------------------------------------------------------------------------------------------
 
@@ -241,8 +245,23 @@ class FunctionService:
                      ) -> AsyncIterator[m.Token | m.Finished]:
         spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
-        async for event in within_wall_time(self.agent.invoke(spec, to_generate(request, secrets.token_hex(8))), spec):
+        async for event in self._metered(spec, to_generate(request, secrets.token_hex(8))):
             yield event
+
+    async def _metered(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
+        """The invocation's events; once it finishes, its usage is recorded (in the background)."""
+        meter = UsageMeter()
+        async for event in within_wall_time(self.agent.invoke(spec, request, meter), spec):
+            if isinstance(event, m.Finished):
+                self.usage.record(spec, request.request_id, event, meter)
+            yield event
+
+    async def usage_summary(self, caller: ApiKeyRecord, since: TimeBound, until: TimeBound, group_by: str) -> dict:
+        """Usage per function or tenant in [since, until): a tenant's own, or every tenant's (admin)."""
+        start, end = parse_time("since", since), parse_time("until", until)
+        summarize((), group_by)  # a bad group_by is refused before the store is read
+        records = await asyncio.to_thread(self.store.list_usage, start, end, None if caller.is_admin else caller.tenant)
+        return {"since": start, "until": end, **summarize(records, group_by)}
 
     async def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
         """Accept an asynchronous invocation: stored first (it survives a restart), then run in the background."""
@@ -285,8 +304,7 @@ class FunctionService:
             if (record.deployment and spec.uid != record.deployment) or spec.tenant != record.tenant:
                 raise FunctionNotFound(f"function {record.function!r} was deleted before this invocation ran")
             finished = None
-            events = self.agent.invoke(spec, to_generate(record.request, record.invocation_id))
-            async for event in within_wall_time(events, spec):
+            async for event in self._metered(spec, to_generate(record.request, record.invocation_id)):
                 if isinstance(event, m.Finished):
                     finished = event
             if finished is None:

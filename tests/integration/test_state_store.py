@@ -31,6 +31,7 @@ from lorafaas.platform.state.records import (
     FunctionSpec,
     InvocationRecord,
     InvocationRequest,
+    UsageRecord,
 )
 from lorafaas.platform.state.redis_store import RedisStore, redact_url
 from lorafaas.platform.state.sqlite import SQLiteStore
@@ -233,6 +234,29 @@ def test_a_keys_last_use_is_recorded_durably_and_leaves_with_the_key(open_backen
     reopened.delete_key("k1")
     reopened.put_key(key("k1"))  # the same id issued again starts unused
     assert reopened.find_key("hash-k1").last_used_at is None
+
+
+def usage(invocation_id: str, tenant: str, finished_at: float, device_s: float = 0.5) -> UsageRecord:
+    return UsageRecord(invocation_id=invocation_id, tenant=tenant, function=f"fn-{tenant}", deployment="d1",
+                       finished_at=finished_at, prompt_tokens=3, completion_tokens=5, queue_s=0.0, ttft_s=0.1,
+                       e2e_s=0.2, cold_start="libraries_preloaded", cold_start_s={"spawn": 0.1}, device_s=device_s,
+                       memory_active_gb_s=0.01, memory_idle_gb_s=0.0)
+
+
+def test_usage_is_listed_by_time_window_and_tenant_oldest_first_and_survives_reopening(
+        open_backend: OpenStore) -> None:
+    store = open_backend()
+    for record in (usage("u3", "acme", 30.0), usage("u1", "acme", 10.0), usage("u2", "globex", 20.0),
+                   usage("u4", "globex", 40.0)):
+        store.put_usage(record)
+    store.put_usage(usage("u4", "globex", 40.0, device_s=0.75))  # written again: replaced, not doubled
+    assert [r.invocation_id for r in store.list_usage()] == ["u1", "u2", "u3", "u4"]
+    assert [r.invocation_id for r in store.list_usage(since=20.0, until=40.0)] == ["u2", "u3"]  # [since, until)
+    assert [r.invocation_id for r in store.list_usage(since=15.0, tenant="acme")] == ["u3"]
+    assert [r.invocation_id for r in store.list_usage(until=10.0)] == []
+    store.close()
+    reopened = open_backend()
+    assert reopened.list_usage(tenant="globex") == [usage("u2", "globex", 20.0), usage("u4", "globex", 40.0, 0.75)]
 
 
 def test_everything_survives_reopening_the_store(open_backend: OpenStore) -> None:

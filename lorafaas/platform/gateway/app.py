@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import BinaryIO
+from datetime import datetime
+from typing import Annotated, BinaryIO, Literal
 
 import msgspec
 from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -31,7 +32,14 @@ from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_errors import is_openai_path, openai_status, param_of
-from lorafaas.platform.gateway.openapi_docs import INVOKE_RESPONSES, METRICS_RESPONSES, TEXT_RESPONSES, bearer, errors
+from lorafaas.platform.gateway.openapi_docs import (
+    INVOKE_RESPONSES,
+    METRICS_RESPONSES,
+    TEXT_RESPONSES,
+    UsageSummary,
+    bearer,
+    errors,
+)
 from lorafaas.platform.gateway.schemas import INVOKE_DEFAULT_MAX_TOKENS, DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import (
     InvocationEvents,
@@ -49,6 +57,7 @@ MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
 MAX_LISTED_INVOCATIONS = 1000
 MAX_LOG_TAIL_LINES = 100_000
 MAX_UNIX_TIME = 2**33  # the year 2242: a bound the OpenAPI document states
+UnixSeconds = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
@@ -159,6 +168,19 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
 
+    @app.get("/v1/usage", tags=["usage"], responses={200: {"model": UsageSummary}, **errors()})
+    async def usage_summary(
+        since: UnixSeconds | datetime | None = Query(
+            None, description="From this time on: unix seconds or ISO 8601 (UTC if no zone)"),
+        until: UnixSeconds | datetime | None = Query(
+            None, description="Before this time (exclusive): unix seconds or ISO 8601 (UTC if no zone)"),
+        group_by: Literal["function", "tenant"] = Query("function", description="Sum per function or per tenant"),
+        who: ApiKeyRecord = Depends(caller),
+    ) -> dict:
+        """Invocations, tokens, device-seconds and memory GB-seconds charged (docs/platform.md, "Usage"): the
+        caller's tenant only, every tenant's with the admin key."""
+        return await service.usage_summary(who, since, until, group_by)
+
     @app.post("/v1/keys", status_code=201, tags=["keys"], responses=errors(403))
     async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
         _require_admin(who)
@@ -186,7 +208,8 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 async def _collect(events: InvocationEvents, name: str) -> dict:
     async for event in events:
         if isinstance(event, m.Finished):
-            return {"function": name, "text": event.text, "finish_reason": event.finish_reason,
+            return {"function": name, "invocation_id": event.request_id, "text": event.text,
+                    "finish_reason": event.finish_reason,
                     "usage": usage(event),
                     "timings": {"ttft_s": round(events.ttft_s, 4), "e2e_s": round(event.e2e_s, 4)}}
     raise LorafaasError("the instance ended the request without a result")
@@ -198,7 +221,8 @@ async def _native_sse(events: InvocationEvents, service: FunctionService) -> Asy
             if isinstance(event, m.Token):
                 yield sse({"type": "token", "text": event.text, "token_id": event.token_id})
             else:
-                yield sse({"type": "done", "text": event.text, "finish_reason": event.finish_reason,
+                yield sse({"type": "done", "invocation_id": event.request_id, "text": event.text,
+                           "finish_reason": event.finish_reason,
                            "usage": usage(event), "timings": {"ttft_s": round(events.ttft_s, 4)}})
     except LorafaasError as exc:  # headers are sent: the error travels as an SSE event
         yield sse(error_body(exc, service), event="error")

@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from lorafaas.function_runtime.memory import read_memory
 from lorafaas.platform.instance_table import INSTANCE_STATES
 from lorafaas.platform.node_agent import NodeAgent
+from lorafaas.platform.usage import UsageRecorder
 
 LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
 
@@ -15,7 +16,7 @@ LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class GatewayMetrics:
-    def __init__(self, agent: NodeAgent) -> None:
+    def __init__(self, agent: NodeAgent, usage: UsageRecorder | None = None) -> None:
         self.registry = CollectorRegistry()
         self.invocations = Counter("lorafaas_invocations", "Invocations by function and outcome",
                                    ["function", "status"], registry=self.registry)
@@ -24,6 +25,8 @@ class GatewayMetrics:
         self.tpot = Histogram("lorafaas_tpot_seconds", "Time per output token after the first", ["function"],
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=self.registry)
         self.registry.register(_AgentCollector(agent))
+        if usage is not None:
+            self.registry.register(UsageCollector(usage))
 
     def observe(self, function: str, status: str, ttft_s: float | None = None, e2e_s: float | None = None,
                 completion_tokens: int = 0) -> None:
@@ -35,7 +38,7 @@ class GatewayMetrics:
 
 
 class _AgentCollector:
-    def __init__(self, agent: NodeAgent) -> None:
+    def __init__(self, agent: NodeAgent, usage: UsageRecorder | None = None) -> None:
         self.agent = agent
 
     def collect(self):
@@ -75,3 +78,14 @@ class _AgentCollector:
         for device, count in sorted(dict(self.agent.table.busy_peak).items()):
             peak.add_metric([device], count)
         return [cold, instances, failures, memory, slots, peak]
+
+
+class UsageCollector:
+    def __init__(self, usage: UsageRecorder) -> None:
+        self.usage = usage
+
+    def collect(self):
+        failures = CounterMetricFamily("lorafaas_usage_record_failures", "Invocations whose usage record could not "
+                                       "be stored (billing data lost; each is logged)")
+        failures.add_metric([], self.usage.num_failures)
+        return [failures]

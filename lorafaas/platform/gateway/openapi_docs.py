@@ -31,6 +31,30 @@ class AsyncAccepted(BaseModel):
     location: str
 
 
+class UsageTotals(BaseModel):
+    tenant: str | None = Field(None, description="absent in `total`")
+    function: str | None = Field(None, description="with group_by=function; absent in `total`")
+    invocations: int = Field(description="finished invocations (keep-alive records not counted)")
+    cold_starts: int = Field(description="invocations that waited for an instance to start")
+    prompt_tokens: int
+    completion_tokens: int
+    device_s: float = Field(description="the invocations' shares of their devices while they ran")
+    memory_active_gb_s: float = Field(description="(backbone copy + adapter) bytes x device_s, in GB-s")
+    memory_idle_gb_s: float = Field(description="pre-loaded artifacts x keep-alive time, in GB-s")
+    memory_gb_s: float
+    keep_alive_s: float
+    queue_s: float
+    e2e_s: float
+
+
+class UsageSummary(BaseModel):
+    since: float | None = Field(description="the lower bound as unix seconds (inclusive), or null")
+    until: float | None = Field(description="the upper bound as unix seconds (exclusive), or null")
+    group_by: str
+    groups: list[UsageTotals]
+    total: UsageTotals
+
+
 STATUS_MEANINGS = {
     400: "Malformed request (the body is not JSON or not UTF-8)",
     401: "Missing, malformed or unknown API key",

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from lorafaas.errors import InvalidInput
-from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord
+from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, UsageRecord
 
 STATE_FILE = "state.db"
 SQLITE_SCHEME = "sqlite://"
@@ -53,6 +53,17 @@ class StateStore(Protocol):
 
     def delete_expired_invocations(self, now: float) -> int:
         """Delete every invocation with expires_at <= now; return how many."""
+        ...
+
+    # Usage: one record per finished invocation, kept for good (what a tenant is billed).
+    def put_usage(self, record: UsageRecord) -> None:
+        """Insert or replace by invocation_id."""
+        ...
+
+    def list_usage(self, since: float | None = None, until: float | None = None,
+                   tenant: str | None = None) -> list[UsageRecord]:
+        """Records with since <= finished_at < until (either bound optional), of one tenant or all, oldest first
+        (finished_at, then invocation_id)."""
         ...
 
     # API keys: only hashes are stored.

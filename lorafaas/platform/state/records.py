@@ -192,6 +192,35 @@ class InvocationRecord(msgspec.Struct, frozen=True, kw_only=True):
         return self.status in TERMINAL_STATUSES
 
 
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished invocation as billed: who, what, how long, and what it was charged (platform/metering.py).
+    Kept for good (billing history); times in seconds."""
+
+    invocation_id: str  # for a keep_alive record: "keep-alive-<instance id>"
+    # "keep_alive": no invocation, the last idle period of an instance, charged when it stopped (memory_idle only)
+    kind: Literal["invocation", "keep_alive"] = "invocation"
+    tenant: str
+    function: str
+    deployment: str  # the function's uid: a redeploy under the name is billed apart
+    instance_id: str = ""
+    finished_at: float  # unix time
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float = 0.0  # arrival at the node agent -> dispatched to an instance
+    ttft_s: float = 0.0  # arrival -> first event
+    e2e_s: float = 0.0  # arrival -> finished
+    cold_start: str = "warm"  # "warm", or the kind of the instance start it waited for
+    cold_start_s: dict[str, float] = {}  # that start's stages: spawn, libraries, backbone, adapter, total
+    device_s: float = 0.0  # its share of its device while it ran
+    memory_active_gb_s: float = 0.0  # bytes it ran with x device_s
+    memory_idle_gb_s: float = 0.0  # its pre-loaded artifacts x the keep-alive time before it
+    keep_alive_s: float = 0.0
+
+    @property
+    def memory_gb_s(self) -> float:
+        return self.memory_active_gb_s + self.memory_idle_gb_s
+
+
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """An API key as stored: only its sha256, never the key itself."""
 

@@ -11,6 +11,8 @@ exactly one wins. Layout (P = prefix):
     P key:<key_id>               JSON ApiKeyRecord        P key_hash:<sha256>        key_id
     P keys:hash                  hash key_id -> sha256    P keys:tenant              hash key_id -> tenant
     P keys:tenant:<t>            set of key_ids           P keys:used                hash key_id -> last use
+    P usage:<invocation_id>      JSON UsageRecord         P usage:time               sorted set id by finished_at
+    P usage:tenant:<t>           sorted set id by finished_at
 
 Connections are lazy and re-made after a failure; a call retries a few times with backoff, so a restarted Redis is
 picked up by the next call. Anything Redis raises becomes StoreUnavailable, once, here. A Redis Cluster is not
@@ -37,7 +39,7 @@ from lorafaas.errors import (
     ServerError,
     StoreUnavailable,
 )
-from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord
+from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, UsageRecord
 
 DEFAULT_PREFIX = "lorafaas:"
 EXPIRE_BATCH = 500  # invocations deleted per script call, so one call never blocks Redis for long
@@ -77,6 +79,13 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('SADD', ARGV[5] .. ARGV[3], ARGV[2])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
+return 1
+"""
+# KEYS: record, time zset, tenant zset. ARGV: data, id, finished_at.
+PUT_USAGE = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
 return 1
 """
 # KEYS: expiry zset, status hash. ARGV: now, batch size, record prefix, status set prefix.
@@ -179,6 +188,7 @@ class RedisStore:
         self._find_key = script(FIND_KEY)
         self._touch_key = script(TOUCH_KEY)
         self._delete_key = script(DELETE_KEY)
+        self._put_usage = script(PUT_USAGE)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r})"
@@ -299,6 +309,26 @@ class RedisStore:
                 total += deleted
                 if deleted < EXPIRE_BATCH:
                     return total
+
+    # Usage
+
+    def put_usage(self, record: UsageRecord) -> None:
+        with self._redis(f"store the usage of invocation {record.invocation_id!r}"):
+            self._put_usage(
+                keys=[self._key("usage", record.invocation_id), self._key("usage", "time"),
+                      self._key("usage", "tenant", record.tenant)],
+                args=[msgspec.json.encode(record), record.invocation_id, repr(float(record.finished_at))],
+            )
+
+    def list_usage(self, since: float | None = None, until: float | None = None,
+                   tenant: str | None = None) -> list[UsageRecord]:
+        index = self._key("usage", "time") if tenant is None else self._key("usage", "tenant", tenant)
+        low = "-inf" if since is None else repr(float(since))
+        high = "+inf" if until is None else f"({float(until)!r}"  # until is exclusive
+        with self._redis("list usage") as client:
+            ids = client.zrangebyscore(index, low, high)
+        records = self._get_many("usage", [i.decode() for i in ids], UsageRecord, "list usage")
+        return sorted(records, key=lambda r: (r.finished_at, r.invocation_id))
 
     # API keys
 

@@ -26,7 +26,7 @@ from lorafaas.errors import (
     ServerError,
     StoreUnavailable,
 )
-from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord
+from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, UsageRecord
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -53,6 +53,14 @@ CREATE TABLE IF NOT EXISTS api_keys (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys (tenant, key_id);
+CREATE TABLE IF NOT EXISTS usage (
+    invocation_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    finished_at REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_finished ON usage (finished_at, invocation_id);
+CREATE INDEX IF NOT EXISTS usage_tenant ON usage (tenant, finished_at, invocation_id);
 """
 
 R = TypeVar("R")
@@ -205,6 +213,26 @@ class SQLiteStore:
         with self._connection("delete expired invocations") as conn:
             cursor = conn.execute("DELETE FROM invocations WHERE expires_at <= ?", (now,))
         return cursor.rowcount
+
+    # Usage
+
+    def put_usage(self, record: UsageRecord) -> None:
+        data = msgspec.json.encode(record).decode()
+        with self._connection(f"store the usage of invocation {record.invocation_id!r}") as conn:
+            conn.execute("INSERT OR REPLACE INTO usage (invocation_id, tenant, finished_at, data) VALUES (?, ?, ?, ?)",
+                         (record.invocation_id, record.tenant, record.finished_at, data))
+
+    def list_usage(self, since: float | None = None, until: float | None = None,
+                   tenant: str | None = None) -> list[UsageRecord]:
+        clauses, values = ["finished_at >= ?", "finished_at < ?"], [
+            float("-inf") if since is None else since, float("inf") if until is None else until]
+        if tenant is not None:
+            clauses.append("tenant = ?")
+            values.append(tenant)
+        with self._connection("list usage") as conn:
+            rows = conn.execute(f"SELECT invocation_id, data FROM usage WHERE {' AND '.join(clauses)} "
+                                "ORDER BY finished_at, invocation_id", values).fetchall()
+        return [self._decode(data, UsageRecord, key) for key, data in rows]
 
     # API keys
 
