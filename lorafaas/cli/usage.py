@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from lorafaas.cli.functions import JSON, URL, _client
+from lorafaas.cli.functions import JSON, URL, client_for
 from lorafaas.cli.output import print_json
 
 COLUMNS = (("invocations", "INVOCATIONS", "{}"), ("cold_starts", "COLD", "{}"), ("prompt_tokens", "PROMPT", "{}"),
@@ -23,7 +23,7 @@ def usage(
     as_json: bool = JSON,
 ) -> None:
     """Show usage: invocations, tokens, device-seconds and memory GB-seconds charged."""
-    with _client(ctx, url) as client:
+    with client_for(ctx, url) as client:
         summary = client.usage(since, until, group_by)
     if as_json:
         print_json(summary)
