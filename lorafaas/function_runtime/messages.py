@@ -42,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # None: none; n: the sampled token's logprob and the n most likely alternatives
+    json_schema: str | None = None  # JSON text of a JSON Schema the output must match (response_format); None: free
 
     def check(self, max_tokens_limit: int) -> None:
         from lorafaas.errors import InvalidInput

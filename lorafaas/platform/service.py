@@ -329,7 +329,8 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
                               stop=tuple(request.stop), seed=request.seed, top_k=request.top_k, min_p=request.min_p,
                               presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                               repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias),
-                              logprobs=request.logprobs)
+                              logprobs=request.logprobs,
+                              json_schema=request.response_format.json_schema if request.response_format else None)
     if request.messages is not None:
         messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
         return m.Generate(request_id=request_id, messages=messages, params=params)
