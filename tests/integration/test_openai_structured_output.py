@@ -23,7 +23,8 @@ REFUSED = (openai.BadRequestError, openai.UnprocessableEntityError)  # 400 once 
 SCHEMAS = {
     "required_properties": {
         "type": "object", "additionalProperties": False, "required": ["name", "age"],
-        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150}}},
+        "properties": {"name": {"type": "string", "maxLength": 8},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 150}}},
     "enum": {"type": "object", "required": ["mood"], "additionalProperties": False,
              "properties": {"mood": {"enum": ["happy", "sad", "salty"]}}},
     "array": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
@@ -101,8 +102,9 @@ def test_completions_and_streaming_validate_and_stream_the_same_text(client) -> 
                                           extra_body={"response_format": schema_format(name)})
         assert whole.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(whole.choices[0].text), SCHEMAS[name])
-        chunks = list(client.completions.create(model=FUNCTION, prompt="The sea:", max_tokens=200, temperature=1.0,
-                                                seed=3, extra_body={"response_format": schema_format(name)}, stream=True))
+        chunks = list(client.completions.create(
+            model=FUNCTION, prompt="The sea:", max_tokens=200, temperature=1.0, seed=3,
+            extra_body={"response_format": schema_format(name)}, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     streamed = chat(client, response_format=schema_format("array"), temperature=1.0, seed=8, stream=True)
