@@ -156,3 +156,17 @@ def test_a_bad_response_format_is_refused_naming_it(client, response_format) -> 
     with pytest.raises(REFUSED) as refused:
         chat(client, response_format=response_format, max_tokens=5)
     assert "response_format" in str(refused.value)
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_are_refused_naming_them_when_the_template_cannot_render_them(client) -> None:
+    with pytest.raises(REFUSED) as refused:
+        chat(client, tools=TOOLS, max_tokens=4)
+    assert "tools" in str(refused.value) and "does not render tools" in str(refused.value)
+    with pytest.raises(REFUSED) as refused:
+        chat(client, tool_choice="required", max_tokens=4)
+    assert "tool_choice" in str(refused.value)
+    assert chat(client, tool_choice="none", max_tokens=4, temperature=0).choices[0].message.content == \
+        chat(client, max_tokens=4, temperature=0).choices[0].message.content

@@ -22,6 +22,7 @@ from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import MessageIn, SamplerFields, make_request, seed_field
 from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
+from lorafaas.platform.gateway.tools import check_tools
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
 
@@ -62,6 +63,8 @@ class ChatBody(_OpenAIBody):
     logprobs: bool | None = Field(None, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
+    tools: list[dict] | None = Field(None, description="refused (400 naming tools): see docs/platform.md")
+    tool_choice: str | dict | None = Field(None, description='only "none" (or absent) is accepted')
 
     def num_logprobs(self) -> int | None:
         return chat_num_logprobs(self.logprobs, self.top_logprobs)
@@ -105,6 +108,9 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 
     @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
+        if body.tools or body.tool_choice is not None:
+            spec = await service.aget(who, body.model)
+            check_tools(body.tools, body.tool_choice, spec.backbone, service.models.path(spec.backbone))
         request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
                                body.seed, logprobs=body.num_logprobs(), **body.sampler_args())
         return await respond(body, request, chat=True, who=who)
