@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,8 +106,12 @@ class GenerationEngine:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages)
+    def encode_chat(self, messages: list[dict[str, str]], tools: str | None = None) -> list[int]:
+        """`tools`: OpenAI tool definitions as a JSON list, given to the chat template as `tools` (as vLLM does)."""
+        if tools is None:
+            return chat_template_ids(self.tokenizer, messages)
+        ids = self.tokenizer.apply_chat_template(messages, tools=json.loads(tools), add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
 
     def encode_text(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -141,6 +141,7 @@ class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     request_id: str
     prompt: str | None = None  # raw text, no chat template
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the tokenizer's chat template
+    tools: str | None = None  # with messages: tool definitions (a JSON list) the chat template renders
     params: SamplingParams = SamplingParams()
 
 

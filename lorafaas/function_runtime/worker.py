@@ -156,7 +156,8 @@ class WorkerServer:
             await self._run(self.instance.load_for_request)
         engine = self.instance.engine
         if request.messages is not None:
-            prompt_ids = engine.encode_chat([{"role": msg.role, "content": msg.content} for msg in request.messages])
+            prompt_ids = engine.encode_chat([{"role": msg.role, "content": msg.content} for msg in request.messages],
+                                            request.tools)
         else:
             prompt_ids = engine.encode_text(request.prompt)
         engine.add(request.request_id, prompt_ids, request.params)

@@ -333,7 +333,7 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
                               json_schema=request.response_format.json_schema if request.response_format else None)
     if request.messages is not None:
         messages = tuple(m.ChatMessage(msg.role, msg.content) for msg in request.messages)
-        return m.Generate(request_id=request_id, messages=messages, params=params)
+        return m.Generate(request_id=request_id, messages=messages, params=params, tools=request.tools)
     return m.Generate(request_id=request_id, prompt=request.prompt, params=params)
 
 

@@ -11,12 +11,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
-from lorafaas.testing.tiny_models import save_tiny_adapter
+from lorafaas.testing.tiny_models import CHATML_TEMPLATE, save_tiny_adapter
 
 FUNCTION = "structured"
+TOOL_FUNCTION = "tooly"  # on tiny-tools: tiny-dense with a chat template that renders tools
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+                  + CHATML_TEMPLATE)
 MESSAGES = [{"role": "user", "content": "Tell me about the ocean."}]
 REFUSED = (openai.BadRequestError, openai.UnprocessableEntityError)  # 400 once the OpenAI routes answer as vLLM
 
@@ -56,11 +60,31 @@ def adapter_dir(tmp_path_factory, tiny_dense_dir):
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory, tiny_dense_dir, adapter_dir):
     home = tmp_path_factory.mktemp("structured-home")
-    ModelStore(home / "models").import_dir("tiny-dense", tiny_dense_dir)
+    store = ModelStore(home / "models")
+    store.import_dir("tiny-dense", tiny_dense_dir)
+    tools_dir = tools_backbone_dir(tmp_path_factory.mktemp("tiny-tools"), tiny_dense_dir)
+    store.import_dir("tiny-tools", tools_dir)
+    tools_adapter = save_tiny_adapter(tmp_path_factory.mktemp("tools-adapter"), tools_dir, seed=3,
+                                      base_model_name="tiny-tools")
     with PlatformProcess(home) as running:
         with running.client() as admin:
             admin.deploy({"name": FUNCTION, "backbone": "tiny-dense"}, adapter_dir)
+            admin.deploy({"name": TOOL_FUNCTION, "backbone": "tiny-tools"}, tools_adapter)
         yield running
+
+
+def tools_backbone_dir(out, tiny_dense_dir):
+    """tiny-dense's files with a chat template that renders `tools`."""
+    import shutil
+
+    out = shutil.copytree(tiny_dense_dir, out / "tiny-tools")
+    config = out / "tokenizer_config.json"
+    if config.is_file():
+        fields = json.loads(config.read_text())
+        fields.pop("chat_template", None)
+        config.write_text(json.dumps(fields))
+    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +194,17 @@ def test_tools_are_refused_naming_them_when_the_template_cannot_render_them(clie
     assert "tool_choice" in str(refused.value)
     assert chat(client, tool_choice="none", max_tokens=4, temperature=0).choices[0].message.content == \
         chat(client, max_tokens=4, temperature=0).choices[0].message.content
+
+
+def test_tools_are_rendered_by_a_template_that_reads_them(client, platform) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(ModelStore(platform.home / "models").path("tiny-tools"))
+    rendered = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True)
+    rendered = rendered["input_ids"] if hasattr(rendered, "input_ids") else rendered
+    assert "weather" in tokenizer.decode(rendered), "the template shows the tools"
+    reply = client.chat.completions.create(model=TOOL_FUNCTION, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(model=TOOL_FUNCTION, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert reply.usage.prompt_tokens == len(rendered) > plain.usage.prompt_tokens
+    with pytest.raises(REFUSED) as refused:
+        client.chat.completions.create(model=TOOL_FUNCTION, messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    assert "tool_choice" in str(refused.value)

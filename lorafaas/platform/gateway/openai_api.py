@@ -22,7 +22,7 @@ from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import MessageIn, SamplerFields, make_request, seed_field
 from lorafaas.platform.gateway.streaming import error_body, sse, start_invocation, usage
-from lorafaas.platform.gateway.tools import check_tools
+from lorafaas.platform.gateway.tools import tools_to_render
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord
 
@@ -63,8 +63,9 @@ class ChatBody(_OpenAIBody):
     logprobs: bool | None = Field(None, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
-    tools: list[dict] | None = Field(None, description="refused (400 naming tools): see docs/platform.md")
-    tool_choice: str | dict | None = Field(None, description='only "none" (or absent) is accepted')
+    tools: list[dict] | None = Field(None, description="rendered by a chat template that reads them, with "
+                                     'tool_choice "none"; otherwise a 400 naming tools (docs/platform.md)')
+    tool_choice: str | dict | None = Field(None, description='"none" (or absent without tools)')
 
     def num_logprobs(self) -> int | None:
         return chat_num_logprobs(self.logprobs, self.top_logprobs)
@@ -108,11 +109,12 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 
     @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
+        tools = None
         if body.tools or body.tool_choice is not None:
             spec = await service.aget(who, body.model)
-            check_tools(body.tools, body.tool_choice, spec.backbone, service.models.path(spec.backbone))
+            tools = tools_to_render(body.tools, body.tool_choice, spec.backbone, service.models.path(spec.backbone))
         request = make_request(None, body.messages, body.limit(512), body.temperature, body.top_p, body.stop,
-                               body.seed, logprobs=body.num_logprobs(), **body.sampler_args())
+                               body.seed, logprobs=body.num_logprobs(), tools=tools, **body.sampler_args())
         return await respond(body, request, chat=True, who=who)
 
     @router.post("/v1/completions", responses=OPENAI_RESPONSES)

@@ -1,8 +1,10 @@
-"""OpenAI's `tools` and `tool_choice` on chat completions: refused by name rather than ignored.
+"""OpenAI's `tools` and `tool_choice` on chat completions: rendered through the chat template, or refused by name.
 
 Tool definitions reach a model only through its chat template; a template that never reads `tools` would drop them
-silently, so a request with tools on such a backbone is a 400 naming `tools`. Rendering them through a template that
-does read them is not implemented yet (no backbone lorafaas ships has one): refused too, saying so.
+silently, so a request with tools on such a backbone (smollm2-135m's) is a 400 naming `tools`. On a template that
+reads them, `tool_choice: "none"` renders them and the reply is the model's text, as in vLLM; `auto` (OpenAI's
+default with tools) needs a tool-call parser, which lorafaas does not have (vLLM refuses it too unless started with
+one), and a named function or `required` are not implemented: 400s naming `tool_choice`.
 """
 
 from __future__ import annotations
@@ -34,16 +36,18 @@ def chat_template_text(model_dir: Path) -> str:
     return template or ""
 
 
-def check_tools(tools: list | None, tool_choice: str | dict | None, backbone: str, model_dir: Path) -> None:
-    """Accept a request that asks for no tool use (no tools; tool_choice absent or "none"); refuse anything else by
-    name."""
+def tools_to_render(tools: list | None, tool_choice: str | dict | None, backbone: str, model_dir: Path) -> str | None:
+    """The tool definitions to give the chat template (JSON text), or None; refuses what it cannot honour by name."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ToolsRefused("tool_choice", f"tool_choice is {json.dumps(tool_choice)} but no tools are given; "
                                "leave tool_choice out or send \"none\"")
-        return
+        return None
     if "tools" not in chat_template_text(model_dir):
         raise ToolsRefused("tools", f"tools are given, but the chat template of backbone {backbone} does not render "
                            "tools; leave tools out")
-    raise ToolsRefused("tools", f"tools are given; rendering them through the chat template of backbone {backbone} "
-                       "is not implemented yet; leave tools out")
+    if tool_choice != "none":
+        shown = "absent (auto)" if tool_choice is None else json.dumps(tool_choice)
+        raise ToolsRefused("tool_choice", f"tool_choice is {shown}; lorafaas parses no tool calls, so it renders "
+                           "tools only with tool_choice \"none\" (the reply is the model's text)")
+    return json.dumps(tools)

@@ -158,6 +158,7 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives per token
     response_format: ResponseFormat | None = None  # None: free text
+    tools: str | None = None  # chat only: OpenAI tool definitions (JSON text), rendered by the chat template
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> InvocationRequest:
         """Raise InvalidInput naming the first field out of bounds; return self."""
