@@ -37,9 +37,14 @@ def json_grammar(schema_text: str) -> str:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as exc:
         raise SchemaRefused(f"response_format.json_schema.schema is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaRefused("response_format.json_schema.schema is nested too deeply") from None
     if not isinstance(schema, dict):
         raise SchemaRefused(f"response_format.json_schema.schema must be a JSON object, got {type(schema).__name__}")
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+    except ValueError as exc:  # what Python's json reads but JSON does not (Infinity, a lone surrogate escape)
+        raise SchemaRefused(f"response_format.json_schema.schema is not valid JSON: {exc}") from None
 
 
 def check_json_schema(schema_text: str) -> None:
@@ -87,7 +92,10 @@ class GrammarCompiler:
         """A fresh matcher at the start of the schema's grammar; raises SchemaRefused for a schema it cannot enforce."""
         compiled = self._compiled.get(schema_text)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._llguidance_tokenizer(), json_grammar(schema_text), log_level=0)
+            try:
+                compiled = llguidance.LLMatcher(self._llguidance_tokenizer(), json_grammar(schema_text), log_level=0)
+            except ValueError as exc:
+                raise SchemaRefused(f"response_format.json_schema.schema cannot be enforced: {exc}") from None
             if compiled.is_error():
                 raise SchemaRefused(f"response_format.json_schema.schema cannot be enforced: {compiled.get_error()}")
             self._compiled[schema_text] = compiled

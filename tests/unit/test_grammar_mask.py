@@ -138,7 +138,10 @@ def test_compiled_grammars_are_cached_per_schema_and_bounded(engine) -> None:
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"type": "foo"}', "foo"),
-])
+    ('{"type": "integer", "minimum": Infinity}', "not valid JSON"),  # Python's json reads it, JSON does not
+    ('{"properties": {"a": ' * 600 + "{}" + "}}" * 600, "nested too deeply"),
+    ('{"type": "integer", "minimum": 5, "maximum": 1}', "Unsatisfiable"),
+], ids=["malformed", "not_an_object", "unknown_type", "infinity", "too_deep", "unsatisfiable"])
 def test_a_schema_that_cannot_be_enforced_is_refused_naming_response_format(engine, schema_text, says) -> None:
     with pytest.raises(SchemaRefused, match=says) as refused:
         check_json_schema(schema_text)
