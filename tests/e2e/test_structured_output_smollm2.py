@@ -56,3 +56,10 @@ def test_schema_and_json_object_outputs_validate_on_smollm2(client) -> None:
     streamed = chat(client, response_format=FORMAT, temperature=0.9, seed=7, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
         replies[3].choices[0].message.content
+
+
+def test_tools_are_refused_because_smollm2s_template_does_not_render_them(client) -> None:
+    tools = [{"type": "function", "function": {"name": "sail", "parameters": {"type": "object"}}}]
+    with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as refused:
+        chat(client, tools=tools, tool_choice="none", max_tokens=4)
+    assert "tools" in str(refused.value) and "does not render tools" in str(refused.value)
