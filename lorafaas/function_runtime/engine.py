@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +27,15 @@ import jinja2
 import torch
 
 from lorafaas.errors import InvalidInput, PromptTooLong
+from lorafaas.function_runtime.grammar import GrammarCompiler, GrammarMatcher
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams, TokenLogprob, TokenLogprobs
-from lorafaas.function_runtime.sampling import TextStream, new_generator, next_token, token_logprobs
+from lorafaas.function_runtime.sampling import (
+    TextStream,
+    allowed_from_bitmask,
+    new_generator,
+    next_token,
+    token_logprobs,
+)
 from lorafaas.models.reference import chat_template_ids
 
 
@@ -70,6 +78,7 @@ class _Sequence:
     max_new_tokens: int
     stream: TextStream
     generator: torch.Generator | None
+    grammar: GrammarMatcher | None = None  # structured output: masks each step's logits; complete -> the request ends
     output_ids: list[int] = field(default_factory=list)
 
 
@@ -86,6 +95,7 @@ class GenerationEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = int(getattr(model.config, "vocab_size", None) or len(tokenizer))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
+        self.grammars = GrammarCompiler(tokenizer, self.eos_ids)
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._cancelled: set[str] = set()
         # The batch: one row per running sequence, all tensors aligned on dim 0.
@@ -97,11 +107,15 @@ class GenerationEngine:
 
     # -- requests ------------------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: str | None = None) -> list[int]:
+        """`tools`: OpenAI tool definitions as a JSON list, given to the chat template as `tools` (as vLLM does)."""
         try:
-            return chat_template_ids(self.tokenizer, messages)
+            if tools is None:
+                return chat_template_ids(self.tokenizer, messages)
+            ids = self.tokenizer.apply_chat_template(messages, tools=json.loads(tools), add_generation_prompt=True)
         except jinja2.TemplateError as exc:  # the template's own refusal (roles out of order, a tool turn, ...)
             raise InvalidInput(f"the backbone's chat template refused the messages: {exc}") from exc
+        return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
 
     def encode_text(self, prompt: str) -> list[int]:
         # With the tokenizer's special tokens (a BOS where it adds one), as vLLM tokenizes a raw completion prompt.
@@ -124,6 +138,7 @@ class GenerationEngine:
             raise PromptTooLong(
                 f"prompt has {len(prompt_ids)} tokens; the context window is {self.max_context} tokens"
             )
+        grammar = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
         self._waiting.append(_Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -131,6 +146,7 @@ class GenerationEngine:
             max_new_tokens=min(params.max_tokens, self.max_context - len(prompt_ids)),
             stream=TextStream(self.tokenizer, params.stop),
             generator=new_generator(params),
+            grammar=grammar,
         ))
 
     def cancel(self, request_id: str) -> None:
@@ -239,6 +255,8 @@ class GenerationEngine:
         try:
             token_id = self._sample(logits, seq)
             logprobs = self._logprobs(logits, seq, token_id)
+            if seq.grammar is not None and token_id not in self.eos_ids:
+                seq.grammar.accept(token_id)
         except (RuntimeError, ValueError) as exc:
             failed = self._finished(seq, None, "", "error")
             return dataclasses.replace(failed, error=f"sampling failed for this request: {exc}")
@@ -246,8 +264,11 @@ class GenerationEngine:
         return output if logprobs is None else dataclasses.replace(output, logprobs=logprobs)
 
     def _sample(self, logits: torch.Tensor, seq: _Sequence) -> int:
-        """The data-dependent boundary: one row's logits ([vocab], on the device) -> the next token id, on the host."""
-        return next_token(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+        """The data-dependent boundary: one row's logits ([vocab], on the device) -> the next token id, on the host.
+        A constrained row's mask comes from its own grammar state: its batch-mates never see it."""
+        allowed = None if seq.grammar is None else \
+            allowed_from_bitmask(seq.grammar.allowed_bitmask(), logits.shape[-1], logits.device)
+        return next_token(logits, seq.params, seq.generator, seq.prompt_ids, seq.output_ids, allowed)
 
     def _logprobs(self, logits: torch.Tensor, seq: _Sequence, token_id: int) -> TokenLogprobs | None:
         if seq.params.logprobs is None:
@@ -286,6 +307,8 @@ class GenerationEngine:
         text = seq.stream.push(seq.output_ids)
         if seq.stream.stopped:
             return self._finished(seq, token_id, text, "stop")
+        if seq.grammar is not None and seq.grammar.is_complete:  # the JSON value is closed: nothing may follow
+            return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "stop")
         if len(seq.output_ids) >= seq.max_new_tokens:
             return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "length")
         return StepOutput(request_id=seq.request_id, token_id=token_id, text=text)

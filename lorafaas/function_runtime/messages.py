@@ -43,6 +43,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
     logprobs: int | None = None  # None: none; n: the sampled token's logprob and the n most likely alternatives
+    json_schema: str | None = None  # JSON text of a JSON Schema the output must match (response_format); None: free
 
     def check(self, max_tokens_limit: int) -> None:
         from lorafaas.errors import InvalidInput
@@ -179,6 +180,7 @@ class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     prompt: str | None = None  # raw text, no chat template
     prompt_token_ids: tuple[int, ...] | None = None  # a prompt already tokenized
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the tokenizer's chat template
+    tools: str | None = None  # with messages: tool definitions (a JSON list) the chat template renders
     params: SamplingParams = SamplingParams()
 
 

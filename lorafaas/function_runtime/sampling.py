@@ -30,11 +30,12 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-               prompt_ids: list[int] = (), output_ids: list[int] = ()) -> int:
+               prompt_ids: list[int] = (), output_ids: list[int] = (), allowed: torch.Tensor | None = None) -> int:
     """The next token from one row's `logits` ([vocab]) in vLLM's order: logit_bias, then the penalties (repetition
-    over prompt + output, frequency and presence over the output), then greedy below MIN_TEMPERATURE, otherwise a
-    draw from `sampling_probs`."""
-    logits = processed_logits(logits, params, prompt_ids, output_ids)
+    over prompt + output, frequency and presence over the output), then the grammar's mask (`allowed`, a bool
+    [vocab]: a token outside it is never chosen), then greedy below MIN_TEMPERATURE, otherwise a draw from
+    `sampling_probs`."""
+    logits = processed_logits(logits, params, prompt_ids, output_ids, allowed)
     if is_greedy(params):
         return int(torch.argmax(logits))
     return int(torch.multinomial(sampling_probs(logits, params).cpu(), 1, generator=generator))
@@ -62,8 +63,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int] = (),
-                     output_ids: list[int] = ()) -> torch.Tensor:
-    """`logits` in float32 with logit_bias and the penalties applied (what greedy decoding takes the argmax of)."""
+                     output_ids: list[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` in float32 with logit_bias, the penalties and the grammar's mask applied (what greedy decoding takes
+    the argmax of)."""
     logits = logits.float()
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
@@ -76,7 +78,22 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: l
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
         counts = _token_counts(output_ids, logits)
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     return logits
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def allowed_from_bitmask(bitmask: bytes, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A grammar's bitmask (bit i of little-endian 32-bit words: token i allowed) as a bool [vocab_size] tensor; a
+    token past the bitmask (a model's padded vocabulary) is not allowed."""
+    bits = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    allowed = ((bits.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten().bool()
+    if allowed.numel() < vocab_size:
+        allowed = torch.cat([allowed, allowed.new_zeros(vocab_size - allowed.numel())])
+    return allowed[:vocab_size].to(device)
 
 
 def _token_counts(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:

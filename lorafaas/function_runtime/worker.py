@@ -156,7 +156,7 @@ class WorkerServer:
             await self._run(self.instance.load_for_request)
         engine = self.instance.engine
         if request.messages is not None:
-            prompt_ids = engine.encode_chat([msg.template_dict() for msg in request.messages])
+            prompt_ids = engine.encode_chat([msg.template_dict() for msg in request.messages], request.tools)
         elif request.prompt_token_ids is not None:
             prompt_ids = engine.check_token_ids(request.prompt_token_ids)
         else:

@@ -362,12 +362,13 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
                               stop=tuple(request.stop), seed=request.seed, top_k=request.top_k, min_p=request.min_p,
                               presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                               repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias),
-                              logprobs=request.logprobs, ignore_eos=request.ignore_eos)
+                              logprobs=request.logprobs, ignore_eos=request.ignore_eos,
+                              json_schema=request.response_format.json_schema if request.response_format else None)
     if request.messages is not None:
         messages = tuple(m.ChatMessage(msg.role, msg.content, msg.tool_call_id,
                                        tuple(msg.tool_calls) if msg.tool_calls is not None else None, msg.name)
                          for msg in request.messages)
-        return m.Generate(request_id=request_id, messages=messages, params=params)
+        return m.Generate(request_id=request_id, messages=messages, params=params, tools=request.tools)
     if request.prompt_token_ids is not None:
         return m.Generate(request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids), params=params)
     return m.Generate(request_id=request_id, prompt=request.prompt, params=params)

@@ -23,6 +23,7 @@ from lorafaas.platform.gateway.openai_schemas import ChatBody, CompletionBody, O
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import make_request
 from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, start_invocation
+from lorafaas.platform.gateway.tools import tools_to_render
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord, ChatMessage, FunctionSpec, InvocationRequest
 
@@ -72,9 +73,13 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
         messages = body.records()
         with counted_refusals(metrics, body.model):
             spec = await service.aget(who, body.model)
+            tools = None
+            if body.tools or body.tool_choice is not None:
+                tools = tools_to_render(body.tools, body.tool_choice, spec.backbone,
+                                        service.models.path(spec.backbone))
             requested, param = body.requested_max_tokens()
             max_tokens = await max_tokens_for(service, spec, requested, CHAT_DEFAULT_MAX_TOKENS, param)
-            requests = _choices(body, spec, [messages], max_tokens)
+            requests = _choices(body, spec, [messages], max_tokens, tools)
         return await respond(body, requests, chat=True, who=who)
 
     @router.post("/v1/completions", responses=OPENAI_RESPONSES)
@@ -92,24 +97,25 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 
 
 def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
-             max_tokens: int) -> list[InvocationRequest]:
+             max_tokens: int, tools: str | None = None) -> list[InvocationRequest]:
     """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
     requests = []
     for prompt in prompts:
-        request = _request(body, prompt, max_tokens)
+        request = _request(body, prompt, max_tokens, tools)
         for i in range(body.n or 1):
             seed = body.seed + i if body.seed is not None else None
             requests.append(msgspec.structs.replace(request, seed=seed).check(spec.max_tokens_limit))
     return requests
 
 
-def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: int) -> InvocationRequest:
+def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: int,
+             tools: str | None = None) -> InvocationRequest:
     text = prompt if isinstance(prompt, str) else None
     messages = prompt if text is None and isinstance(prompt[0], ChatMessage) else None
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     request = make_request(text, messages, max_tokens, temperature, top_p, body.stop, body.seed,
-                           logprobs=body.num_logprobs(), **body.sampler_args())
+                           logprobs=body.num_logprobs(), tools=tools, **body.sampler_args())
     token_ids = list(prompt) if text is None and messages is None else None
     return msgspec.structs.replace(request, prompt_token_ids=token_ids, ignore_eos=bool(body.ignore_eos))
 

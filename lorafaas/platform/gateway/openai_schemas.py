@@ -23,8 +23,8 @@ MAX_CHOICES = 32  # prompts x n in one request: each choice is one generation
 _OFF_VALUES: dict[str, tuple] = {
     "suffix": ("",), "best_of": (1,),
 
-    "length_penalty": (1,), "response_format": ({"type": "text"},), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "length_penalty": (1,),
+    "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
     "use_beam_search": (False,), "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
     "allowed_token_ids": (), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
@@ -163,6 +163,9 @@ class ChatBody(OpenAIBody):
     special_tokens_added: ClassVar[bool] = False
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict] | None = Field(None, description="rendered by a chat template that reads them, with "
+                                     'tool_choice "none"; otherwise a 400 naming tools (docs/platform.md)')
+    tool_choice: str | dict | None = Field(None, description='"none" (or absent without tools)')
     logprobs: bool | None = Field(None, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import NAME_PATTERN
+from lorafaas.function_runtime.grammar import SchemaRefused
 from lorafaas.platform.state.records import (
     MAX_INSTANCES,
     MAX_KEEP_ALIVE_S,
@@ -18,6 +20,7 @@ from lorafaas.platform.state.records import (
     MIN_SEED,
     ChatMessage,
     InvocationRequest,
+    ResponseFormat,
 )
 
 INVOKE_DEFAULT_MAX_TOKENS = 128
@@ -30,9 +33,39 @@ def seed_field():
 
 
 
+class JsonSchemaIn(BaseModel):
+    """response_format.json_schema (OpenAI's): the schema the output must match."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="the schema's name (OpenAI requires one)")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema")
+    strict: bool | None = Field(None, description="accepted either way: lorafaas always enforces the schema exactly")
+
+
+class ResponseFormatIn(BaseModel):
+    """OpenAI's response_format: `text` (free), `json_object` (any JSON object) or `json_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaIn | None = None
+
+    def to_record(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise SchemaRefused(f"response_format.json_schema is given with type {self.type}; use type json_schema")
+            return ResponseFormat(type=self.type)
+        if self.json_schema is None:
+            raise SchemaRefused("response_format.json_schema is required with type json_schema")
+        schema = self.json_schema
+        return ResponseFormat(type="json_schema", name=schema.name, strict=schema.strict,
+                              schema=None if schema.schema_ is None else json.dumps(schema.schema_))
+
+
 class SamplerFields(BaseModel):
-    """vLLM's sampling parameters beyond temperature/top_p/seed (null or absent: off). Their semantics are vLLM's;
-    see `lorafaas.function_runtime.sampling.next_token` and docs/platform.md."""
+    """vLLM's sampling parameters beyond temperature/top_p/seed (null or absent: off), and structured output
+    (response_format). Their semantics are vLLM's; see `lorafaas.function_runtime.sampling.next_token` and
+    docs/platform.md."""
 
     top_k: int | None = Field(None, ge=-1, description="sample from the k most likely tokens; -1 or 0: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0,
@@ -46,10 +79,16 @@ class SamplerFields(BaseModel):
         "the prompt or the output; 1: off")
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, description="token id (a string in JSON) -> a bias between -100 and 100 added to its logit")
+    response_format: ResponseFormatIn | None = Field(
+        None, description="constrain the output: {type: text | json_object | json_schema, json_schema: {name, schema, "
+        "strict}}; the output then parses as JSON matching the schema unless max_tokens cut it (finish_reason length)")
 
     def sampler_args(self) -> dict:
         """The fields given, as InvocationRequest keyword arguments."""
-        return {name: getattr(self, name) for name in SamplerFields.model_fields if getattr(self, name) is not None}
+        args = {name: getattr(self, name) for name in SamplerFields.model_fields if getattr(self, name) is not None}
+        if self.response_format is not None:
+            args["response_format"] = self.response_format.to_record()
+        return args
 
 
 class MessageIn(BaseModel):

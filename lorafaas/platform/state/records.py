@@ -15,6 +15,7 @@ import msgspec
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import check_name
+from lorafaas.function_runtime.grammar import JSON_OBJECT_SCHEMA, SchemaRefused, check_json_schema
 from lorafaas.function_runtime.messages import ToolCall
 
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -120,6 +121,28 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching `schema` (JSON Schema as JSON text)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: str | None = None  # json_schema only
+    name: str | None = None  # json_schema only: the schema's name (OpenAI requires one)
+    strict: bool | None = None  # accepted either way: the schema is always enforced exactly
+
+    def check(self) -> None:
+        if self.type == "json_schema":
+            if self.schema is None:
+                raise SchemaRefused("response_format.json_schema.schema is required with type json_schema")
+            check_json_schema(self.schema)
+        elif self.schema is not None:
+            raise SchemaRefused(f"response_format of type {self.type} takes no schema; use type json_schema")
+
+    @property
+    def json_schema(self) -> str | None:
+        """The schema the output is constrained to; None for free text."""
+        return {"text": None, "json_object": JSON_OBJECT_SCHEMA}.get(self.type, self.schema)
+
+
 class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     """What was asked: a plain `prompt` or chat `messages` (exactly one), and the sampling parameters."""
 
@@ -140,6 +163,8 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # the sampled token's logprob and this many alternatives per token
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # None: free text
+    tools: str | None = None  # chat only: OpenAI tool definitions (JSON text), rendered by the chat template
 
     def check(self, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> InvocationRequest:
         """Raise InvalidInput naming the first field out of bounds; return self."""
@@ -165,6 +190,8 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, 20)
+        if self.response_format is not None:
+            self.response_format.check()
         return self
 
 
