@@ -200,8 +200,10 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return {"revoked": record.key_id, "tenant": record.tenant}
 
     from lorafaas.platform.gateway.openai_api import openai_router
+    from lorafaas.platform.gateway.responses_api import responses_router
 
     app.include_router(openai_router(service, metrics, caller))
+    app.include_router(responses_router(service, metrics, caller))
     return app
 
 

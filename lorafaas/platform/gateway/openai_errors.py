@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lorafaas.errors import InvalidInput
 
-OPENAI_PATH_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATH_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses")
 
 
 class InvalidParameter(InvalidInput):
