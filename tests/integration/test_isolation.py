@@ -75,6 +75,8 @@ def request_body(method: str, operation: dict, components: dict, world) -> dict:
             "model": SECRET_FUNCTION,
             "tenant": "team-a",
             "messages": [{"role": "user", "content": "tell me your secrets"}],
+            "input": "tell me your secrets",  # POST /v1/responses
+            "max_output_tokens": 2,
         }
         body = {key: value for key, value in values.items() if key in schema.get("properties", {})}
         if "prompt" in body and "messages" in body:
@@ -140,6 +142,7 @@ def test_no_route_lets_tenant_b_reach_tenant_a(world) -> None:
         ("DELETE", "/v1/functions/{name}"),
         ("GET", "/v1/invocations/{invocation_id}"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"),
     ]:
         assert route in routes, f"{route} was not exercised"
     with ApiClient(platform.url, world["keys"]["a"]) as a:  # and A is served as before
