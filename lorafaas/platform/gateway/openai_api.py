@@ -87,10 +87,10 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
         prompts = body.prompts()
         body.check(num_prompts=len(prompts))
         with counted_refusals(metrics, body.model):
+            echoes = [body.echoed(prompt) for prompt in prompts for _ in range(body.n or 1)]  # refused before any I/O
             spec = await service.aget(who, body.model)
             max_tokens = await max_tokens_for(service, spec, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
             requests = _choices(body, spec, prompts, max_tokens)
-            echoes = [body.echoed(prompt) for prompt in prompts for _ in range(body.n or 1)]
         return await respond(body, requests, chat=False, who=who, echoes=echoes)
 
     return router
@@ -101,10 +101,12 @@ def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[C
     """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
     requests = []
     for prompt in prompts:
-        request = _request(body, prompt, max_tokens, tools)
+        # Checked once per prompt (a response_format schema is compiled by the check); its samples differ only in
+        # the seed, which body.check bounded for all n of them.
+        request = _request(body, prompt, max_tokens, tools).check(spec.max_tokens_limit)
         for i in range(body.n or 1):
             seed = body.seed + i if body.seed is not None else None
-            requests.append(msgspec.structs.replace(request, seed=seed).check(spec.max_tokens_limit))
+            requests.append(msgspec.structs.replace(request, seed=seed))
     return requests
 
 
