@@ -34,7 +34,7 @@ class ChoicesReply:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
     async def whole(self, choices: list[InvocationEvents]) -> dict:
-        tasks = [asyncio.create_task(_finished(events, self._shaper(i))) for i, events in enumerate(choices)]
+        tasks = [asyncio.create_task(finished_event(events, self._shaper(i))) for i, events in enumerate(choices)]
         try:
             finished = await asyncio.gather(*tasks)
         finally:  # a choice that failed (or a client gone) stops the others' generations too
@@ -117,7 +117,8 @@ class ChoicesReply:
                 "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _finished(events: InvocationEvents, logprobs: LogprobsShaper | None) -> m.Finished:
+async def finished_event(events: InvocationEvents, logprobs: LogprobsShaper | None = None) -> m.Finished:
+    """Read an invocation to its end; its Finished event (the tokens' logprobs go to `logprobs`)."""
     async for event in events:
         if isinstance(event, m.Token) and logprobs is not None:
             logprobs.add(event.logprobs)

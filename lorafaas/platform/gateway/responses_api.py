@@ -26,6 +26,7 @@ from lorafaas.errors import LorafaasError, ServerError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.openai_reply import finished_event
 from lorafaas.platform.gateway.openai_schemas import refuse_unsupported
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.schemas import make_request
@@ -121,10 +122,7 @@ class _Response:
         self._sequence = 0
 
     async def whole(self, events: InvocationEvents) -> dict:
-        async for event in events:
-            if isinstance(event, m.Finished):
-                return self._object(event)
-        raise ServerError("the instance ended the request without a result")
+        return self._object(await finished_event(events))
 
     async def stream(self, events: InvocationEvents) -> AsyncIterator[bytes]:
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
