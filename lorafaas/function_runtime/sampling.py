@@ -128,8 +128,7 @@ class TextStream:
         self._stop = stop
         self.text = ""  # all text shown so far
         self.stopped = False
-        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer behind a PreTrainedTokenizerFast
-        self._backend = backend
+        self._backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer of a PreTrainedTokenizerFast
         self._decoder = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self._decoded = ""  # the incremental decoder's text so far
         self._fed = 0  # output tokens given to the incremental decoder

@@ -16,7 +16,7 @@ import msgspec
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import check_name
 from lorafaas.function_runtime.grammar import JSON_OBJECT_SCHEMA, SchemaRefused, check_json_schema
-from lorafaas.function_runtime.messages import ToolCall
+from lorafaas.function_runtime.messages import MAX_LOGPROBS, ToolCall
 
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 LORA_MODES = ("local", "remote")  # remote: MoE expert adapters run on the shared LoRA server
@@ -189,7 +189,7 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
         for token_id, bias in self.logit_bias.items():
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
         if self.logprobs is not None:
-            _check_range("logprobs", self.logprobs, 0, 20)
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.response_format is not None:
             self.response_format.check()
         return self
