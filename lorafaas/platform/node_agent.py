@@ -40,6 +40,7 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
+    ComputeTurns,
     InstanceLoad,
     Scheduler,
     SchedulerConfig,
@@ -65,6 +66,9 @@ class AgentConfig:
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
     compute_slots: int | None = None  # instances that run at full speed at once; None: cores / num_threads on a CPU
+    # never more busy instances than compute slots, functions taking turns (AdmissionView.strict_compute); None: on a
+    # CPU, where a process beyond the cores only time-slices them
+    strict_compute: bool | None = None
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -110,6 +114,10 @@ class NodeAgent:
         self.crashes: dict[str, list[dict]] = {}  # function -> its instances that failed (recent last)
         self.num_failures: dict[tuple[str, str], int] = {}  # (function, crashed | hung | start_failed) -> count
         self.last_admission: dict[str, AdmissionDecision] = {}  # function -> the admission policy's last word
+        self.waits: dict[str, dict[str, int]] = {}  # function -> reason -> times its queue looked and had to wait
+        # the queues waiting for this device's compute; a queue that went away unannounced stops counting after 1 s
+        # (a waiting dispatcher asks again every POLL_S)
+        self.compute_turns = ComputeTurns(stale_after_s=1.0)
         self._tasks: set[asyncio.Task] = set()
         self._probes: dict[Instance, asyncio.Task] = {}
         self._reconciler: asyncio.Task | None = None
@@ -181,6 +189,9 @@ class NodeAgent:
         if spec is None:
             return
         self.scheduler.forget(name)
+        self.last_admission.pop(name, None)  # a redeploy under the name (maybe another tenant's) starts afresh
+        self.waits.pop(name, None)
+        self.compute_turns.leave(Identity.of(spec))
         self._drain_deployment(spec, f"function {name} was deleted")
         if self.lora_servers is not None and all(s.backbone != spec.backbone for s in self.specs.values()):
             await asyncio.to_thread(self.lora_servers.stop, spec.backbone)  # the backbone's last function went
@@ -287,6 +298,9 @@ class NodeAgent:
         instance.last_used_s = self.clock()
         self._observe_end(instance.function)
         self.admission.wake(instance.function)
+        if instance.in_flight == 0:  # a compute slot may be free: the longest waiting queue looks at once
+            for waiting in self.compute_turns.waiting(instance.last_used_s)[:1]:
+                self.admission.wake(waiting.function)
         if instance.state == "draining":
             self._finish_drain(instance)
 
@@ -335,6 +349,7 @@ class NodeAgent:
         instances = [i for i in self.table.of_identity(identity)
                      if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
         busy = self.table.busy_on_device(self.config.device)
+        waiting_others, waiting_ahead = self.compute_turns.counts(identity, self.clock())
         loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
                                    busy < self.compute_slots) for i in instances)
         current = self.specs.get(spec.name) == spec
@@ -353,7 +368,16 @@ class NodeAgent:
             worker_capacity=self.config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
             instances=loads, start_options=options,
             requests_per_background_start=self.config.scheduler.requests_per_background_start,
+            strict_compute=self.strict_compute, compute_waiting_others=waiting_others,
+            compute_waiting_ahead=waiting_ahead, compute_waited_s=self.compute_turns.waited_s(identity, self.clock()),
+            max_compute_wait_s=self.config.scheduler.max_compute_wait_s,
         )
+
+    @property
+    def strict_compute(self) -> bool:
+        if self.config.strict_compute is not None:
+            return self.config.strict_compute
+        return self.config.device == "cpu"
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
         """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many
@@ -363,6 +387,10 @@ class NodeAgent:
         view = self.admission_view(serving, queue_length)
         decision = decide_admission(view)
         self.last_admission[spec.name] = decision
+        self.compute_turns.note(Identity.of(serving), decision, self.clock())
+        if decision.action in ("wait", "await_start"):
+            reasons = self.waits.setdefault(spec.name, {})
+            reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         by_id = {i.instance_id: i for i in self.table.of_identity(Identity.of(serving))}
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
@@ -633,7 +661,8 @@ class NodeAgent:
         decision = self.last_admission.get(spec.name)
         return {"queued": self.admission.queued(spec.name),
                 "last_decision": decision.action if decision else None,
-                "reason": decision.reason if decision else None}
+                "reason": decision.reason if decision else None,
+                "waits": dict(self.waits.get(spec.name, {}))}
 
     def offloaded(self, name: str) -> list[dict]:
         return self.policy.describe(name)

@@ -20,6 +20,7 @@ from lorafaas.scheduler.batching import (
     PrefillModel,
     in_flight_limit,
 )
+from lorafaas.scheduler.compute_turns import ComputeTurns
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
@@ -55,6 +56,7 @@ __all__ = [
     "BatchDecision",
     "BatchPolicy",
     "ClusterView",
+    "ComputeTurns",
     "DeviceId",
     "DeviceView",
     "FunctionName",

@@ -21,11 +21,20 @@ The rule, in order:
    `requests_per_background_start` requests beyond B: these requests join now, the ones that follow find the new
    instances.
 4. Otherwise the queue waits for an instance that is starting, or for a request to finish; the reason is reported.
+
+With `strict_compute` (a CPU, where a process beyond the cores only time-slices them and shrinks every batch) the
+device never has more busy instances than compute slots, counted across functions, and functions take turns: an idle
+instance begins running, and an instance starts, only where a slot is spare and no other function has waited for one
+longer (`compute_waiting_ahead`); while another function waits (`compute_waiting_others`), a running instance takes
+no new requests, so its batch drains within a generation and its slot passes on (`yield`). A function that has waited
+`max_compute_wait_s` for a core is overdue: it runs beside the busy instances anyway (`overdue`), so one tenant's long
+generations delay another's first token by a bounded time. Without strict compute (a GPU in the simulator, one slot
+each) every function may run one instance on a full device, as rule 1 says.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from lorafaas.scheduler.batching import in_flight_limit
@@ -43,6 +52,8 @@ AdmissionReason = Literal[
     "batch_bound",  # every instance holds as many requests as its worker takes
     "max_instances",  # the function is at its maximum number of instances
     "no_compute",  # no device offered has compute to spare for another instance
+    "yield",  # strict compute: its running instance takes no more while another function waits for the device
+    "overdue",  # strict compute: it waited max_compute_wait_s for a core and runs beside the busy instances anyway
     "empty",  # nothing queued
 ]
 
@@ -82,6 +93,12 @@ class AdmissionView:
     instances: tuple[InstanceLoad, ...]  # starting or ready, of the identity the queue serves
     start_options: tuple[StartOption, ...] = ()  # empty: no instance may start (e.g. a superseded version)
     requests_per_background_start: int = 4  # SchedulerConfig.requests_per_background_start
+    # strict compute: busy instances never exceed compute slots, and functions waiting for a slot take turns
+    strict_compute: bool = False
+    compute_waiting_others: int = 0  # other functions waiting for a compute slot on the device
+    compute_waiting_ahead: int = 0  # of those, how many began waiting before this function (all, if it does not wait)
+    compute_waited_s: float = 0.0  # how long this function has waited for a core
+    max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,7 @@ def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, wor
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
     B (executors skip working the options out then; finding a device can cost a view of the cluster)."""
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
-    return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready]))
+    return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready], strict=False))
 
 
 def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
@@ -114,16 +131,27 @@ def join_limit(slo_batch: int, worker_capacity: int, adaptive: bool) -> int:
 def can_join(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int, adaptive: bool) -> bool:
     """Whether a running batch could take a request instead of a start (then a start's expected time matters)."""
     limit = join_limit(slo_batch, worker_capacity, adaptive)
-    return any(i.in_flight < limit for i in _runnable([i for i in instances if i.ready]))
+    return any(i.in_flight < limit for i in _runnable([i for i in instances if i.ready], strict=False))
 
 
 def decide_admission(view: AdmissionView) -> AdmissionDecision:
+    if view.strict_compute and view.compute_waited_s >= view.max_compute_wait_s:
+        decision = _decide(replace(view, strict_compute=False))
+        if decision.action in ("dispatch", "start"):
+            return replace(decision, reason="overdue")
+        return decision
+    return _decide(view)
+
+
+def _decide(view: AdmissionView) -> AdmissionDecision:
     if view.queue_length <= 0:
         return AdmissionDecision("wait", "empty")
     capacity = max(1, view.worker_capacity)
     cap = max(1, min(view.slo_batch, capacity))
     ready = [i for i in view.instances if i.ready]
-    runnable = _runnable(ready)
+    strict = view.strict_compute
+    runnable = _runnable(ready, strict, yielding=strict and view.compute_waiting_others > 0,
+                         turn=not strict or view.compute_waiting_ahead == 0)
     with_room = [i for i in runnable if i.in_flight < cap]
     if with_room:
         best = _least_loaded(with_room)
@@ -133,9 +161,11 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
-    if can_grow:
+    if can_grow and (not strict or view.compute_waiting_ahead == 0):
         for option in view.start_options:
             if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
+                continue
+            if strict and option.busy_instances >= option.compute_slots:  # not even a first instance
                 continue
             if joinable and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
                 slow_start = slow_start or option.device
@@ -157,6 +187,8 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     if starting:
         oldest = min(starting, key=lambda i: (i.started_s, i.instance_id))
         return AdmissionDecision("await_start", "cold_start", oldest.instance_id)
+    if strict and view.compute_waiting_others > 0 and any(i.in_flight > 0 for i in ready):
+        return AdmissionDecision("wait", "yield")
     if len(runnable) < len(ready):  # an idle instance waits for compute other instances hold
         return AdmissionDecision("wait", "no_compute")
     if not can_grow:
@@ -166,14 +198,16 @@ def decide_admission(view: AdmissionView) -> AdmissionDecision:
     return AdmissionDecision("wait", "no_compute")
 
 
-def _runnable(ready: list[InstanceLoad]) -> list[InstanceLoad]:
-    """The ready instances that may take requests now: those already running, and an idle one only where its device
-    has compute to spare or as its function's one running instance (every function may run one; another instance
-    of it would only share cores that are already taken, shrinking every batch on the device)."""
-    running = [i for i in ready if i.in_flight > 0]
+def _runnable(ready: list[InstanceLoad], strict: bool, yielding: bool = False, turn: bool = True
+              ) -> list[InstanceLoad]:
+    """The ready instances that may take requests now: those already running (unless they yield to a function waiting
+    for the device), and an idle one only where its device has compute to spare (strictly: and it is the function's
+    turn) or, not strictly, as its function's one running instance (every function may run one; another instance of
+    it would only share cores that are already taken, shrinking every batch on the device)."""
+    running = [] if yielding else [i for i in ready if i.in_flight > 0]
     idle = [i for i in ready if i.in_flight == 0]
-    allowed = [i for i in idle if i.spare_compute]
-    if not running and not allowed and idle:
+    allowed = [i for i in idle if i.spare_compute and turn]
+    if not strict and not running and not allowed and idle:
         allowed = [min(idle, key=lambda i: (i.started_s, i.instance_id))]
     return running + allowed
 

@@ -44,6 +44,9 @@ class SchedulerConfig:
     # admission: while requests join running batches beyond B, one instance starts in the background per this many
     # of them (one at the least), even where a start is slower than the SLO (docs/scheduler.md: measured choice)
     requests_per_background_start: int = 4
+    # strict compute (a CPU): the longest a function waits for a core other functions' batches hold before it runs
+    # beside them anyway, time-slicing the cores: what one tenant's long generations can cost another's first token
+    max_compute_wait_s: float = 10.0
 
     # offloading
     offload_to_host: bool = True  # an evicted adapter goes to its worker slot's host memory when it fits there
@@ -78,6 +81,8 @@ class SchedulerConfig:
         if not 1 <= self.requests_per_background_start <= 4096:
             raise ValueError(f"SchedulerConfig.requests_per_background_start is "
                              f"{self.requests_per_background_start}; must be in [1, 4096]")
+        if not self.max_compute_wait_s > 0:
+            raise ValueError(f"SchedulerConfig.max_compute_wait_s is {self.max_compute_wait_s}; must be > 0")
         if not 1 <= self.max_batch_size <= 4096:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:

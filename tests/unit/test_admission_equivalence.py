@@ -19,7 +19,7 @@ from lorafaas.replay.sim.engine import Simulator
 from lorafaas.replay.sim.policies import POLICIES
 from lorafaas.replay.sim.worker import SimInstance
 from lorafaas.replay.workload import Request, Workload
-from lorafaas.scheduler import SchedulerConfig, decide_admission
+from lorafaas.scheduler import AdmissionDecision, SchedulerConfig, decide_admission
 
 NOW_S = 100.0
 SLO_S = 1.0
@@ -34,6 +34,7 @@ class Scenario:
     slots: int = 2
     max_instances: int = 4
     prefills: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) observed: they set B
+    other_waits: bool = False  # the other function waits for a core (strict compute, the CPU default), since before
 
 
 SCENARIOS = [
@@ -53,7 +54,15 @@ SCENARIOS = [
              max_instances=2),
     Scenario("an idle second instance, a core spare", ((True, 2), (True, 0)), queued=3, slots=3),
     Scenario("the function's one instance, the cores taken", ((True, 0),), queued=1, busy_elsewhere=2),
+    Scenario("a first instance, the cores taken", (), queued=1, busy_elsewhere=2),
+    Scenario("another function waits for a core: the running instance yields", ((True, 2),), queued=2,
+             busy_elsewhere=1, other_waits=True),
+    Scenario("another function waited first: a core spare, but not its turn", ((True, 0),), queued=1,
+             other_waits=True),
+    Scenario("another function waits, the cores taken: no start either", (), queued=1, busy_elsewhere=2,
+             other_waits=True),
 ]
+WAITED_S = NOW_S - 0.2  # when the other function began waiting
 
 
 def _spec(name: str, max_instances: int) -> FunctionSpec:
@@ -75,6 +84,8 @@ def agent_view(s: Scenario, expected_start_s: float | None):
         agent.scheduler.observe_prefill("fn", SLO_S, size, seconds)
     if expected_start_s is not None:
         agent.last_scale_out_s["fn"] = expected_start_s
+    if s.other_waits:
+        agent.compute_turns.note(Identity.of(other), AdmissionDecision("wait", "no_compute"), WAITED_S)
     return agent.admission_view(spec, s.queued)
 
 
@@ -100,6 +111,8 @@ def sim_view(s: Scenario):
         _sim_add(sim, "other", f"o{k}", device, True, 1, started_s=0.0)
     for size, seconds in s.prefills:
         sim.scheduler.observe_prefill("fn", SLO_S, size, seconds)
+    if s.other_waits:
+        sim.admission.turns.note("other", AdmissionDecision("wait", "no_compute"), WAITED_S)
     return sim.admission.view("fn", fs, s.queued)
 
 
@@ -129,4 +142,5 @@ def test_the_table_covers_every_kind_of_decision() -> None:
     seen = {decide_admission(sim_view(s)).action for s in SCENARIOS}
     reasons = {decide_admission(sim_view(s)).reason for s in SCENARIOS}
     assert seen == {"dispatch", "start", "await_start", "wait"}
-    assert {"room", "join", "first_instance", "scale_out", "cold_start", "max_instances", "no_compute"} <= reasons
+    assert {"room", "join", "first_instance", "scale_out", "cold_start", "max_instances", "no_compute",
+            "yield"} <= reasons

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
+    ComputeTurns,
     InstanceLoad,
     StartOption,
     can_join,
@@ -29,6 +30,10 @@ class SimAdmission:
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
         self.waits: dict[str, int] = {}  # reason -> times a queue had to wait for it (the report's "why it waited")
+        # strict compute on a CPU device, as the agent: functions waiting for a core take turns (one device per
+        # node there; on several devices the turns are the cluster's, a simplification no shipped CPU cluster meets)
+        self.strict = sim.cluster.device_kind == "cpu" and sim.policy.agent_admission
+        self.turns = ComputeTurns()
 
     def slo_batch(self, name: FunctionName, fs: FunctionState) -> int:
         policy = self.sim.policy
@@ -39,6 +44,7 @@ class SimAdmission:
     def view(self, name: FunctionName, fs: FunctionState, queue_length: int,
              excluded: frozenset[str] = frozenset()) -> AdmissionView:
         sim = self.sim
+        waiting_others, waiting_ahead = self.turns.counts(name, sim.now)
         loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
                                    i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots)
                       for i in fs.instances)
@@ -58,6 +64,9 @@ class SimAdmission:
             worker_capacity=capacity, adaptive=adaptive, max_instances=max_instances, instances=loads,
             start_options=tuple(options),
             requests_per_background_start=sim.scheduler.config.requests_per_background_start,
+            strict_compute=self.strict, compute_waiting_others=waiting_others, compute_waiting_ahead=waiting_ahead,
+            compute_waited_s=self.turns.waited_s(name, sim.now),
+            max_compute_wait_s=sim.scheduler.config.max_compute_wait_s,
         )
 
     def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:
@@ -78,6 +87,7 @@ class SimAdmission:
         excluded: frozenset[str] = frozenset()
         while True:
             decision = decide_admission(self.view(name, fs, queue_length, excluded))
+            self.turns.note(name, decision, sim.now)
             if decision.action == "start":
                 device = sim.mem.by_id[decision.device]
                 instance = sim.start_on(name, fs, device, queue_length)
@@ -104,6 +114,9 @@ class SimAdmission:
         else:  # every instance is full and none can start: a request's end or freed memory wakes it
             fs.blocked = True
             sim.blocked[name] = None
+            if decision.reason == "no_compute" and self.strict:  # or its wait for a core runs out
+                max_wait_s = sim.scheduler.config.max_compute_wait_s
+                sim.recheck(name, fs, sim.now + max_wait_s - self.turns.waited_s(name, sim.now))
         return False
 
     def _send(self, fs: FunctionState, instance, size: int) -> None:

@@ -366,7 +366,15 @@ class Simulator:
 
     def _retry_blocked(self) -> None:
         """Waiting functions in the order they blocked; stop at the first that still cannot start (memory freed by
-        one event rarely serves more than the head of the line, and retrying everyone is O(blocked) views)."""
+        one event rarely serves more than the head of the line, and retrying everyone is O(blocked) views). Under
+        strict compute every one looks, those waiting for a core first: a freed core goes to the longest waiting, and
+        the running instances that yielded to it may take requests again once nobody waits."""
+        if self.admission.strict:
+            waiting = self.admission.turns.waiting(self.now)
+            for name in [*waiting, *(n for n in self.blocked if n not in waiting)]:
+                if name in self.blocked:
+                    self._pump(name)
+            return
         for name in list(self.blocked):
             if name in self.blocked:
                 self._pump(name)

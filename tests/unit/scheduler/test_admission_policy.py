@@ -1,8 +1,17 @@
 """The one admission policy the node agent and the simulator both carry out (`decide_admission`)."""
 
+from dataclasses import replace
+
 import pytest
 
-from lorafaas.scheduler import AdmissionView, InstanceLoad, StartOption, decide_admission
+from lorafaas.scheduler import (
+    AdmissionDecision,
+    AdmissionView,
+    ComputeTurns,
+    InstanceLoad,
+    StartOption,
+    decide_admission,
+)
 
 CPU = StartOption("cpu", busy_instances=0, compute_slots=2, expected_start_s=0.1)
 
@@ -106,3 +115,65 @@ def test_every_function_may_run_one_instance_whatever_the_device_load() -> None:
     decision = decide_admission(view(idle("b", spare_compute=False, started_s=2.0),
                                      idle("a", spare_compute=False, started_s=1.0), options=(full,)))
     assert (decision.action, decision.reason, decision.instance_id) == ("dispatch", "room", "a")
+
+
+# -- strict compute (a CPU): never more busy instances than slots, functions taking turns ---------------------------
+
+FULL = StartOption("cpu", busy_instances=2, compute_slots=2, expected_start_s=0.1)
+
+
+def strict(v: AdmissionView, others: int = 0, ahead: int | None = None) -> AdmissionView:
+    return replace(v, strict_compute=True, compute_waiting_others=others,
+                   compute_waiting_ahead=others if ahead is None else ahead)
+
+
+def test_strictly_a_function_s_one_idle_instance_waits_for_a_core_other_functions_hold() -> None:
+    loose = view(idle("a", spare_compute=False), options=())
+    assert decide_admission(loose).action == "dispatch"  # the GPU rule: every function may run one instance
+    decision = decide_admission(strict(loose))
+    assert (decision.action, decision.reason) == ("wait", "no_compute")
+
+
+def test_strictly_a_first_instance_does_not_start_on_a_full_device() -> None:
+    assert decide_admission(view(options=(FULL,))).action == "start"
+    decision = decide_admission(strict(view(options=(FULL,))))
+    assert (decision.action, decision.reason) == ("wait", "no_compute")
+
+
+def test_while_another_function_waits_for_a_core_a_running_instance_takes_no_more() -> None:
+    running = view(ready("a", 1), queue=2, options=(FULL,))
+    assert decide_admission(strict(running)).reason == "room"  # nobody waits: the batch grows
+    decision = decide_admission(strict(running, others=1))
+    assert (decision.action, decision.reason) == ("wait", "yield")
+
+
+def test_a_freed_core_goes_to_the_function_that_waited_longest() -> None:
+    spare = view(idle("a", spare_compute=True), options=(CPU,))
+    first = decide_admission(strict(spare, others=1, ahead=0))
+    assert (first.action, first.instance_id) == ("dispatch", "a")
+    behind = decide_admission(strict(spare, others=1, ahead=1))
+    assert (behind.action, behind.reason) == ("wait", "no_compute")
+    nothing = decide_admission(strict(view(options=(CPU,)), others=1, ahead=1))  # nor may it start one
+    assert (nothing.action, nothing.reason) == ("wait", "no_compute")
+
+
+def test_compute_turns_keep_the_order_functions_began_waiting_and_forget_the_stale() -> None:
+    turns = ComputeTurns(stale_after_s=1.0)
+    waits, runs = AdmissionDecision("wait", "no_compute"), AdmissionDecision("dispatch", "room", "i", size=1)
+    turns.note("f", waits, 0.0)
+    turns.note("g", waits, 0.1)
+    turns.note("f", waits, 0.5)  # asking again keeps its place
+    assert turns.counts("f", 0.6) == (1, 0) and turns.counts("g", 0.6) == (1, 1) and turns.counts("h", 0.6) == (2, 2)
+    assert turns.waited_s("f", 0.6) == 0.6 and turns.waited_s("h", 0.6) == 0.0
+    turns.note("f", runs, 0.7)  # it got its core
+    assert turns.counts("g", 0.7) == (0, 0)
+    assert turns.waiting(1.2) == []  # g was last told no_compute at 0.1: its queue went away unannounced
+
+
+def test_a_function_that_waited_its_longest_for_a_core_runs_beside_the_busy_ones() -> None:
+    held = strict(view(idle("a", spare_compute=False), options=()), others=1, ahead=1)
+    assert decide_admission(replace(held, compute_waited_s=9.9, max_compute_wait_s=10.0)).reason == "no_compute"
+    overdue = decide_admission(replace(held, compute_waited_s=10.0, max_compute_wait_s=10.0))
+    assert (overdue.action, overdue.reason, overdue.instance_id) == ("dispatch", "overdue", "a")
+    first = decide_admission(replace(strict(view(options=(FULL,))), compute_waited_s=12.0))
+    assert (first.action, first.reason) == ("start", "overdue")
