@@ -33,6 +33,10 @@ class SchedulerConfig:
     # arrival rates: exponentially decaying event count with time constant `rate_window_s`
     rate_window_s: float = 60.0
     rate_min_horizon_s: float = 1.0  # a rate is never computed over less than this (no 1/0 at the first arrival)
+    # the least rate a deployed function is planned with: one never invoked (or quiet for longer than the window
+    # remembers) is still expected about once an hour, so its artifacts are staged where memory is idle rather than
+    # loaded from disk by its first burst (docs/scheduler.md: Bursty's worst TTFTs were first bursts)
+    rate_floor_per_s: float = 1.0 / 3600
     rate_change_tolerance: float = 0.25  # relative change of any rate that calls for a new pre-load plan
 
     # batching: T(b) = T0 + a(b-1), fitted online; priors until two distinct batch sizes are seen
@@ -87,6 +91,8 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:
             raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
+        if not self.rate_floor_per_s >= 0:
+            raise ValueError(f"SchedulerConfig.rate_floor_per_s is {self.rate_floor_per_s}; must be >= 0")
         if self.rate_change_tolerance <= 0:
             raise ValueError(f"SchedulerConfig.rate_change_tolerance is {self.rate_change_tolerance}; must be > 0")
         if self.preload_seeded_max_functions < 0 or self.preload_seeds < 0:

@@ -58,12 +58,14 @@ class RateTracker:
         self._planned.pop(function, None)
 
     def apply(self, view: ClusterView, now_s: float) -> ClusterView:
-        """The view with each profile's arrival rate replaced by the estimate (functions never seen keep theirs)."""
+        """The view with each profile's arrival rate replaced by the estimate (functions never seen keep theirs), and
+        none below `rate_floor_per_s`."""
         functions = dict(view.functions)
         for name, profile in view.functions.items():
             estimate = self.rate(name, now_s)
-            if estimate is not None and estimate != profile.arrival_rate_per_s:
-                functions[name] = dataclasses.replace(profile, arrival_rate_per_s=estimate)
+            rate = max(profile.arrival_rate_per_s if estimate is None else estimate, self.config.rate_floor_per_s)
+            if rate != profile.arrival_rate_per_s:
+                functions[name] = dataclasses.replace(profile, arrival_rate_per_s=rate)
         return dataclasses.replace(view, functions=functions)
 
     def mark_planned(self, now_s: float) -> None:

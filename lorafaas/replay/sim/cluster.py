@@ -94,6 +94,9 @@ class ClusterSpec:
     # None: the cores on a CPU, 1 on a GPU)
     core_interference: float = 0.0  # CPU: each busy core beyond the first slows every one by this much (shared
     # caches and memory bandwidth)
+    # the functions are deployed this long before the first arrival: a policy that pre-loads has planned (and
+    # billed) its staging by then, as the node agent's plan runs within plan_interval_s of a deploy
+    deploy_lead_s: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -229,6 +232,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         dev.number("cores", low=1.0, high=4096.0) if "cores" in dev.data else None,
         dev.integer("compute_slots", low=1, high=100_000) if "compute_slots" in dev.data else None,
         dev.number("core_interference", 0.0, 0.0, 10.0),
+        top.number("deploy_lead_s", 0.0, 0.0, 86_400.0),
     )
 
 

@@ -167,7 +167,8 @@ class Simulator:
         if self.policy.serverful:
             self._start_servers()
         elif self.policy.preloading:
-            self.push(0.0, "plan", "tick")
+            self.now = -self.cluster.deploy_lead_s  # the deploy's plan, before the trace's first arrival
+            self.push(self.now, "plan", "tick")
         requests = self.workload.requests
         i = 0
         while i < len(requests) or self.events:

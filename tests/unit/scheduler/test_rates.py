@@ -62,3 +62,18 @@ def test_replan_only_on_a_real_change() -> None:
     tracker.mark_planned(now)
     tracker.forget("f")
     assert not tracker.changed_since_plan(now)
+
+
+def test_no_deployed_function_is_planned_below_the_floor() -> None:
+    """A function never invoked, or quiet for hours, is still planned at `rate_floor_per_s`, so its artifacts are
+    staged in idle memory before its first burst (Bursty's worst TTFTs were first bursts loading from disk)."""
+    tracker = RateTracker(SchedulerConfig(rate_window_s=60, rate_floor_per_s=1 / 3600))
+    tracker.observe_arrival("quiet", 0.0)
+    rated = tracker.apply(view([fn("quiet", rate=0.0), fn("never", rate=0.0), fn("hot", rate=5.0)]), 4 * 3600.0)
+    assert rated.functions["quiet"].arrival_rate_per_s == pytest.approx(1 / 3600)
+    assert rated.functions["never"].arrival_rate_per_s == pytest.approx(1 / 3600)
+    assert rated.functions["hot"].arrival_rate_per_s == 5.0  # never seen here: it keeps the rate it came with
+    off = RateTracker(SchedulerConfig(rate_floor_per_s=0.0)).apply(view([fn("never", rate=0.0)]), 10.0)
+    assert off.functions["never"].arrival_rate_per_s == 0.0
+    with pytest.raises(ValueError, match="rate_floor_per_s"):
+        SchedulerConfig(rate_floor_per_s=-1.0)

@@ -32,6 +32,14 @@ def test_plan_uses_online_rates() -> None:
     assert scheduler.should_replan(14.0)
 
 
+def test_a_function_never_invoked_is_staged_only_above_a_zero_floor() -> None:
+    v = view([fn("new", rate=0.0, warmup=None)], devices=[("d0", 100, 0)], slots=[("s0", 100, 0, None)])
+    staged = Scheduler(SchedulerConfig(), random.Random(0)).plan(v, now_s=0.0)
+    assert {(p.function, p.kind) for p in staged.preloads} >= {("new", "libraries"), ("new", "backbone")}
+    unstaged = Scheduler(SchedulerConfig(rate_floor_per_s=0.0), random.Random(0)).plan(v, now_s=0.0)
+    assert unstaged.preloads == ()
+
+
 def test_decisions_route_to_the_policies() -> None:
     scheduler = Scheduler(SchedulerConfig(fixed_keep_alive_s=42))
     decision = scheduler.decide_batch("f", 0.5, queue_len=1, oldest_wait_s=0.0, now_s=0.0)
