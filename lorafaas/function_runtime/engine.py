@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lorafaas.errors import InvalidInput, PromptTooLong
 from lorafaas.function_runtime.grammar import GrammarCompiler, GrammarMatcher
@@ -37,6 +38,10 @@ from lorafaas.function_runtime.sampling import (
     token_logprobs,
 )
 from lorafaas.models.reference import chat_template_ids
+
+# transformers 5.2x renamed the KV cache's argument and output field from `past_key_values` to `cache`, and warns on
+# every use of the old name (into each worker's log): use the name the installed version defines
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -208,10 +213,10 @@ class GenerationEngine:
             input_ids=self._next_input.unsqueeze(1),
             attention_mask=mask,
             position_ids=self._positions.unsqueeze(1),
-            past_key_values=self._cache,
             use_cache=True,
+            **{CACHE_FIELD: self._cache},
         )
-        self._cache, self._mask = out.past_key_values, mask
+        self._cache, self._mask = getattr(out, CACHE_FIELD), mask
         self._positions = self._positions + 1
         logits = out.logits[:, -1, :]
         outputs, done = [], set()
@@ -246,7 +251,7 @@ class GenerationEngine:
             if output.finish_reason is None:
                 joining.append((row, seq, output.token_id))
         if joining:
-            self._join(joining, out.past_key_values, mask)
+            self._join(joining, getattr(out, CACHE_FIELD), mask)
         return outputs
 
     def _next(self, seq: _Sequence, logits: torch.Tensor) -> StepOutput:
@@ -295,8 +300,8 @@ class GenerationEngine:
             end = min(start + chunk, ids.shape[1])
             positions = torch.arange(start, end, device=self.device).unsqueeze(0)
             out = self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+                             use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+            cache = getattr(out, CACHE_FIELD)
         return out
 
     def _emit(self, seq: _Sequence, token_id: int) -> StepOutput:

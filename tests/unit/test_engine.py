@@ -1,5 +1,7 @@
 """The generation engine: continuous batching gives each request exactly what it gets alone."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -253,3 +255,15 @@ def test_logprobs_of_each_token_batched_equal_alone(engine: GenerationEngine) ->
         assert [t.token_id for t in got.top] == [t.token_id for t in want.top]
         assert len(got.top) == 4 and got.top[0].logprob >= got.top[-1].logprob
         assert got.sampled.token == engine.tokenizer.decode([got.sampled.token_id])
+
+
+def test_a_step_uses_no_deprecated_transformers_name(engine: GenerationEngine, caplog) -> None:
+    """Every deprecation warning a step raises lands in the worker's log on every request (transformers 5.2x renamed
+    `past_key_values` to `cache`; the engine must use the installed version's name)."""
+    requests = {"a": ("The ocean is", SamplingParams(max_tokens=4)), "b": ("Arr", SamplingParams(max_tokens=3))}
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+        warnings.simplefilter("always")
+        run(engine, requests, arrivals={0: ["a"], 1: ["b"]})  # a prefill, decode steps and a row joining
+    deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
+    deprecated += [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage().lower()]
+    assert deprecated == []
