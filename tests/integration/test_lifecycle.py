@@ -91,24 +91,35 @@ def http_client(platform: PlatformProcess, key: str) -> httpx.AsyncClient:
 
 def test_a_deleted_function_never_answers_again_not_even_for_whoever_deploys_its_name_next(home, adapters) -> None:
     long = body(max_tokens=48)
-    with PlatformProcess(home) as platform, platform.client() as admin:
+    # A long hang timeout: the worker is paused below while the delete lands, which is not a hang.
+    with PlatformProcess(home, extra_args=("--hang-timeout", "120")) as platform, platform.client() as admin:
         key_a, key_b = admin.create_key("team-a")["key"], admin.create_key("team-b")["key"]
         expected = {name: reference(admin, adapters[name], long) for name in ("alpha", "beta", "gamma")}
         assert len(set(expected.values())) == 3, "the adapters answer differently"
         with ApiClient(platform.url, key_a) as a, ApiClient(platform.url, key_b) as b:
             deploy(a, "x", adapters["alpha"], max_instances=1)
             assert a.invoke("x", long)["text"] == expected["alpha"]
+            [worker] = a.describe("x")["instances"]
 
             async def delete_under_load() -> list[dict]:
                 async with http_client(platform, key_a) as http:
-                    streams = [asyncio.create_task(stream(http, "x", long)) for _ in range(24)]
-                    for _ in range(500):  # the worker's batch (8) is full: the other 16 are queued
-                        instances = (await http.get("/v1/functions/x")).json()["instances"]
-                        if instances and instances[0]["in_flight"] >= 8:
-                            break
-                        await asyncio.sleep(0.01)
-                    deleted = await http.delete("/v1/functions/x")
-                    assert deleted.status_code == 200, deleted.text
+                    # The worker is paused while the 24 arrive and the delete lands (on a loaded machine the batch
+                    # could otherwise end before the delete, leaving nothing queued to fail).
+                    os.kill(worker["pid"], signal.SIGSTOP)
+                    try:
+                        streams = [asyncio.create_task(stream(http, "x", long)) for _ in range(24)]
+                        for _ in range(400):  # the worker's batch (8) is full: the other 16 are queued
+                            described = (await http.get("/v1/functions/x")).json()
+                            held = sum(i["in_flight"] for i in described["instances"])
+                            if held == 8 and described["admission"]["queued"] == 16:
+                                break
+                            await asyncio.sleep(0.05)
+                        else:
+                            raise AssertionError(f"24 requests not held and queued: {described}")
+                        deleted = await http.delete("/v1/functions/x")
+                        assert deleted.status_code == 200, deleted.text
+                    finally:
+                        os.kill(worker["pid"], signal.SIGCONT)
                     return await asyncio.gather(*streams)
 
             results = asyncio.run(delete_under_load())
