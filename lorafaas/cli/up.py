@@ -33,6 +33,10 @@ def up(
                                              help="Instances the device runs at full speed at once; a function "
                                                   "scales out only while fewer are busy (default: cores on a CPU, "
                                                   "1 on a GPU)."),
+    threads_per_instance: int = typer.Option(1, "--threads-per-instance", min=1, max=256,
+                                             help="Torch threads of each function instance; on a CPU the compute "
+                                                  "slots default to cores / this (docs/performance.md measures 1 "
+                                                  "and 2 here)."),
     hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,
                                        help="Seconds an instance holding requests may leave a heartbeat unanswered "
                                             "before it is declared hung: its requests are retried or failed, and "
@@ -48,7 +52,7 @@ def up(
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
-        compute_slots=compute_slots, hang_timeout_s=hang_timeout,
+        compute_slots=compute_slots, threads_per_instance=threads_per_instance, hang_timeout_s=hang_timeout,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{_local_address(host)}:{port}"

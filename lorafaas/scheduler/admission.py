@@ -26,10 +26,11 @@ With `strict_compute` (a CPU, where a process beyond the cores only time-slices 
 device never has more busy instances than compute slots, counted across functions, and functions take turns: an idle
 instance begins running, and an instance starts, only where a slot is spare and no other function has waited for one
 longer (`compute_waiting_ahead`); while another function waits (`compute_waiting_others`), a running instance takes
-no new requests, so its batch drains within a generation and its slot passes on (`yield`). A function that has waited
-`max_compute_wait_s` for a core is overdue: it runs beside the busy instances anyway (`overdue`), so one tenant's long
-generations delay another's first token by a bounded time. Without strict compute (a GPU in the simulator, one slot
-each) every function may run one instance on a full device, as rule 1 says.
+no new requests, so its batch drains within a generation and its slot passes on (`yield`), and a function taking its
+turn takes what it has queued up to the worker's join limit, not only B (the rest would wait a whole round). A
+function that has waited `max_compute_wait_s` for a core is overdue: it runs beside the busy instances anyway
+(`overdue`), so one tenant's long generations delay another's first token by a bounded time. Without strict compute
+(a GPU in the simulator, one slot each) every function may run one instance on a full device, as rule 1 says.
 """
 
 from __future__ import annotations
@@ -153,11 +154,13 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
     runnable = _runnable(ready, strict, yielding=strict and view.compute_waiting_others > 0,
                          turn=not strict or view.compute_waiting_ahead == 0)
     with_room = [i for i in runnable if i.in_flight < cap]
+    limit = join_limit(view.slo_batch, capacity, view.adaptive)
     if with_room:
         best = _least_loaded(with_room)
-        size = min(view.queue_length, cap - best.in_flight)
-        return AdmissionDecision("dispatch", "room", best.instance_id, size=size)
-    limit = join_limit(view.slo_batch, capacity, view.adaptive)
+        room = cap - best.in_flight
+        if strict and view.compute_waiting_others > 0:  # a turn: what is queued now goes in it (up to the join
+            room = max(room, limit - best.in_flight)  # limit), or it would wait a whole round of other turns
+        return AdmissionDecision("dispatch", "room", best.instance_id, size=min(view.queue_length, room))
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None

@@ -48,3 +48,27 @@ def write_random_adapter(
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write `--count` random adapters of a backbone in a lorafaas home, one directory each (`PREFIX-1`, ...): the
+    extra adapters of a benchmark over more functions than the demo's three (docs/performance.md)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lorafaas.testing.synthetic_adapters", description=main.__doc__)
+    parser.add_argument("--home", type=Path, required=True, help="the lorafaas home holding the backbone")
+    parser.add_argument("--backbone", default="smollm2-135m")
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prefix", default="synthetic")
+    args = parser.parse_args(argv)
+    if not 1 <= args.count <= 1000:
+        parser.error(f"--count is {args.count}; must be in [1, 1000]")
+    store = ModelStore(args.home / "models")
+    for k in range(1, args.count + 1):
+        print(write_random_adapter(args.out / f"{args.prefix}-{k}", store, args.backbone, seed=k))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

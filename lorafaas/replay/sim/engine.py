@@ -240,10 +240,8 @@ class Simulator:
             if n >= policy.fixed_batch_size or oldest_wait >= policy.fixed_batch_timeout_s - 1e-9:
                 return min(n, policy.fixed_batch_size)
             recheck = self.now + policy.fixed_batch_timeout_s - oldest_wait
-        elif (
-            not policy.fill_or_expire
-        ):  # the agent's default: at once, up to B (each instance takes what it has room for)
-            return min(n, self.scheduler.batch_policy(name, fs.spec.slo_ttft_s).max_batch_size)
+        elif not policy.fill_or_expire:  # the agent's default: the whole queue at once; admission sizes each part
+            return n
         else:
             decision = self.scheduler.decide_batch(name, fs.spec.slo_ttft_s, n, oldest_wait, self.now)
             if decision.dispatch or decision.recheck_at_s <= self.now + 1e-9:  # expired up to rounding
