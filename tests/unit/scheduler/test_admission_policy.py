@@ -177,3 +177,10 @@ def test_a_function_that_waited_its_longest_for_a_core_runs_beside_the_busy_ones
     assert (overdue.action, overdue.reason, overdue.instance_id) == ("dispatch", "overdue", "a")
     first = decide_admission(replace(strict(view(options=(FULL,))), compute_waited_s=12.0))
     assert (first.action, first.reason) == ("start", "overdue")
+
+
+def test_a_function_taking_its_turn_takes_its_queue_up_to_the_join_limit_not_only_b() -> None:
+    spare = view(idle("a", spare_compute=True), queue=10, slo_batch=4, capacity=8, options=(CPU,))
+    assert decide_admission(strict(spare)).size == 4  # nobody waits: B now, the rest may scale out or join later
+    turn = decide_admission(strict(spare, others=1, ahead=0))
+    assert (turn.action, turn.instance_id, turn.size) == ("dispatch", "a", 8)  # the rest would wait a whole round
