@@ -58,7 +58,8 @@ class PodRecord:
 
 
 class PodRuntime(Protocol):
-    def start(self, kubelet: FakeKubelet, pod: k8s.V1Pod, record: PodRecord) -> dict: ...  # the first status
+    def start(self, kubelet: FakeKubelet, pod: k8s.V1Pod, record: PodRecord) -> dict | None:
+        """The pod's first status, for the kubelet to post; None when the runtime posts its statuses itself."""
 
     def stop(self, record: PodRecord, grace_s: float) -> None: ...
 
@@ -342,7 +343,8 @@ class FakeKubelet:
                 waiting = {"waiting": {"reason": "RunContainerError", "message": str(exc)}}
                 status = {"phase": "Pending", "conditions": conditions(False),
                           "containerStatuses": [container_status(c, waiting, False) for c in pod.spec.containers]}
-            self.patch_status(record.namespace, record.name, status)
+            if status is not None:
+                self.patch_status(record.namespace, record.name, status)
 
     def _terminate(self, record: PodRecord, grace_s: float) -> None:
         """Graceful deletion: the pod stays (with its deletionTimestamp) while its containers stop, then goes."""
