@@ -219,18 +219,28 @@ def field_value(pod: k8s.V1Pod, field_path: str) -> str:
 
 
 def sandbox_script(mounts: list[Mount], hosts: Path | None, working_dir: str | None = None) -> str:
-    """A shell script that makes the mounts (in a private mount namespace), then execs its arguments."""
+    """A bash script that makes the mounts (in a private mount namespace), then execs its arguments.
+
+    Every source is opened before the first mount (and mounted through /proc/self/fd), since a mount may hide the
+    path of a later source: an emptyDir on /tmp hides a kubelet directory under /tmp."""
+    mounts = [*mounts, *([Mount(hosts, "/etc/hosts", False)] if hosts else [])]
+    fds = range(3, 3 + len(mounts))
     lines = ["set -e"]
-    for mount in [*mounts, *([Mount(hosts, "/etc/hosts", False)] if hosts else [])]:
+    if mounts:
+        lines.append("exec " + " ".join(f"{fd}<{shlex.quote(str(m.source))}"
+                                        for fd, m in zip(fds, mounts, strict=True)))
+    for fd, mount in zip(fds, mounts, strict=True):
         target = shlex.quote(mount.target)
         if mount.source.is_dir():
             lines.append(f"mkdir -p {target}")
         else:
             lines.append(f"mkdir -p {shlex.quote(str(PurePosixPath(mount.target).parent))}; "
                          f"[ -e {target} ] || touch {target}")
-        lines.append(f"mount --bind {shlex.quote(str(mount.source))} {target}")
+        lines.append(f"mount --bind /proc/self/fd/{fd} {target}")
         if mount.read_only:
             lines.append(f"mount -o remount,bind,ro {target}")
+    if mounts:
+        lines.append("exec " + " ".join(f"{fd}<&-" for fd in fds))
     if working_dir:
         lines.append(f"cd {shlex.quote(working_dir)}")
     lines.append('exec "$@"')

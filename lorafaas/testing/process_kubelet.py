@@ -57,7 +57,7 @@ MAX_BACKOFF_S = 10.0
 
 def missing_tools() -> list[str]:
     """What the process kubelet needs and this machine lacks: root and the namespace tools."""
-    missing = [tool for tool in ("ip", "nsenter", "unshare", "mount") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "bash") if shutil.which(tool) is None]
     return missing + (["root (uid 0)"] if os.geteuid() != 0 else [])
 
 
@@ -194,7 +194,7 @@ class ProcessRuntime:
         script = pod_dir / f"{container.name}.sh"
         script.write_text(sandbox_script(run.volumes.mounts(container), run.hosts, container.working_dir))
         sandbox = ["nsenter", f"--net={self.network.netns_path(record.uid)}", "--",
-                   "unshare", "--mount", "--propagation", "private", "--", "/bin/sh", str(script)]
+                   "unshare", "--mount", "--propagation", "private", "--", "bash", str(script)]
         log = open(self.work_dir / f"{record.name}.{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
         with log:
             return subprocess.Popen([*sandbox, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
