@@ -72,10 +72,20 @@ class ServiceProxy:
     def stop(self) -> None:
         self._services.stop()
         self._endpoint_watch.stop()
-        for server in list(self._servers.values()):
-            self._loop.call_soon_threadsafe(server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        self._loop.close()
+
+    async def _close(self) -> None:
+        """The listeners, then the connections still open."""
+        for server in self._servers.values():
+            server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def kubernetes_service(self) -> tuple[str, int]:
         """Where a pod finds the API server: KUBERNETES_SERVICE_HOST and _PORT."""

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from k8s_env import CHART, wait_until
+from k8s_env import CHART, require_process_kubelet, wait_until
 from kubernetes.client.exceptions import ApiException
 
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.testing.fake_kubelet import FakeKubelet
 from lorafaas.testing.k8s_cluster import ControlPlane
 from lorafaas.testing.platform_process import PlatformProcess
-from lorafaas.testing.process_kubelet import ProcessRuntime, missing_tools
+from lorafaas.testing.process_kubelet import ProcessRuntime
 
 helm = pytest.importorskip("helm_python")
 k8s = pytest.importorskip("kubernetes.client")
@@ -89,8 +89,7 @@ class HelmCluster:
 
 @pytest.fixture
 def helm_cluster(control_plane: ControlPlane, tmp_path: Path) -> Iterator[HelmCluster]:
-    if missing_tools():
-        pytest.skip(f"the process kubelet needs {', '.join(missing_tools())}")
+    require_process_kubelet()
     api = control_plane.api_client()
     core = k8s.CoreV1Api(api)
     namespace = f"helm-{secrets.token_hex(3)}"

@@ -12,18 +12,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from k8s_env import Release, wait_until
+from k8s_env import Release, require_process_kubelet, wait_until
 
 from lorafaas.testing.fake_kubelet import FakeKubelet
-from lorafaas.testing.process_kubelet import ProcessRuntime, missing_tools
+from lorafaas.testing.process_kubelet import ProcessRuntime
 
 NODE = "proc-1"
 
 
 @pytest.fixture
 def process_kubelet(release: Release, tmp_path: Path) -> Iterator[tuple[FakeKubelet, ProcessRuntime]]:
-    if missing_tools():
-        pytest.skip(f"the process kubelet needs {', '.join(missing_tools())}")
+    require_process_kubelet()
     runtime = ProcessRuntime(release.plane.api_client(), tmp_path)
     kubelet = FakeKubelet(release.plane.api_client(), [NODE], runtime=runtime)
     kubelet.start()
@@ -93,6 +92,7 @@ for ro in ('/etc/settings/x', '/etc/key/x', '/node/x'):
     except OSError:
         pass
 assert pathlib.Path('/node/mark').read_text() == 'on the node'
+assert os.listdir('/tmp') == [], 'the emptyDir on /tmp starts empty'
 """
     node_dir = tmp_path / "nodes" / NODE / "srv" / "data"
     node_dir.mkdir(parents=True)
@@ -103,7 +103,9 @@ assert pathlib.Path('/node/mark').read_text() == 'on the node'
         volumes=[{"name": "work", "emptyDir": {}}, {"name": "settings", "configMap": {"name": "settings"}},
                  {"name": "key", "secret": {"secretName": "key"}},
                  {"name": "node", "hostPath": {"path": "/srv/data", "type": "Directory"}}])
-    pod["spec"]["containers"][0]["volumeMounts"] = [
+    pod["spec"]["volumes"].append({"name": "scratch", "emptyDir": {}})
+    pod["spec"]["containers"][0]["volumeMounts"] = [  # /tmp hides the kubelet's directories: mounted all the same
+        {"name": "scratch", "mountPath": "/tmp"},
         {"name": "work", "mountPath": "/work"}, {"name": "settings", "mountPath": "/etc/settings"},
         {"name": "key", "mountPath": "/etc/key"}, {"name": "node", "mountPath": "/node", "readOnly": True}]
     admin.create_namespaced_pod(release.namespace, pod)
