@@ -15,7 +15,8 @@ would run them in containers, well enough for the Helm chart to run unmodified.
   under restartPolicy Never, else is run again with restartCount raised); `env` values, `secretKeyRef`,
   `configMapKeyRef` and the downward API (metadata.*, spec.nodeName, status.podIP, status.hostIP), `$(VAR)`
   expansion as the kubelet does it. Readiness comes from the readiness probe (tcpSocket, httpGet, exec inside the
-  container's namespaces) every `periodSeconds`. A container that exits ends the pod (restartPolicy Never: Failed or
+  container's namespaces) every `periodSeconds`, with its `timeoutSeconds`, `successThreshold` and
+  `failureThreshold`. A container that exits ends the pod (restartPolicy Never: Failed or
   Succeeded with its exit code; SIGKILL reports 137, as the OOM killer's victims do) or is started again (Always,
   OnFailure) after a back-off, with restartCount raised.
 
@@ -243,6 +244,7 @@ class ProcessRuntime:
         last: tuple | None = None
         ready: dict[str, bool] = {}
         probed_at: dict[str, float] = {}
+        streaks: dict[str, tuple[bool, int]] = {}  # container -> (last probe result, how many in a row)
         exited_at: dict[str, float] = {}
         policy = run.pod.spec.restart_policy
         while not run.stopping:
@@ -252,6 +254,7 @@ class ProcessRuntime:
                     if policy == "OnFailure" and code == 0:
                         continue
                     ready[name] = False
+                    streaks.pop(name, None)
                     at = exited_at.setdefault(name, time.monotonic())
                     if time.monotonic() - at >= _backoff(run.restarts.get(name, 0) + 1):
                         container = next(c for c in run.pod.spec.containers if c.name == name)
@@ -273,7 +276,14 @@ class ProcessRuntime:
                 period = (probe.period_seconds or 10) if probe else 0
                 if time.monotonic() - probed_at.get(container.name, 0.0) >= period:
                     probed_at[container.name] = time.monotonic()
-                    ready[container.name] = self._probe(container, record, process.pid)
+                    passed = self._probe(container, record, process.pid)
+                    # as the kubelet does: successThreshold passes in a row make it ready, failureThreshold fails
+                    # in a row unready
+                    same, count = streaks.get(container.name, (passed, 0))
+                    count = count + 1 if same == passed else 1
+                    streaks[container.name] = (passed, count)
+                    if count >= _threshold(probe, passed):
+                        ready[container.name] = passed
             all_ready = all(ready.get(c.name, False) for c in run.pod.spec.containers)
             state = (all_ready, tuple(sorted(run.restarts.items())))
             if state != last:
@@ -287,21 +297,22 @@ class ProcessRuntime:
             return True
         if probe.tcp_socket is not None:
             try:
-                with socket.create_connection((record.pod_ip, _port(container, probe.tcp_socket.port)), timeout=1):
+                with socket.create_connection((record.pod_ip, _port(container, probe.tcp_socket.port)),
+                                              timeout=probe.timeout_seconds or 1):
                     return True
             except OSError:
                 return False
         if probe.http_get is not None:
             url = f"http://{record.pod_ip}:{_port(container, probe.http_get.port)}{probe.http_get.path or '/'}"
             try:
-                return 200 <= httpx.get(url, timeout=1).status_code < 400
+                return 200 <= httpx.get(url, timeout=probe.timeout_seconds or 1).status_code < 400
             except httpx.HTTPError:
                 return False
         command = getattr(probe, "var_exec", None)  # `exec` in the API; the client's model renames it
         if command is not None:  # inside the container: its network and its mounts
             try:
                 return subprocess.run(["nsenter", "--target", str(pid), "--net", "--mount", "--", *command.command],
-                                      capture_output=True, timeout=probe.timeout_seconds or 5).returncode == 0
+                                      capture_output=True, timeout=probe.timeout_seconds or 1).returncode == 0
             except subprocess.TimeoutExpired:
                 return False
         return True
@@ -337,6 +348,13 @@ class ProcessRuntime:
         return {"phase": "Succeeded" if code == 0 else "Failed", "hostIP": "127.0.0.1", "podIP": record.pod_ip,
                 "podIPs": [{"ip": record.pod_ip}], "conditions": conditions(False),
                 "containerStatuses": [container_status(c, done, False) for c in run.pod.spec.containers]}
+
+
+def _threshold(probe: k8s.V1Probe | None, passed: bool) -> int:
+    """How many results in a row change readiness: successThreshold passes (default 1), failureThreshold fails (3)."""
+    if probe is None:
+        return 1
+    return (probe.success_threshold or 1) if passed else (probe.failure_threshold or 3)
 
 
 def _exit_code(returncode: int) -> int:

@@ -52,6 +52,7 @@ class ServiceProxy:
         self._endpoints: dict[tuple[str, str], k8s.V1Endpoints] = {}
         self._servers: dict[tuple[str, int], asyncio.AbstractServer] = {}
         self._hosts: dict[str, HostsFile] = {}  # by pod uid
+        self._open: set[asyncio.StreamWriter] = set()  # both ends of every connection being forwarded
         self._stand_ins = itertools.count(network.subnet.num_addresses - 2, -1)  # headless: from the top down
         self._round_robin = itertools.count()
         self._lock = threading.RLock()
@@ -79,13 +80,14 @@ class ServiceProxy:
         self._loop.close()
 
     async def _close(self) -> None:
-        """The listeners, then the connections still open."""
+        """The listeners, then the connections still open (their pipes end at once)."""
         for server in self._servers.values():
             server.close()
+        for writer in list(self._open):
+            writer.transport.abort()
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     def kubernetes_service(self) -> tuple[str, int]:
         """Where a pod finds the API server: KUBERNETES_SERVICE_HOST and _PORT."""
@@ -203,9 +205,13 @@ class ServiceProxy:
                 log.info("service %s/%s:%d: %s:%d refused (%s)", *key, port, *target, exc)
                 writer.close()
                 return
-            await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
-            for end in (writer, upstream_writer):
-                end.close()
+            self._open |= {writer, upstream_writer}
+            try:
+                await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+            finally:
+                self._open -= {writer, upstream_writer}
+                for end in (writer, upstream_writer):
+                    end.close()
 
         ipaddress.ip_address(address)  # a malformed address fails here, not inside the loop
         return await asyncio.start_server(connect, address, port)
