@@ -82,37 +82,43 @@ def test_init_containers_run_first_and_volumes_are_mounted_as_declared(release: 
     admin.create_namespaced_secret(release.namespace, {"metadata": {"name": "key"}, "stringData": {"key": "s3cret"}})
     check = """
 import os, pathlib, sys
-assert pathlib.Path('/work/from-init').read_text() == 'first', 'init output'
-assert pathlib.Path('/etc/settings/greeting').read_text() == 'ahoy'
-assert pathlib.Path('/etc/key/key').read_text() == 's3cret'
-for ro in ('/etc/settings/x', '/etc/key/x', '/node/x'):
+assert pathlib.Path('/run/lf-work/from-init').read_text() == 'first', 'init output'
+assert pathlib.Path('/run/lf-settings/greeting').read_text() == 'ahoy'
+assert pathlib.Path('/run/lf-key/key').read_text() == 's3cret'
+for ro in ('/run/lf-settings/x', '/run/lf-key/x', '/run/lf-node/x'):
     try:
         open(ro, 'w')
         sys.exit(f'{ro} is writable')
     except OSError:
         pass
-assert pathlib.Path('/node/mark').read_text() == 'on the node'
+assert pathlib.Path('/run/lf-node/mark').read_text() == 'on the node'
 assert os.listdir('/tmp') == [], 'the emptyDir on /tmp starts empty'
+assert pathlib.Path('/run/lf-projected/name').read_text() == 'volumes'
+assert pathlib.Path('/run/lf-projected/token').read_text().count('.') == 2, 'a JWT from the TokenRequest API'
 """
     node_dir = tmp_path / "nodes" / NODE / "srv" / "data"
     node_dir.mkdir(parents=True)
     (node_dir / "mark").write_text("on the node")
     pod = python_pod("volumes", check, initContainers=[
-        {"name": "first", "image": "busybox", "command": ["sh", "-c", "printf first > /work/from-init"],
-         "volumeMounts": [{"name": "work", "mountPath": "/work"}]}],
+        {"name": "first", "image": "busybox", "command": ["sh", "-c", "printf first > /run/lf-work/from-init"],
+         "volumeMounts": [{"name": "work", "mountPath": "/run/lf-work"}]}],
         volumes=[{"name": "work", "emptyDir": {}}, {"name": "settings", "configMap": {"name": "settings"}},
                  {"name": "key", "secret": {"secretName": "key"}},
-                 {"name": "node", "hostPath": {"path": "/srv/data", "type": "Directory"}}])
+                 {"name": "node", "hostPath": {"path": "/srv/data", "type": "Directory"}},
+                 {"name": "projected", "projected": {"sources": [
+                     {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+                     {"downwardAPI": {"items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}}]}}])
     pod["spec"]["volumes"].append({"name": "scratch", "emptyDir": {}})
     pod["spec"]["containers"][0]["volumeMounts"] = [  # /tmp hides the kubelet's directories: mounted all the same
         {"name": "scratch", "mountPath": "/tmp"},
-        {"name": "work", "mountPath": "/work"}, {"name": "settings", "mountPath": "/etc/settings"},
-        {"name": "key", "mountPath": "/etc/key"}, {"name": "node", "mountPath": "/node", "readOnly": True}]
+        {"name": "work", "mountPath": "/run/lf-work"}, {"name": "settings", "mountPath": "/run/lf-settings"},
+        {"name": "projected", "mountPath": "/run/lf-projected"},
+        {"name": "key", "mountPath": "/run/lf-key"}, {"name": "node", "mountPath": "/run/lf-node", "readOnly": True}]
     admin.create_namespaced_pod(release.namespace, pod)
     done = phase_of(release, "volumes")
     log = (tmp_path / "volumes.main.log").read_text() if (tmp_path / "volumes.main.log").exists() else ""
     assert done.status.phase == "Succeeded", log
-    assert not Path("/work/from-init").exists()  # the emptyDir was the pod's, not this machine's /work
+    assert not Path("/run/lf-work/from-init").exists()  # the emptyDir was the pod's, not this machine's
 
     failing = python_pod("init-fails", "print('never')", initContainers=[
         {"name": "broken", "image": "busybox", "command": ["sh", "-c", "exit 3"]}])
