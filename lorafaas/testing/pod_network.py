@@ -56,7 +56,11 @@ class PodNetwork:
             self._up = False
 
     def netns_path(self, uid: str) -> str:
-        return f"/run/netns/{self._namespaces[uid]}"
+        with self._lock:
+            name = self._namespaces.get(uid)
+        if name is None:
+            raise OSError(f"pod {uid} has no network namespace (stopped)")
+        return f"/run/netns/{name}"
 
     def add_pod(self, uid: str, node_index: int) -> str:
         """A network namespace for the pod, wired to the bridge; returns its IP."""

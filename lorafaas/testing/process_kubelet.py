@@ -73,6 +73,7 @@ class PodRun:
     restarts: dict[str, int] = field(default_factory=dict)
     init_done: int = 0
     stopping: bool = False
+    started_at: str = field(default_factory=now)
 
 
 class ProcessRuntime:
@@ -167,15 +168,24 @@ class ProcessRuntime:
             elif source.secret_key_ref is not None:
                 ref = source.secret_key_ref
                 data = self.core.read_namespaced_secret(ref.name, namespace).data or {}
-                env[var.name] = base64.b64decode(data[ref.key]).decode()
+                if ref.key in data:
+                    env[var.name] = base64.b64decode(data[ref.key]).decode()
+                elif not ref.optional:
+                    raise OSError(f"env {var.name}: secret {ref.name} has no key {ref.key!r}")
             elif source.config_map_key_ref is not None:
                 ref = source.config_map_key_ref
-                env[var.name] = (self.core.read_namespaced_config_map(ref.name, namespace).data or {})[ref.key]
+                data = self.core.read_namespaced_config_map(ref.name, namespace).data or {}
+                if ref.key in data:
+                    env[var.name] = data[ref.key]
+                elif not ref.optional:
+                    raise OSError(f"env {var.name}: configMap {ref.name} has no key {ref.key!r}")
             else:
                 raise OSError(f"container {container.name}: env {var.name}: resourceFieldRef is not emulated")
         return env
 
     def _launch(self, run: PodRun, container: k8s.V1Container, record: PodRecord) -> subprocess.Popen:
+        if run.stopping:
+            raise OSError(f"pod {record.name} is stopping")
         env = self._env(run, container, record)
         repository = container.image.rsplit("@", 1)[0]
         if ":" in repository.rsplit("/", 1)[-1]:
@@ -198,8 +208,13 @@ class ProcessRuntime:
                    "unshare", "--mount", "--propagation", "private", "--", "bash", str(script)]
         log = open(self.work_dir / f"{record.name}.{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
         with log:
-            return subprocess.Popen([*sandbox, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            process = subprocess.Popen([*sandbox, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        if run.stopping:  # stop() came while it started, and did not see it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise OSError(f"pod {record.name} is stopping")
+        return process
 
     # -- the pod's life ------------------------------------------------------------------------------------------------
 
@@ -337,7 +352,7 @@ class ProcessRuntime:
                                                   run.restarts.get(container.name, 0)))
         state = {"running": {"startedAt": now()}} if initialized else {"waiting": {"reason": "PodInitializing"}}
         return {"phase": "Running" if initialized else "Pending", "hostIP": "127.0.0.1", "podIP": record.pod_ip,
-                "podIPs": [{"ip": record.pod_ip}], "startTime": now(), "qosClass": "Burstable",
+                "podIPs": [{"ip": record.pod_ip}], "startTime": run.started_at, "qosClass": "Burstable",
                 "conditions": conditions(ready, initialized), "initContainerStatuses": init_statuses,
                 "containerStatuses": [container_status(c, state, ready, run.restarts.get(c.name, 0))
                                       for c in run.pod.spec.containers]}
