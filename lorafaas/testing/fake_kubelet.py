@@ -5,7 +5,8 @@ node lifecycle controller keeps them Ready, and plays every pod the scheduler bi
 
 - `StatusRuntime` (default) runs nothing: a bound pod becomes Running and Ready with a pod IP of its node's range,
   or waits in ImagePullBackOff when its image is one `unpullable` names;
-- `lorafaas.testing.process_kubelet.ProcessRuntime` runs the containers as local processes.
+- `lorafaas.testing.process_kubelet.ProcessRuntime` runs the containers as local processes, each pod in network
+  and mount namespaces of its own with its volumes, and Services by name: enough for `helm install` of the chart.
 
 A deleted pod (deletionTimestamp set) keeps its state for `termination_delay_s` (what a real kubelet's grace period
 looks like from the API), then its runtime stops it and the kubelet confirms the deletion (grace period 0), as the
