@@ -128,6 +128,16 @@ assert pathlib.Path('/run/lf-projected/token').read_text().count('.') == 2, 'a J
     assert (failed.status.phase, init.exit_code, init.reason) == ("Failed", 3, "Error")
     assert not (tmp_path / "init-fails.main.log").exists()  # the container never started
 
+    # restartPolicy OnFailure: a failed init container runs again, then the pod goes on
+    retried = python_pod("init-retried", "print('ran')", restartPolicy="OnFailure", initContainers=[
+        {"name": "flaky", "image": "busybox", "volumeMounts": [{"name": "state", "mountPath": "/run/lf-state"}],
+         "command": ["sh", "-c", "[ -e /run/lf-state/tried ] || { touch /run/lf-state/tried; exit 1; }"]}],
+        volumes=[{"name": "state", "emptyDir": {}}])
+    admin.create_namespaced_pod(release.namespace, retried)
+    done = phase_of(release, "init-retried")
+    assert done.status.phase == "Succeeded"
+    assert done.status.init_container_statuses[0].restart_count == 1
+
 
 def test_services_resolve_by_name_and_in_cluster_config_reaches_the_api_server(release: Release,
                                                                                process_kubelet, tmp_path: Path) -> None:
