@@ -5,7 +5,8 @@ node lifecycle controller keeps them Ready, and plays every pod the scheduler bi
 
 - `StatusRuntime` (default) runs nothing: a bound pod becomes Running and Ready with a pod IP of its node's range,
   or waits in ImagePullBackOff when its image is one `unpullable` names;
-- `lorafaas.testing.process_kubelet.ProcessRuntime` runs the containers as local processes.
+- `lorafaas.testing.process_kubelet.ProcessRuntime` runs the containers as local processes, each pod in network
+  and mount namespaces of its own with its volumes, and Services by name: enough for `helm install` of the chart.
 
 A deleted pod (deletionTimestamp set) keeps its state for `termination_delay_s` (what a real kubelet's grace period
 looks like from the API), then its runtime stops it and the kubelet confirms the deletion (grace period 0), as the
@@ -58,7 +59,8 @@ class PodRecord:
 
 
 class PodRuntime(Protocol):
-    def start(self, kubelet: FakeKubelet, pod: k8s.V1Pod, record: PodRecord) -> dict: ...  # the first status
+    def start(self, kubelet: FakeKubelet, pod: k8s.V1Pod, record: PodRecord) -> dict | None:
+        """The pod's first status, for the kubelet to post; None when the runtime posts its statuses itself."""
 
     def stop(self, record: PodRecord, grace_s: float) -> None: ...
 
@@ -342,7 +344,8 @@ class FakeKubelet:
                 waiting = {"waiting": {"reason": "RunContainerError", "message": str(exc)}}
                 status = {"phase": "Pending", "conditions": conditions(False),
                           "containerStatuses": [container_status(c, waiting, False) for c in pod.spec.containers]}
-            self.patch_status(record.namespace, record.name, status)
+            if status is not None:
+                self.patch_status(record.namespace, record.name, status)
 
     def _terminate(self, record: PodRecord, grace_s: float) -> None:
         """Graceful deletion: the pod stays (with its deletionTimestamp) while its containers stop, then goes."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -34,7 +35,6 @@ import yaml
 log = logging.getLogger(__name__)
 
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
-SERVICE_CIDR = "10.96.0.0/16"
 ADMIN_USER = "lorafaas-admin"
 
 
@@ -75,12 +75,20 @@ class ControlPlane:
         self.admin_token = secrets.token_hex(16)
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
+        # ClusterIPs: a /16 of 10.96-10.127 at random, so that the process kubelets of two clusters on one machine,
+        # which listen on their Services' ClusterIPs, do not collide
+        self.service_cidr = f"10.{96 + secrets.randbelow(32)}.0.0/16"
         self.processes: dict[str, subprocess.Popen] = {}
         self._logs: list = []
 
     @property
     def ca_file(self) -> Path:
         return self.work_dir / "pki" / "ca.crt"
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        """The `kubernetes` Service's ClusterIP: the first address of the range."""
+        return str(ipaddress.ip_network(self.service_cidr).network_address + 1)
 
     @property
     def kubeconfig(self) -> Path:
@@ -195,7 +203,7 @@ class ControlPlane:
         openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30", "-subj", "/CN=lorafaas-test-ca",
                 "-keyout", "ca.key", "-out", "ca.crt")
         (pki / "san.cnf").write_text(
-            "[v3]\nsubjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+            f"[v3]\nsubjectAltName=IP:127.0.0.1,IP:{self.kubernetes_service_ip},DNS:localhost,DNS:kubernetes,"
             "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
             "extendedKeyUsage=serverAuth\n")
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-keyout", "apiserver.key",
@@ -246,7 +254,7 @@ class ControlPlane:
             f"--service-account-key-file={self._pki('sa.pub')}",
             f"--service-account-signing-key-file={self._pki('sa.key')}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
+            f"--service-cluster-ip-range={self.service_cidr}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", f"--cert-dir={self.work_dir / 'pki'}",
             "--enable-admission-plugins=NodeRestriction", "--profiling=false",
         ])

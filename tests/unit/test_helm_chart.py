@@ -164,6 +164,27 @@ def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_
     }
 
 
+def test_a_home_shared_by_several_nodes_keeps_each_nodes_daemon_sockets_on_the_node() -> None:
+    """home.runHostPath: agents and function pods mount the node's directory at <home>/run (the daemons' sockets and
+    locks), so that each node's daemons start and its function pods reach them; prepare-home hands it to the user."""
+    objects = render({"home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"}})
+    run = {"name": "run", "hostPath": {"path": "/var/run/lorafaas", "type": "DirectoryOrCreate"}}
+    agent = by_kind(objects, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
+    assert run in agent["volumes"]
+    for container in [*agent["initContainers"], *agent["containers"]]:
+        assert {"name": "run", "mountPath": "/var/lib/lorafaas/run"} in container["volumeMounts"], container["name"]
+    [prepare] = [c for c in agent["initContainers"] if c["name"] == "prepare-home"]
+    assert prepare["args"] == ["chown 10001:10001 /var/lib/lorafaas/run\n"]  # not the claim: it is the operator's
+    pod = function_pod(objects)["spec"]
+    assert run in pod["volumes"]
+    worker_mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "run", "mountPath": "/var/lib/lorafaas/run", "readOnly": True} in worker_mounts
+    # without it, nothing changes: no hostPath in function pods, no prepare-home with a claim
+    claim = render({"home": {"existingClaim": "lorafaas-home"}})
+    assert "hostPath" not in yaml.safe_dump(function_pod(claim))
+    assert "prepare-home" not in yaml.safe_dump(by_kind(claim, "DaemonSet"))
+
+
 def test_rbac_allows_only_pods_and_the_template_and_function_pods_only_accept_the_controller() -> None:
     objects = render()
     rules = by_kind(objects, "Role")["lorafaas-controller"]["rules"]

@@ -47,6 +47,7 @@ def pod_specs(objects: list[dict]) -> dict[str, dict]:
     ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
     ({"function": {"resources": {"limits": {"memory": "lots"}}}}, "memory"),
     ({"nodeAgent": {"backbones": ["Not A Name"]}}, "backbones"),
+    ({"home": {"runHostPath": "var/run/lorafaas"}}, "runHostPath"),
 ])
 def test_values_the_schema_refuses_name_the_field(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
@@ -85,6 +86,9 @@ def test_with_a_claim_for_the_home_every_pod_meets_pod_security_restricted() -> 
             assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"]
     default = pod_specs(render())
     assert any("hostPath" in v for v in default["lorafaas-node-agent"]["volumes"])
+    shared = pod_specs(render({"home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"}}))
+    assert [name for name, pod in shared.items() if any("hostPath" in v for v in pod.get("volumes", []))] == [
+        name for name in shared if name != "lorafaas-controller" and "redis" not in name]  # privileged, as documented
 
 
 def test_optional_pod_disruption_budget_and_service_monitor() -> None:

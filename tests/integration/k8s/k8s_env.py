@@ -8,6 +8,7 @@ its `backend()` is a KubernetesBackend authenticated as the chart's service acco
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,18 @@ class Release:
     def _phase(self, name: str) -> str | None:
         pod = self.pod(name)
         return pod.status.phase if pod is not None and pod.status is not None else None
+
+
+def require_process_kubelet() -> None:
+    """Skip without what the process kubelet needs (root, ip, nsenter, unshare); fail instead in CI."""
+    from lorafaas.testing.process_kubelet import missing_tools
+
+    missing = missing_tools()
+    if missing:
+        reason = f"the process kubelet needs {', '.join(missing)}"
+        if os.environ.get("LORAFAAS_REQUIRE_K8S") == "1":
+            pytest.fail(f"{reason}; LORAFAAS_REQUIRE_K8S=1 forbids skipping", pytrace=False)
+        pytest.skip(reason)
 
 
 def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.1):

@@ -97,9 +97,25 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
+{{/* The daemons' node-local socket directory (home.runHostPath), when the home is shared by several nodes. */}}
+{{- define "lorafaas.runVolume" -}}
+- name: run
+  hostPath:
+    path: {{ .Values.home.runHostPath }}
+    type: DirectoryOrCreate
+{{- end -}}
+
+{{- define "lorafaas.runMount" -}}
+- name: run
+  mountPath: {{ .Values.home.mountPath }}/run
+{{- end -}}
+
 {{- define "lorafaas.agentMounts" -}}
 - name: home
   mountPath: {{ .Values.home.mountPath }}
+{{- if .Values.home.runHostPath }}
+{{ include "lorafaas.runMount" . }}
+{{- end }}
 - name: tmp
   mountPath: /tmp
 - name: shm
