@@ -42,30 +42,33 @@ def test_requests_waiting_for_a_worker_share_one_padded_pass() -> None:
 
 def test_decoding_slows_while_another_instance_of_the_device_runs() -> None:
     # pirate decodes 40 steps from 30 s; haiku (warm) runs one short request from 31 s: two busy one-thread
-    # instances on two cores step 1 + core_interference times slower, only while both run
-    assert COSTS.contention(2) == pytest.approx(1 + LOCAL.core_interference) and LOCAL.core_interference > 0
+    # instances on two cores step 1 + core_interference times slower, only while both run (this machine calibrates
+    # to 0 today; 2026-11-24's measured 0.148)
+    local = replace(LOCAL, core_interference=0.148)
+    costs = CostModel(local)
+    assert costs.contention(2) == pytest.approx(1.148)
     warm = ((0.0, "pirate", 10, 2), (0.0, "haiku", 10, 2))
-    alone, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41)), LOCAL, POLICIES["fixed-keep-alive"])
-    shared, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41), (31.0, "haiku", 10, 2)), LOCAL,
+    alone, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41)), local, POLICIES["fixed-keep-alive"])
+    shared, _ = simulate(_work(*warm, (30.0, "pirate", 10, 41), (31.0, "haiku", 10, 2)), local,
                          POLICIES["fixed-keep-alive"])  # fmt: skip
-    pass_s = COSTS.prefill_pass_s(SMOL, [10])
-    assert alone.results[2].e2e_s == pytest.approx(pass_s + 40 * _step(1) + LOCAL.request_overhead_s)
-    slow = COSTS.contention(2)
+    pass_s = costs.prefill_pass_s(SMOL, [10])
+    assert alone.results[2].e2e_s == pytest.approx(pass_s + 40 * _step(1) + local.request_overhead_s)
+    slow = costs.contention(2)
     haiku = shared.results[3]
     busy_s = (pass_s + _step(1)) * slow  # haiku's instance runs its pass and one step, both slowed
-    assert haiku.e2e_s == pytest.approx(busy_s + LOCAL.request_overhead_s)
+    assert haiku.e2e_s == pytest.approx(busy_s + local.request_overhead_s)
     # pirate made busy_s / slow steps' worth of progress in busy_s: it ends busy_s (1 - 1 / slow) later
     assert shared.results[2].e2e_s - alone.results[2].e2e_s == pytest.approx(busy_s * (1 - 1 / slow))
 
 
 def test_a_request_joins_a_running_batch_when_no_instance_can_start() -> None:
-    # 340-token prompts: T(1) > the 1 s SLO, so B = 1; one instance at most: the second request does not wait for
+    # 700-token prompts: T(1) > the 1 s SLO, so B = 1; one instance at most: the second request does not wait for
     # the first to finish (a whole generation) but joins its worker's batch (`in_flight_limit`), as the agent does
     one = replace(LOCAL, max_instances_per_function=1)
-    work = _work((0.0, "pirate", 340, 2), (30.0, "pirate", 340, 30), (30.5, "pirate", 340, 2))
+    work = _work((0.0, "pirate", 700, 2), (30.0, "pirate", 700, 30), (30.5, "pirate", 700, 2))
     out, _ = simulate(work, one, POLICIES["fixed-keep-alive"])
     long, joined = out.results[1], out.results[2]
-    assert COSTS.prefill_pass_s(SMOL, [340]) > LOCAL.default_slo_ttft_s
+    assert COSTS.prefill_pass_s(SMOL, [700]) > LOCAL.default_slo_ttft_s
     assert joined.sent_s == 30.5
     assert 30.5 + joined.ttft_s < 30.0 + long.e2e_s - 1.0
     # the fixed batch of one stays the hard limit it is: there the second waits for the first to end
