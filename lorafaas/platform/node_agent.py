@@ -66,9 +66,10 @@ class AgentConfig:
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=8))
     num_threads: int = 1
     compute_slots: int | None = None  # instances that run at full speed at once; None: cores / num_threads on a CPU
-    # never more busy instances than compute slots, functions taking turns (AdmissionView.strict_compute); None: on a
-    # CPU, where a process beyond the cores only time-slices them
-    strict_compute: bool | None = None
+    # never more busy instances than compute slots, functions taking turns (AdmissionView.strict_compute). Off by
+    # default: measured on this 2-core machine it lost to time-slicing on both tokens/s and first-token latency
+    # (docs/performance.md, "Strict compute against time-slicing")
+    strict_compute: bool = False
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -375,9 +376,7 @@ class NodeAgent:
 
     @property
     def strict_compute(self) -> bool:
-        if self.config.strict_compute is not None:
-            return self.config.strict_compute
-        return self.config.device == "cpu"
+        return self.config.strict_compute
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
         """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many

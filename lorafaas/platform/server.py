@@ -54,6 +54,7 @@ class ServerConfig:
     backend: str = "local"  # or "kubernetes": function instances as pods (in the chart's controller)
     compute_slots: int | None = None  # AgentConfig.compute_slots (None: cores on a CPU, 1 on a GPU)
     threads_per_instance: int = 1  # AgentConfig.num_threads: torch threads of each worker
+    strict_compute: bool = False  # AgentConfig.strict_compute
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
 
@@ -126,7 +127,8 @@ class Platform:
         self.launcher = open_backend(config.backend, home, device.name)
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
                                    scheduler=scheduler_config(config.policy), compute_slots=config.compute_slots,
-                                   num_threads=config.threads_per_instance, hang_timeout_s=config.hang_timeout_s,
+                                   num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
+                                   hang_timeout_s=config.hang_timeout_s,
                                    heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)
         lora_servers = None

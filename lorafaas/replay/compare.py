@@ -15,6 +15,7 @@ platform's workers, window by window (a cluster with `cores`; the shipped `local
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -54,8 +55,10 @@ def live_workload(results_json: Path) -> tuple[Workload, list[RequestResult]]:
 
 
 def compare(
-    live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0, cpu_load: Path | None = None
+    live_dir: Path, cluster: str = "local", policy: str = "lorafaas", seed: int = 0, cpu_load: Path | None = None,
+    strict_compute: bool | None = None,
 ) -> dict:
+    """`strict_compute`: the live platform's `--strict-compute` (None: as the cluster file says)."""
     work, live = live_workload(live_dir / "results.json")
     meta = json.loads((live_dir / "results.json").read_text())["meta"]  # read and checked by live_workload
     background: list[tuple[float, float]] = []
@@ -64,7 +67,10 @@ def compare(
             background = background_series(json.loads(cpu_load.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidInput(f"{cpu_load}: not a cpuload sample file ({exc})") from exc
-    outcome, row = simulate(work, load_cluster(cluster), resolve_policies([policy])[0], seed, background)
+    spec = load_cluster(cluster)
+    if strict_compute is not None:
+        spec = dataclasses.replace(spec, strict_compute=strict_compute)
+    outcome, row = simulate(work, spec, resolve_policies([policy])[0], seed, background)
     live_all, sim_all = summarize(live)[-1], summarize(outcome.results)[-1]
     out: dict = {"requests": len(live), "cluster": cluster, "policy": policy, "metrics": {}}
     if background:
@@ -105,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="lorafaas")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-load", type=Path, default=None, help="cpuload samples of the live run")
+    parser.add_argument("--strict-compute", action="store_true",
+                        help="the live platform ran with `up --strict-compute`: simulate its admission so")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
     try:
-        result = compare(args.live_dir, args.cluster, args.policy, args.seed, args.cpu_load)
+        result = compare(args.live_dir, args.cluster, args.policy, args.seed, args.cpu_load,
+                         strict_compute=True if args.strict_compute else None)
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Strict compute on a live platform (a CPU device, the default): three functions with requests at once on two
+"""Strict compute on a live platform (`up --strict-compute`): three functions with requests at once on two
 compute slots never have more than two busy instances; the third waits its turn and is served (the scheduling
 issue's live check, and the performance issue's "never more busy instances than the device has compute for")."""
 
@@ -25,7 +25,8 @@ def metric(text: str, name: str) -> float:
 
 def test_three_hot_functions_on_two_slots_take_turns_and_never_exceed_the_slots(tmp_path, tiny_dense_dir) -> None:
     ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
-    with PlatformProcess(tmp_path, extra_args=("--compute-slots", "2")) as platform, platform.client() as admin:
+    args = ("--compute-slots", "2", "--strict-compute")
+    with PlatformProcess(tmp_path, extra_args=args) as platform, platform.client() as admin:
         for seed, name in enumerate(FUNCTIONS):
             adapter = save_tiny_adapter(tmp_path / f"a-{name}", tiny_dense_dir, seed=seed, base_model_name="tiny-dense")
             admin.deploy({"name": name, "backbone": "tiny-dense", "max_instances": 2, "keep_alive_s": 600}, adapter)

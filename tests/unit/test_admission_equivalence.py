@@ -34,7 +34,8 @@ class Scenario:
     slots: int = 2
     max_instances: int = 4
     prefills: tuple[tuple[int, float], ...] = ()  # (batch size, seconds) observed: they set B
-    other_waits: bool = False  # the other function waits for a core (strict compute, the CPU default), since before
+    other_waits: bool = False  # the other function waits for a core (strict compute), since before
+    strict: bool = False  # strict compute (the agent's --strict-compute, the cluster's device.strict_compute)
 
 
 SCENARIOS = [
@@ -54,13 +55,15 @@ SCENARIOS = [
              max_instances=2),
     Scenario("an idle second instance, a core spare", ((True, 2), (True, 0)), queued=3, slots=3),
     Scenario("the function's one instance, the cores taken", ((True, 0),), queued=1, busy_elsewhere=2),
-    Scenario("a first instance, the cores taken", (), queued=1, busy_elsewhere=2),
+    Scenario("strictly, the function's one instance, the cores taken", ((True, 0),), queued=1, busy_elsewhere=2,
+             strict=True),
+    Scenario("strictly, a first instance, the cores taken", (), queued=1, busy_elsewhere=2, strict=True),
     Scenario("another function waits for a core: the running instance yields", ((True, 2),), queued=2,
-             busy_elsewhere=1, other_waits=True),
+             busy_elsewhere=1, other_waits=True, strict=True),
     Scenario("another function waited first: a core spare, but not its turn", ((True, 0),), queued=1,
-             other_waits=True),
+             other_waits=True, strict=True),
     Scenario("another function waits, the cores taken: no start either", (), queued=1, busy_elsewhere=2,
-             other_waits=True),
+             other_waits=True, strict=True),
 ]
 WAITED_S = NOW_S - 0.2  # when the other function began waiting
 
@@ -71,7 +74,7 @@ def _spec(name: str, max_instances: int) -> FunctionSpec:
 
 
 def agent_view(s: Scenario, expected_start_s: float | None):
-    config = AgentConfig(device="cpu", max_batch_size=8, compute_slots=s.slots,
+    config = AgentConfig(device="cpu", max_batch_size=8, compute_slots=s.slots, strict_compute=s.strict,
                          scheduler=SchedulerConfig(max_batch_size=8))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=lambda: NOW_S)  # type: ignore[arg-type]
     spec, other = _spec("fn", s.max_instances), _spec("other", 4)
@@ -98,7 +101,8 @@ def _add(agent: NodeAgent, spec: FunctionSpec, instance_id: str, ready: bool, in
 
 
 def sim_view(s: Scenario):
-    cluster = replace(load_cluster("local"), compute_slots=s.slots, max_instances_per_function=s.max_instances)
+    cluster = replace(load_cluster("local"), compute_slots=s.slots, max_instances_per_function=s.max_instances,
+                      strict_compute=s.strict)
     work = Workload((Request(0.0, "t", "fn", 10, 2), Request(0.0, "t", "other", 10, 2)), 1.0)
     sim = Simulator(cluster, POLICIES["lorafaas"], work)
     sim.now = NOW_S

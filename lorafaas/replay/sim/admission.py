@@ -30,9 +30,9 @@ class SimAdmission:
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim
         self.waits: dict[str, int] = {}  # reason -> times a queue had to wait for it (the report's "why it waited")
-        # strict compute on a CPU device, as the agent: functions waiting for a core take turns (one device per
-        # node there; on several devices the turns are the cluster's, a simplification no shipped CPU cluster meets)
-        self.strict = sim.cluster.device_kind == "cpu" and sim.policy.agent_admission
+        # strict compute where the cluster says so (`device.strict_compute`), as the agent's --strict-compute:
+        # functions waiting for a core take turns (on several devices the turns are the cluster's, a simplification)
+        self.strict = sim.cluster.strict_compute and sim.policy.agent_admission
         self.turns = ComputeTurns()
 
     def slo_batch(self, name: FunctionName, fs: FunctionState) -> int:

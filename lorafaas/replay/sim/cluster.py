@@ -97,6 +97,7 @@ class ClusterSpec:
     # the functions are deployed this long before the first arrival: a policy that pre-loads has planned (and
     # billed) its staging by then, as the node agent's plan runs within plan_interval_s of a deploy
     deploy_lead_s: float = 0.0
+    strict_compute: bool = False  # the agent's --strict-compute (admission's strict compute)
 
     @property
     def num_devices(self) -> int:
@@ -233,6 +234,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         dev.integer("compute_slots", low=1, high=100_000) if "compute_slots" in dev.data else None,
         dev.number("core_interference", 0.0, 0.0, 10.0),
         top.number("deploy_lead_s", 0.0, 0.0, 86_400.0),
+        _flag(dev, "strict_compute", False),
     )
 
 
