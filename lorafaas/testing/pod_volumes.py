@@ -139,23 +139,24 @@ class PodVolumes:
         raise OSError(f"persistentVolume {volume.metadata.name}: only hostPath, local and nfs are emulated")
 
     def _config_map(self, name: str, optional: bool | None) -> dict[str, bytes]:
-        try:
-            config_map = self.core.read_namespaced_config_map(name, self.pod.metadata.namespace)
-        except ApiException as exc:
-            if exc.status == 404 and optional:
-                return {}
-            raise OSError(f"configMap {name}: {exc.status} {exc.reason}") from exc
+        config_map = self._read("configMap", self.core.read_namespaced_config_map, name, optional)
+        if config_map is None:
+            return {}
         data = {k: v.encode() for k, v in (config_map.data or {}).items()}
         return data | {k: base64.b64decode(v) for k, v in (config_map.binary_data or {}).items()}
 
     def _secret(self, name: str, optional: bool | None) -> dict[str, bytes]:
+        secret = self._read("secret", self.core.read_namespaced_secret, name, optional)
+        return {} if secret is None else {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+    def _read(self, kind: str, read, name: str, optional: bool | None):
+        """The pod's namespace's object, None when it is missing and the volume says it may be."""
         try:
-            secret = self.core.read_namespaced_secret(name, self.pod.metadata.namespace)
+            return read(name, self.pod.metadata.namespace)
         except ApiException as exc:
             if exc.status == 404 and optional:
-                return {}
-            raise OSError(f"secret {name}: {exc.status} {exc.reason}") from exc
-        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+                return None
+            raise OSError(f"{kind} {name}: {exc.status} {exc.reason}") from exc
 
     def _downward(self, items: list | None) -> dict[str, bytes]:
         files = {}
