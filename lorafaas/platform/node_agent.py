@@ -350,7 +350,8 @@ class NodeAgent:
         instances = [i for i in self.table.of_identity(identity)
                      if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
         busy = self.table.busy_on_device(self.config.device)
-        waiting_others, waiting_ahead = self.compute_turns.counts(identity, self.clock())
+        now = self.clock()
+        waiting_others, waiting_ahead = self.compute_turns.counts(identity, now)
         loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
                                    busy < self.compute_slots) for i in instances)
         current = self.specs.get(spec.name) == spec
@@ -369,14 +370,10 @@ class NodeAgent:
             worker_capacity=self.config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
             instances=loads, start_options=options,
             requests_per_background_start=self.config.scheduler.requests_per_background_start,
-            strict_compute=self.strict_compute, compute_waiting_others=waiting_others,
-            compute_waiting_ahead=waiting_ahead, compute_waited_s=self.compute_turns.waited_s(identity, self.clock()),
+            strict_compute=self.config.strict_compute, compute_waiting_others=waiting_others,
+            compute_waiting_ahead=waiting_ahead, compute_waited_s=self.compute_turns.waited_s(identity, now),
             max_compute_wait_s=self.config.scheduler.max_compute_wait_s,
         )
-
-    @property
-    def strict_compute(self) -> bool:
-        return self.config.strict_compute
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
         """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many
@@ -386,11 +383,12 @@ class NodeAgent:
         view = self.admission_view(serving, queue_length)
         decision = decide_admission(view)
         self.last_admission[spec.name] = decision
-        self.compute_turns.note(Identity.of(serving), decision, self.clock())
+        identity = Identity.of(serving)
+        self.compute_turns.note(identity, decision, self.clock())
         if decision.action in ("wait", "await_start"):
             reasons = self.waits.setdefault(spec.name, {})
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
-        by_id = {i.instance_id: i for i in self.table.of_identity(Identity.of(serving))}
+        by_id = {i.instance_id: i for i in self.table.of_identity(identity)}
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
                 self._spawn(self._start_instance(serving, stages=REQUEST_STAGES, kind="scale_out"))
