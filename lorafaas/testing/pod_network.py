@@ -44,6 +44,10 @@ class PodNetwork:
     def start(self) -> None:
         ip("link", "add", self.bridge, "type", "bridge")
         self._up = True
+        # Pin the bridge's MAC: left to itself it takes its ports' lowest and changes when that port's pod goes,
+        # and every other pod's ARP entry for the gateway then points nowhere for seconds (connects time out).
+        with open(f"/sys/class/net/{self.bridge}/address") as handle:
+            ip("link", "set", self.bridge, "address", handle.read().strip())
         ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         log.info("pod network %s on bridge %s", self.subnet, self.bridge)
