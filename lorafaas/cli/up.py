@@ -42,6 +42,13 @@ def up(
                                              "by batches. Off (default): every function may run one instance on a "
                                              "full device, time-sliced by the OS; measured faster here on tokens/s "
                                              "and first-token latency (docs/performance.md)."),
+    step_gate: bool = typer.Option(True, "--step-gate/--no-step-gate",
+                                   help="Local CPU workers ask the device's step gate before each engine step: "
+                                        "never more compute at once than there are compute slots, counted across "
+                                        "functions, and one instance computing alone gets every core."),
+    lone_threads: int | None = typer.Option(None, "--lone-threads", min=1, max=256,
+                                            help="Torch threads of an instance computing alone under the step "
+                                                 "gate (default: every core)."),
     hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,
                                        help="Seconds an instance holding requests may leave a heartbeat unanswered "
                                             "before it is declared hung: its requests are retried or failed, and "
@@ -58,7 +65,7 @@ def up(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, threads_per_instance=threads_per_instance, strict_compute=strict_compute,
-        hang_timeout_s=hang_timeout,
+        step_gate=step_gate, lone_threads=lone_threads, hang_timeout_s=hang_timeout,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{_local_address(host)}:{port}"

@@ -29,6 +29,7 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.memory import read_memory
+from lorafaas.function_runtime.step_gate import StepGate
 from lorafaas.wire import encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class WorkerServer:
         self.spec = spec
         self.instance = FunctionInstance(spec, tokenizer)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._gate = StepGate(spec.step_gate) if spec.step_gate else None  # used by the compute thread only
         self._routes: dict[str, _Route] = {}
         self._work = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -90,6 +92,8 @@ class WorkerServer:
                 with contextlib.suppress(LorafaasError, OSError):
                     await self._run(self.instance.unload, "backbone")
             self._compute.shutdown(wait=False, cancel_futures=True)
+            if self._gate is not None:
+                self._gate.close()
             log.info("%s/%s: stopped", self.spec.function, self.spec.instance_id)
 
     async def _run(self, fn, *args):
@@ -174,9 +178,11 @@ class WorkerServer:
             engine = self.instance.engine
             if engine is None or not engine.has_work():
                 self._work.clear()
+                if self._gate is not None:
+                    await self._run(self._gate.withdraw)
                 continue
             try:
-                outputs = await self._run(engine.step)
+                outputs = await self._run(self._step, engine)
                 self._num_steps += 1
             except Exception as exc:  # a failed forward pass must fail its requests, not the worker
                 log.exception("%s/%s: engine step failed", self.spec.function, self.spec.instance_id)
@@ -207,6 +213,16 @@ class WorkerServer:
                         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                         ttft_s=(route.first_token_s or now) - route.arrived_s, e2e_s=now - route.arrived_s,
                     ))
+
+    def _step(self, engine) -> list:
+        """One engine step, on the cores the device's step gate grants (compute thread)."""
+        if self._gate is None:
+            return engine.step()
+        self._gate.acquire()
+        try:
+            return engine.step()
+        finally:
+            self._gate.release(again=engine.has_work())
 
     def _fail_all(self, engine, error: LorafaasError) -> None:
         for request_id, route in list(self._routes.items()):

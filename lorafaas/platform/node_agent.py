@@ -34,6 +34,7 @@ from lorafaas.platform.admission import Admission
 from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
+from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
@@ -41,6 +42,7 @@ from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
     ComputeTurns,
+    CoreGrants,
     InstanceLoad,
     Scheduler,
     SchedulerConfig,
@@ -70,6 +72,10 @@ class AgentConfig:
     # default: measured on this 2-core machine it lost to time-slicing on both tokens/s and first-token latency
     # (docs/performance.md, "Strict compute against time-slicing")
     strict_compute: bool = False
+    # local CPU workers ask the device's step gate before every engine step: never more of them compute at once than
+    # compute slots, counted across functions; one computing alone gets up to `lone_threads` (None: every core)
+    step_gate: bool = True
+    lone_threads: int | None = None
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -122,6 +128,7 @@ class NodeAgent:
         self._tasks: set[asyncio.Task] = set()
         self._probes: dict[Instance, asyncio.Task] = {}
         self._reconciler: asyncio.Task | None = None
+        self.gate: ComputeGate | None = None  # the device's step gate (local CPU workers); started by start()
         self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
         self.admission = Admission(self.scheduler, self.clock, self._acquire, self.config.fill_or_expire)
         self.policy = AgentScheduler(self)
@@ -140,6 +147,12 @@ class NodeAgent:
         if self.launcher.zygote_pid is not None:  # a backend without a library pool (pods) has nothing to ask
             status = await asyncio.to_thread(zygote_status, self.launcher.zygote_socket)
             self.library_import_s = status.import_s
+            if self.config.step_gate and self.config.device == "cpu":  # local workers, on this machine's cores
+                threads = max(1, self.config.num_threads)
+                self.gate = ComputeGate(self.launcher.zygote_socket.parent / "step-gate-cpu.sock",
+                                        CoreGrants(self.compute_slots * threads, threads, self.config.lone_threads),
+                                        self._is_worker)
+                await self.gate.start()
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
     async def stop(self) -> None:
@@ -150,6 +163,8 @@ class NodeAgent:
         for instance in self.table.all():
             await self.stop_instance(instance, "the node agent is stopping")
         await asyncio.to_thread(self.launcher.close)
+        if self.gate is not None:
+            await self.gate.stop()
         if self.lora_servers is not None:
             await asyncio.to_thread(self.lora_servers.close)
 
@@ -408,6 +423,9 @@ class NodeAgent:
                 f"instance of version {spec.version} is left to answer it as accepted; send it again")
         return None
 
+    def _is_worker(self, pid: int) -> bool:
+        return any(i.pid == pid for i in self.table.all())
+
     def _busy_instances(self) -> int:
         return self.table.busy_on_device(self.config.device)
 
@@ -435,6 +453,8 @@ class NodeAgent:
             )
             worker_spec = await asyncio.to_thread(  # an expert adapter's mode; may start the LoRA server
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
+            if self.gate is not None:
+                worker_spec = msgspec.structs.replace(worker_spec, step_gate=str(self.gate.path))
             instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)

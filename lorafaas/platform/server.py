@@ -55,6 +55,8 @@ class ServerConfig:
     compute_slots: int | None = None  # AgentConfig.compute_slots (None: cores on a CPU, 1 on a GPU)
     threads_per_instance: int = 1  # AgentConfig.num_threads: torch threads of each worker
     strict_compute: bool = False  # AgentConfig.strict_compute
+    step_gate: bool = True  # AgentConfig.step_gate
+    lone_threads: int | None = None  # AgentConfig.lone_threads
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
 
@@ -128,6 +130,7 @@ class Platform:
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
                                    scheduler=scheduler_config(config.policy), compute_slots=config.compute_slots,
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
+                                   step_gate=config.step_gate, lone_threads=config.lone_threads,
                                    hang_timeout_s=config.hang_timeout_s,
                                    heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)

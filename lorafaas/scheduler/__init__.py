@@ -22,6 +22,7 @@ from lorafaas.scheduler.batching import (
 )
 from lorafaas.scheduler.compute_turns import ComputeTurns
 from lorafaas.scheduler.config import SchedulerConfig
+from lorafaas.scheduler.core_grants import CoreGrants
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
     ArtifactCost,
@@ -57,6 +58,7 @@ __all__ = [
     "BatchPolicy",
     "ClusterView",
     "ComputeTurns",
+    "CoreGrants",
     "DeviceId",
     "DeviceView",
     "FunctionName",

@@ -77,7 +77,21 @@ class _AgentCollector:
                                  "(running a request or starting) since the agent started", labels=["device"])
         for device, count in sorted(dict(self.agent.table.busy_peak).items()):
             peak.add_metric([device], count)
-        return [cold, instances, failures, memory, slots, peak]
+        families = [cold, instances, failures, memory, slots, peak]
+        gate = self.agent.gate
+        if gate is not None:
+            computing = GaugeMetricFamily("lorafaas_computing_instances_peak", "Most instances running an engine "
+                                          "step at once on the device (the step gate's grants)", labels=["device"])
+            computing.add_metric([self.agent.config.device], gate.grants.most_holding)
+            now = GaugeMetricFamily("lorafaas_computing_instances", "Instances running an engine step on the "
+                                    "device now", labels=["device"])
+            now.add_metric([self.agent.config.device], gate.grants.holding)
+            steps = CounterMetricFamily("lorafaas_gated_steps", "Engine steps granted by the device's step gate, "
+                                        "and of them the steps that waited for a core", labels=["device", "kind"])
+            steps.add_metric([self.agent.config.device, "granted"], gate.grants.num_granted)
+            steps.add_metric([self.agent.config.device, "waited"], gate.grants.num_waited)
+            families += [computing, now, steps]
+        return families
 
 
 class UsageCollector:

@@ -1,0 +1,93 @@
+"""The worker's side of its device's step gate: a grant of cores before every engine step.
+
+The node agent serves the gate on a Unix socket (`lorafaas.platform.compute_gate`; the policy is
+`lorafaas.scheduler.core_grants`). One byte each way, so a step costs one round trip:
+
+    worker -> gate   WANT   a step                  gate -> worker   one byte: the threads granted (1..cores)
+                     DONE   the step ended
+                     NEXT   the step ended, and the next is wanted (the reply is the next grant)
+
+After NEXT the worker reads its grant before anything else; if it has no step to run by then it says DONE at once.
+A gate that cannot be reached (it went away with its agent) leaves the worker computing ungated, as the operating
+system shares the cores: slower under contention, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WANT, DONE, NEXT = b"w", b"d", b"n"
+
+
+class StepGate:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._pending = False  # a WANT or NEXT whose grant is not read yet
+        self._broken = False
+        self.threads = 0  # torch's threads are per OS thread: set on the first grant, in the compute thread
+
+    def acquire(self) -> None:
+        """Block until this instance may run a step; set torch's threads to the grant."""
+        sock = self._connected()
+        if sock is None:
+            return
+        try:
+            if not self._pending:
+                sock.sendall(WANT)
+            self._pending = False
+            granted = sock.recv(1)
+        except OSError as exc:
+            self._fail(exc)
+            return
+        if not granted:
+            self._fail(ConnectionError("the gate closed the connection"))
+            return
+        if granted[0] != self.threads:
+            torch.set_num_threads(granted[0])
+            self.threads = granted[0]
+
+    def release(self, again: bool) -> None:
+        """The step ended; `again`: the next one is wanted (its grant is read by the next `acquire` or `withdraw`)."""
+        if self._sock is None:
+            return
+        try:
+            self._sock.sendall(NEXT if again else DONE)
+            self._pending = again
+        except OSError as exc:
+            self._fail(exc)
+
+    def withdraw(self) -> None:
+        """No step to run after all: take the pending grant and give it back."""
+        if self._sock is None or not self._pending:
+            return
+        self.acquire()
+        self.release(again=False)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connected(self) -> socket.socket | None:
+        if self._sock is None and not self._broken:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.path)
+            except OSError as exc:
+                sock.close()
+                self._fail(exc)
+                return None
+            self._sock = sock
+        return self._sock
+
+    def _fail(self, exc: BaseException) -> None:
+        log.warning("step gate %s unusable (%s): computing ungated from now on", self.path, exc)
+        self.close()
+        self._broken = True
+        self._pending = False

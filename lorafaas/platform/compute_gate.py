@@ -1,0 +1,91 @@
+"""A CPU device's step gate: its workers ask before each engine step and are granted cores (`CoreGrants`), so no
+more instances compute at once than the device has cores for, counted across functions.
+
+One Unix socket per device, owner-only. A connection is accepted only from a live worker of this agent (the kernel
+names the peer's pid, `SO_PEERCRED`), one per worker: a worker cannot hold more than one step's cores, and a process
+that is no worker of ours cannot take any. A worker that dies or hangs up gives its cores back. Protocol:
+`lorafaas.function_runtime.step_gate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from lorafaas.function_runtime.step_gate import DONE, NEXT, WANT
+from lorafaas.scheduler import CoreGrants
+
+log = logging.getLogger(__name__)
+
+
+class ComputeGate:
+    def __init__(self, path: Path, grants: CoreGrants, is_worker: Callable[[int], bool]) -> None:
+        self.path = path
+        self.grants = grants
+        self.is_worker = is_worker  # pid -> whether it is a live worker of this agent
+        self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
+        self._server: asyncio.AbstractServer | None = None
+        self.num_refused = 0
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        self.path.chmod(0o600)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers.values()):
+                writer.close()
+            self._server = None
+        self.path.unlink(missing_ok=True)
+
+    def stats(self) -> dict:
+        return {"cores": self.grants.cores, "computing": self.grants.holding, "waiting": self.grants.waiting,
+                "most_computing": self.grants.most_holding, "refused": self.num_refused}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pid = peer_pid(writer)
+        if pid is None or pid in self._writers or not self.is_worker(pid):
+            self.num_refused += 1
+            log.warning("step gate: refused a connection from pid %s (not a worker of this agent, or its second)", pid)
+            writer.close()
+            return
+        self._writers[pid] = writer
+        try:
+            while byte := await reader.read(1):
+                if byte == WANT:
+                    self._send(self.grants.want(pid))
+                elif byte in (DONE, NEXT):
+                    self._send(self.grants.done(pid, again=byte == NEXT))
+                else:
+                    log.warning("step gate: pid %d sent %r; hanging up", pid, byte)
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            del self._writers[pid]
+            writer.close()
+            self._send(self.grants.gone(pid))
+
+    def _send(self, grants: list[tuple[int, int]]) -> None:
+        for pid, threads in grants:
+            writer = self._writers.get(pid)
+            if writer is None or writer.is_closing():
+                self._send(self.grants.gone(pid))
+                continue
+            writer.write(bytes([threads]))
+
+
+def peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    return None
