@@ -84,7 +84,8 @@ def replay(
         if inst.cold_start:
             breakdowns.setdefault(inst.function, []).append(inst.cold_start)
     meta |= {"mode": "live", "url": url, "wall_s": round(run.wall_s, 2), "instances_started": len(run.instances),
-             "busy_instances_peak": run.busy_peak, "compute_slots": run.compute_slots}
+             "busy_instances_peak": run.busy_peak, "compute_slots": run.compute_slots,
+             "computing_instances_peak": run.computing_peak}
     summaries = write_report(out, run.results, meta, breakdowns, plots)
     if as_json:
         typer.echo(json.dumps(json.loads((out / "results.json").read_text())["summary"], indent=2))

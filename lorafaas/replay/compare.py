@@ -81,7 +81,8 @@ def compare(
         out["metrics"][metric] = {"live_mean": a, "sim_mean": b, "relative_difference": diff}
     out["cold_starts"] = {"live": sum(1 for r in live if r.cold), "sim": row.num_cold_starts}
     out["busy_instances_peak"] = {"live": meta.get("busy_instances_peak"), "sim": outcome.busy_peak,
-                                  "compute_slots": meta.get("compute_slots")}
+                                  "compute_slots": meta.get("compute_slots"),
+                                  "computing_live": meta.get("computing_instances_peak")}
     return out
 
 
@@ -101,6 +102,8 @@ def format_table(result: dict) -> str:
     live_peak = "-" if peak["live"] is None else str(peak["live"])
     slots = "" if peak["compute_slots"] is None else f"{peak['compute_slots']} compute slots"
     lines.append(f"| busy instances at once (peak) | {live_peak} | {peak['sim']} | {slots} |")
+    if peak.get("computing_live") is not None:  # the step gate's count: instances in an engine step
+        lines.append(f"| instances computing at once (peak, step gate) | {peak['computing_live']} | | {slots} |")
     return "\n".join(lines)
 
 

@@ -60,6 +60,7 @@ class LiveRun:
     wall_s: float
     busy_peak: int | None = None  # the most instances busy at once on a device (`/metrics`), None: not readable
     compute_slots: int | None = None
+    computing_peak: int | None = None  # the most instances running an engine step at once (the step gate's grants)
 
 
 def prompt_text(num_tokens: int) -> str:
@@ -216,22 +217,26 @@ async def run_live(
         wall_s = time.perf_counter() - t0
         stop.set()
         await poller
-        busy_peak, slots = await _busy_peak(client)
+        peaks = await _device_peaks(client)
     attribute_cold_starts(results, instances, started_wall)
-    return LiveRun(results, instances, started_wall, wall_s, busy_peak, slots)
+    return LiveRun(results, instances, started_wall, wall_s, peaks.get("lorafaas_busy_instances_peak"),
+                   peaks.get("lorafaas_compute_slots"), peaks.get("lorafaas_computing_instances_peak"))
 
 
-async def _busy_peak(client: httpx.AsyncClient) -> tuple[int | None, int | None]:
-    """The platform's `lorafaas_busy_instances_peak` and `lorafaas_compute_slots` (the largest over its devices), or
-    None where `/metrics` does not show them (another server, or a key not allowed to read it)."""
+DEVICE_PEAKS = ("lorafaas_busy_instances_peak", "lorafaas_compute_slots", "lorafaas_computing_instances_peak")
+
+
+async def _device_peaks(client: httpx.AsyncClient) -> dict[str, int]:
+    """The platform's DEVICE_PEAKS (each the largest over its devices); a name is missing where `/metrics` does not
+    show it (another server, no step gate, or a key not allowed to read it)."""
     try:
         reply = await client.get("/metrics")
     except httpx.TransportError:
-        return None, None
+        return {}
     if reply.status_code != 200:
-        return None, None
+        return {}
     found: dict[str, int] = {}
     for family in text_string_to_metric_families(reply.text):
-        if family.name in ("lorafaas_busy_instances_peak", "lorafaas_compute_slots") and family.samples:
+        if family.name in DEVICE_PEAKS and family.samples:
             found[family.name] = int(max(sample.value for sample in family.samples))
-    return found.get("lorafaas_busy_instances_peak"), found.get("lorafaas_compute_slots")
+    return found

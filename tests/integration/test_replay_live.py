@@ -97,6 +97,8 @@ def test_replay_writes_the_report(platform: PlatformProcess, tmp_path: Path) -> 
     meta = document["meta"]
     assert meta["compute_slots"] >= 1
     assert 1 <= meta["busy_instances_peak"] <= len({r["function"] for r in rows}) * 4
+    # and the step gate's: instances in an engine step at once, never more than the compute slots
+    assert 1 <= meta["computing_instances_peak"] <= meta["compute_slots"]
 
 
 def test_replay_onto_a_missing_function_fails_clearly(platform: PlatformProcess, tmp_path: Path) -> None:

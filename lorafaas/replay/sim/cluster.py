@@ -98,6 +98,8 @@ class ClusterSpec:
     # billed) its staging by then, as the node agent's plan runs within plan_interval_s of a deploy
     deploy_lead_s: float = 0.0
     strict_compute: bool = False  # the agent's --strict-compute (admission's strict compute)
+    # CPU: the step gate gives an instance computing alone every core; it then runs this much faster (1.0: not modelled)
+    lone_speedup: float = 1.0
 
     @property
     def num_devices(self) -> int:
@@ -235,6 +237,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         dev.number("core_interference", 0.0, 0.0, 10.0),
         top.number("deploy_lead_s", 0.0, 0.0, 86_400.0),
         _flag(dev, "strict_compute", False),
+        dev.number("lone_speedup", 1.0, 1.0, 64.0),
     )
 
 

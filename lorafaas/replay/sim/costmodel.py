@@ -11,6 +11,8 @@
                                one-thread instances and b runnable threads of other programs sharing the cores
                                equally (processor sharing), each busy core beyond the first slowing all by i
                                (`core_interference`: shared caches and memory bandwidth)
+                               an instance alone on a CPU device (the step gate grants it every core) runs
+                               `lone_speedup` times faster, slowed as its threads share the cores with others'
     backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
                                bound to a copy already on the device (sharing) in `bind_s`
     backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at
@@ -44,6 +46,9 @@ class CostModel:
 
     def contention(self, num_running: int, background_threads: float = 0.0) -> float:
         cores = self.cluster.cores
+        if cores is not None and num_running <= 1 and self.cluster.lone_speedup > 1.0:
+            # the step gate grants a lone instance every core (as many threads), sharing them with other programs
+            return max(1.0, (cores + background_threads) / cores) / self.cluster.lone_speedup
         if cores is not None:
             busy = num_running + background_threads
             interference = 1.0 + self.cluster.core_interference * max(0.0, min(busy, cores) - 1.0)

@@ -12,7 +12,9 @@ from lorafaas.replay.sim.policies import POLICIES
 from lorafaas.replay.sim.runner import simulate
 from lorafaas.replay.workload import Request, Workload
 
-LOCAL = load_cluster("local")
+# the worker's mechanics at one thread: an instance alone here runs as it would beside others (the step gate's
+# lone speedup is test_simulator.py's)
+LOCAL = replace(load_cluster("local"), lone_speedup=1.0)
 COSTS = CostModel(LOCAL)
 SMOL = LOCAL.backbones["smollm2-135m"]
 
