@@ -20,7 +20,8 @@ from lorafaas.replay.sim.runner import simulate
 from lorafaas.replay.synthetic import generate, write_2019_invocations
 from lorafaas.replay.workload import Mapping, Request, Workload
 
-LOCAL = load_cluster("local")
+# the mechanics at one thread per instance; the step gate's lone speedup (local.yaml) has its own test below
+LOCAL = replace(load_cluster("local"), lone_speedup=1.0)
 GOLDEN_TTFT_S = [1.0413, 0.2928, 0.7413, 0.3391, 0.1744, 0.091, 0.1219, 0.2609]  # seed 3, local, lorafaas
 PAPER = load_cluster("paper")
 
@@ -171,16 +172,15 @@ def test_a_short_request_frees_its_slot_before_its_batch_ends() -> None:
 
 
 def test_cpu_cores_are_shared_with_busy_instances_and_background_threads() -> None:
-    local = replace(LOCAL, lone_speedup=1.0)  # without the step gate's lone speedup (the next test)
-    costs = CostModel(local)  # 2 cores
+    costs = CostModel(LOCAL)  # 2 cores
     i = LOCAL.core_interference  # each busy core beyond the first slows all (shared caches, memory bandwidth)
     assert [costs.contention(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1 + i, 1.5 * (1 + i), 2 * (1 + i)])
     assert costs.contention(1, background_threads=3.0) == pytest.approx(2 * (1 + i))
     assert CostModel(PAPER).contention(3) == pytest.approx(1 + 2 * PAPER.contention)  # GPUs: the linear model
     # a warm request at 20 s while 3 other threads are runnable (from 10 s on): its pass takes (1 + 3) / 2 x (1 + i)
     work = _work((0.0, "pirate", 10, 2), (20.0, "pirate", 10, 2))
-    quiet, _ = simulate(work, local, POLICIES["lorafaas"])
-    busy, _ = simulate(work, local, POLICIES["lorafaas"], background=[(0.0, 0.0), (10.0, 3.0)])
+    quiet, _ = simulate(work, LOCAL, POLICIES["lorafaas"])
+    busy, _ = simulate(work, LOCAL, POLICIES["lorafaas"], background=[(0.0, 0.0), (10.0, 3.0)])
     assert quiet.results[0].ttft_s == busy.results[0].ttft_s
     one_pass = costs.prefill_pass_s(LOCAL.backbones["smollm2-135m"], [10])
     assert quiet.results[1].ttft_s == pytest.approx(one_pass + LOCAL.request_overhead_s)
@@ -189,15 +189,16 @@ def test_cpu_cores_are_shared_with_busy_instances_and_background_threads() -> No
 
 def test_an_instance_computing_alone_on_a_cpu_runs_faster_on_every_core() -> None:
     """The step gate grants a lone instance both cores (LOCAL.lone_speedup 1.5, measured by bench serve)."""
-    costs, i = CostModel(LOCAL), LOCAL.core_interference
-    assert LOCAL.lone_speedup == 1.5
+    gated = load_cluster("local")
+    costs, i = CostModel(gated), gated.core_interference
+    assert gated.lone_speedup == 1.5
     assert costs.contention(1) == pytest.approx(1 / 1.5)
     assert costs.contention(1, background_threads=1.0) == pytest.approx(1.0)  # its 2 threads and 1 other on 2 cores
     assert costs.contention(2) == pytest.approx(1 + i)  # two at once: one core each, as without the gate
     work = _work((0.0, "pirate", 10, 2), (20.0, "pirate", 10, 2))
-    out, _ = simulate(work, LOCAL, POLICIES["lorafaas"])
-    one_pass = costs.prefill_pass_s(LOCAL.backbones["smollm2-135m"], [10])
-    assert out.results[1].ttft_s == pytest.approx(one_pass / 1.5 + LOCAL.request_overhead_s)
+    out, _ = simulate(work, gated, POLICIES["lorafaas"])
+    one_pass = costs.prefill_pass_s(gated.backbones["smollm2-135m"], [10])
+    assert out.results[1].ttft_s == pytest.approx(one_pass / 1.5 + gated.request_overhead_s)
 
 
 def test_free_memory_index_equals_a_recount(monkeypatch: pytest.MonkeyPatch) -> None:
