@@ -30,7 +30,6 @@ class ComputeGate:
         self.is_worker = is_worker  # pid -> whether it is a live worker of this agent
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
         self._server: asyncio.AbstractServer | None = None
-        self.num_refused = 0
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,14 +45,9 @@ class ComputeGate:
             self._server = None
         self.path.unlink(missing_ok=True)
 
-    def stats(self) -> dict:
-        return {"cores": self.grants.cores, "computing": self.grants.holding, "waiting": self.grants.waiting,
-                "most_computing": self.grants.most_holding, "refused": self.num_refused}
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid = peer_pid(writer)
         if pid is None or pid in self._writers or not self.is_worker(pid):
-            self.num_refused += 1
             log.warning("step gate: refused a connection from pid %s (not a worker of this agent, or its second)", pid)
             writer.close()
             return
