@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,14 +32,19 @@ class ComputeGate:
         self.is_worker = is_worker  # pid -> whether it is a live worker of this agent
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
         self._server: asyncio.AbstractServer | None = None
+        self._expiry: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         self.path.chmod(0o600)
+        if math.isfinite(self.grants.lease_s):
+            self._expiry = asyncio.create_task(self._expire_forever())
 
     async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         if self._server is not None:
             self._server.close()
             for writer in list(self._writers.values()):
@@ -55,9 +62,9 @@ class ComputeGate:
         try:
             while byte := await reader.read(1):
                 if byte == WANT:
-                    self._send(self.grants.want(pid))
+                    self._send(self.grants.want(pid, time.monotonic()))
                 elif byte in (DONE, NEXT):
-                    self._send(self.grants.done(pid, again=byte == NEXT))
+                    self._send(self.grants.done(pid, again=byte == NEXT, now_s=time.monotonic()))
                 else:
                     log.warning("step gate: pid %d sent %r; hanging up", pid, byte)
                     break
@@ -66,13 +73,19 @@ class ComputeGate:
         finally:
             del self._writers[pid]
             writer.close()
-            self._send(self.grants.gone(pid))
+            self._send(self.grants.gone(pid, time.monotonic()))
+
+    async def _expire_forever(self) -> None:
+        """A worker stuck in its step loses its grant after the lease (`CoreGrants.expire`)."""
+        while True:
+            await asyncio.sleep(self.grants.lease_s / 4)
+            self._send(self.grants.expire(time.monotonic()))
 
     def _send(self, grants: list[tuple[int, int]]) -> None:
         for pid, threads in grants:
             writer = self._writers.get(pid)
             if writer is None or writer.is_closing():
-                self._send(self.grants.gone(pid))
+                self._send(self.grants.gone(pid, time.monotonic()))
                 continue
             writer.write(bytes([threads]))
 

@@ -56,6 +56,10 @@ from lorafaas.scheduler import (
 log = logging.getLogger(__name__)
 MAX_FAILURES_KEPT = 20  # per function, for describe
 
+# A step gate's grant lasts at most this long: a worker stuck in a step (until the hang detector kills it) stops
+# holding other functions' steps back; a real step here takes well under a second (a padded prefill of 8 x 128 tokens:
+# about 1.6 s on this 2-core machine)
+GATE_LEASE_S = 5.0
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
 WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode")  # what an instance was started with
 
@@ -150,7 +154,8 @@ class NodeAgent:
             if self.config.step_gate and self.config.device == "cpu":  # local workers, on this machine's cores
                 threads = max(1, self.config.num_threads)
                 self.gate = ComputeGate(self.launcher.zygote_socket.parent / "step-gate-cpu.sock",
-                                        CoreGrants(self.compute_slots * threads, threads, self.config.lone_threads),
+                                        CoreGrants(self.compute_slots * threads, threads, self.config.lone_threads,
+                                                   lease_s=GATE_LEASE_S),
                                         self._is_worker)
                 await self.gate.start()
         self._reconciler = asyncio.create_task(self._reconcile_forever())

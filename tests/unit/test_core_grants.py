@@ -74,6 +74,19 @@ def test_random_asks_never_grant_more_than_the_cores_and_every_asker_is_served(c
     assert grants.most_holding <= cores // base
 
 
+def test_a_holder_stuck_past_its_lease_stops_holding_the_others_back() -> None:
+    grants = CoreGrants(cores=1, lease_s=5.0)
+    assert grants.want("stuck", now_s=0.0) == [("stuck", 1)]
+    assert grants.want("other", now_s=1.0) == []
+    assert grants.expire(now_s=5.0) == []  # within its lease
+    assert grants.expire(now_s=5.5) == [("other", 1)]  # lapsed: its core goes to the one waiting
+    assert grants.num_lapsed == 1 and grants.holding == 1
+    # the stuck step ends at last: nothing is given back twice, and it waits its turn for the next
+    assert grants.done("stuck", again=True, now_s=9.0) == []
+    assert grants.done("other", now_s=9.1) == [("stuck", 1)]
+    assert grants.free == 0 and grants.holding == 1
+
+
 def test_nonsense_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="cores"):
         CoreGrants(cores=0)

@@ -87,9 +87,11 @@ class _AgentCollector:
                                     "device now", labels=["device"])
             now.add_metric([self.agent.config.device], gate.grants.holding)
             steps = CounterMetricFamily("lorafaas_gated_steps", "Engine steps granted by the device's step gate, "
-                                        "and of them the steps that waited for a core", labels=["device", "kind"])
+                                        "of them the steps that waited for a core, and those whose lease ran out",
+                                        labels=["device", "kind"])
             steps.add_metric([self.agent.config.device, "granted"], gate.grants.num_granted)
             steps.add_metric([self.agent.config.device, "waited"], gate.grants.num_waited)
+            steps.add_metric([self.agent.config.device, "lapsed"], gate.grants.num_lapsed)
             families += [computing, now, steps]
         return families
 
