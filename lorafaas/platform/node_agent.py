@@ -132,6 +132,7 @@ class NodeAgent:
         self._tasks: set[asyncio.Task] = set()
         self._probes: dict[Instance, asyncio.Task] = {}
         self._reconciler: asyncio.Task | None = None
+        self.idle_retired_s: dict[str, float] = {}  # function -> when its last stepped idle retirement happened
         self.gate: ComputeGate | None = None  # the device's step gate (local CPU workers); started by start()
         self.scheduler = Scheduler(self.config.scheduler, random.Random(0))
         self.admission = Admission(self.scheduler, self.clock, self._acquire, self.config.fill_or_expire)
@@ -212,6 +213,7 @@ class NodeAgent:
         self.scheduler.forget(name)
         self.last_admission.pop(name, None)  # a redeploy under the name (maybe another tenant's) starts afresh
         self.waits.pop(name, None)
+        self.idle_retired_s.pop(name, None)
         self.compute_turns.leave(Identity.of(spec))
         self._drain_deployment(spec, f"function {name} was deleted")
         if self.lora_servers is not None and all(s.backbone != spec.backbone for s in self.specs.values()):
@@ -637,13 +639,30 @@ class NodeAgent:
             if self.specs.get(name) != spec:
                 return  # changed while an instance started: the next round reconciles the new spec
             await self._start_instance(spec, stages=m.STAGES, kind="prewarm")
+        for instance, why in self.retirements(spec):
+            await self.stop_instance(instance, why)
+
+    def retirements(self, spec: FunctionSpec) -> list[tuple[Instance, str]]:
+        """The idle instances to stop now, least recently used first, never below `min_instances`: those past the
+        keep-alive window; else, while the function is idle as a whole and its window comes from the idle-time
+        histogram, one per `idle_retire_step_s` (`Scheduler.next_idle_retirement_s`). A keep-alive the function's
+        spec sets is kept as set."""
         now, keep_alive_s = self.clock(), self.keep_alive_s(spec)
         current = self.table.current(spec)
-        idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0
-                       and now - i.last_used_s >= keep_alive_s), key=lambda i: i.last_used_s)
-        for instance in idle[: max(0, len(current) - spec.min_instances)]:
-            await self.stop_instance(instance, f"idle for {now - instance.last_used_s:.1f} s "
-                                               f"(keep-alive {keep_alive_s:.1f} s)")
+        surplus = max(0, len(current) - spec.min_instances)
+        idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0), key=lambda i: i.last_used_s)
+        expired = [(i, f"idle for {now - i.last_used_s:.1f} s (keep-alive {keep_alive_s:.1f} s)")
+                   for i in idle if now - i.last_used_s >= keep_alive_s][:surplus]
+        if expired or not surplus or len(idle) < len(current) or self.admission.queued(spec.name) \
+                or self.scheduler.keep_alive(spec.name).reason != "histogram":
+            return expired
+        idle_since = max(i.last_used_s for i in idle)
+        due = self.scheduler.next_idle_retirement_s(idle_since, self.idle_retired_s.get(spec.name))
+        if due is None or now < due:
+            return []
+        self.idle_retired_s[spec.name] = now
+        return [(idle[0], f"function idle for {now - idle_since:.1f} s: one instance per "
+                          f"{self.config.scheduler.idle_retire_step_s:.0f} s")]
 
     def keep_alive_s(self, spec: FunctionSpec) -> float:
         """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""

@@ -28,7 +28,7 @@ from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.interface import open_store, sqlite_url
-from lorafaas.scheduler import SchedulerConfig
+from lorafaas.scheduler import SchedulerConfig, for_device_kind
 
 log = logging.getLogger(__name__)
 EXPIRY_INTERVAL_S = 60.0
@@ -127,8 +127,9 @@ class Platform:
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")
         self.launcher = open_backend(config.backend, home, device.name)
+        scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
-                                   scheduler=scheduler_config(config.policy), compute_slots=config.compute_slots,
+                                   scheduler=scheduler, compute_slots=config.compute_slots,
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
                                    step_gate=config.step_gate, lone_threads=config.lone_threads,
                                    hang_timeout_s=config.hang_timeout_s,

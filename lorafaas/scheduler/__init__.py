@@ -21,7 +21,7 @@ from lorafaas.scheduler.batching import (
     in_flight_limit,
 )
 from lorafaas.scheduler.compute_turns import ComputeTurns
-from lorafaas.scheduler.config import SchedulerConfig
+from lorafaas.scheduler.config import SchedulerConfig, for_device_kind
 from lorafaas.scheduler.core_grants import CoreGrants
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
@@ -87,6 +87,7 @@ __all__ = [
     "batch_memory_bytes",
     "can_join",
     "decide_admission",
+    "for_device_kind",
     "in_flight_limit",
     "may_scale_out",
     "needs_start_options",

@@ -11,7 +11,7 @@ Each mechanism can be switched off so an evaluation can ablate it:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 KeepAlivePolicyName = Literal["fixed", "hybrid"]
@@ -29,6 +29,10 @@ class SchedulerConfig:
     # `preload_seeds` most valuable closures, keeping the best plan (0 turns it off)
     preload_seeded_max_functions: int = 32
     preload_seeds: int = 3
+    # the device tier takes new device memory only for functions expected within this horizon (rate x horizon >= 1):
+    # an idle device holds billed memory, the host tier does not, and a function expected less often than this
+    # pays more for its copy than a load from host memory costs it (docs/scheduler.md, "Idle cost"); 0: no limit
+    device_preload_horizon_s: float = 600.0
 
     # arrival rates: exponentially decaying event count with time constant `rate_window_s`
     rate_window_s: float = 60.0
@@ -69,6 +73,10 @@ class SchedulerConfig:
     min_histogram_samples: int = 10
     min_histogram_cv: float = 2.0  # CV of the bin counts below this: the histogram is not representative
     max_out_of_range_fraction: float = 0.5  # more idle times beyond the range than this: fixed fallback
+    # a function idle as a whole retires its idle instances one per this many seconds, least recently used first,
+    # none later than its keep-alive window: a burst's scale-out is not billed through the hybrid window's long
+    # tail, and the next burst finds the instances it most likely needs (docs/scheduler.md, "Idle cost"); 0: off
+    idle_retire_step_s: float = 180.0
 
     def __post_init__(self) -> None:
         positive = ("rate_window_s", "rate_min_horizon_s", "prior_t0_s", "fixed_keep_alive_s", "histogram_bin_s",
@@ -91,6 +99,10 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:
             raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
+        for name in ("device_preload_horizon_s", "idle_retire_step_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number >= 0 (0: off)")
         if not self.rate_floor_per_s >= 0:
             raise ValueError(f"SchedulerConfig.rate_floor_per_s is {self.rate_floor_per_s}; must be >= 0")
         if self.rate_change_tolerance <= 0:
@@ -118,3 +130,11 @@ class SchedulerConfig:
     @property
     def num_histogram_bins(self) -> int:
         return math.ceil(self.histogram_range_s / self.histogram_bin_s - 1e-9)
+
+
+def for_device_kind(config: SchedulerConfig, kind: str) -> SchedulerConfig:
+    """`config` for a device of `kind` ("cpu" or "gpu"): a CPU's device tier is its host's memory, so there is no
+    cheaper tier to keep a rarely used function in and the pre-load horizon does not apply."""
+    if kind == "cpu" and config.device_preload_horizon_s:
+        return replace(config, device_preload_horizon_s=0.0)
+    return config

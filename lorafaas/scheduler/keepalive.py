@@ -9,7 +9,12 @@ counted as out of range. From it:
     pre-warm     = head * (1 - prewarm_margin)              unload after the invocation, load again after this long
     keep-alive   = tail * (1 + keep_alive_margin) - pre-warm    then keep it loaded this long
 
-It is used only when the histogram is representative; otherwise the fixed window applies (pre-warm 0, keep-alive
+A function idle as a whole (no request in flight or queued) also retires its idle instances one per
+`idle_retire_step_s`, least recently used first (`next_idle_retirement_s`), the window above still bounding each: the
+histogram's long tail keeps one instance for the next burst, not the whole scale-out of the last one, whose idle
+device memory is billed (docs/scheduler.md, "Idle cost").
+
+The histogram is used only when it is representative; otherwise the fixed window applies (pre-warm 0, keep-alive
 `fixed_keep_alive_s`):
     - fewer than `min_histogram_samples` idle times                                          -> "fixed:few_samples"
     - more than `max_out_of_range_fraction` of them beyond the range (the paper forecasts these with ARIMA; lorafaas
@@ -119,6 +124,16 @@ class KeepAlivePolicy:
         prewarm_s = head_s * (1.0 - config.prewarm_margin)
         keep_alive_s = tail_s * (1.0 + config.keep_alive_margin) - prewarm_s
         return KeepAliveDecision(prewarm_s, keep_alive_s, "histogram")
+
+    def next_idle_retirement_s(self, idle_since_s: float, last_retired_s: float | None) -> float | None:
+        """When a function idle as a whole since `idle_since_s` retires its next idle instance (its least recently
+        used): one step after it went idle or after its last such retirement, whichever is later. None: no stepped
+        retirement (the step is 0, or the policy is the fixed window, which stays as configured)."""
+        step_s = self.config.idle_retire_step_s
+        if step_s <= 0 or self.config.keep_alive_policy != "hybrid":
+            return None
+        since = idle_since_s if last_retired_s is None else max(idle_since_s, last_retired_s)
+        return since + step_s
 
     def _fixed(self, why: str) -> KeepAliveDecision:
         return KeepAliveDecision(0.0, self.config.fixed_keep_alive_s, f"fixed:{why}")

@@ -32,7 +32,9 @@ LIB, BBH, ADH, BBD, ADD, WARM = range(6)
 class GreedyKnapsack:
     """One solve of one view; state in parallel lists indexed by function (sorted by name: deterministic)."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, device_horizon_s: float = 0.0) -> None:
+        """`device_horizon_s` > 0: a closure that takes new device memory is open only to functions expected within
+        it (rate x horizon >= 1); binding to a backbone copy already there takes none (SchedulerConfig)."""
         invoked = view.invoked
         self.pinned = tuple(r for r in view.resident if r.function in invoked)
         self.names = names = sorted(f for f in view.functions if f not in invoked)
@@ -62,6 +64,7 @@ class GreedyKnapsack:
 
         # values (-1: not pre-loadable there) and weights
         rates = [p.arrival_rate_per_s for p in profiles]
+        self.device_ok = [device_horizon_s <= 0 or r * device_horizon_s >= 1 - 1e-9 for r in rates]
 
         def table(field: str) -> tuple[list[float], list[int]]:
             costs = [getattr(p.costs, field) for p in profiles]
@@ -213,7 +216,7 @@ class GreedyKnapsack:
                     return None
                 if place_bb:
                     dev_bytes += self.bb_bytes[self.bb_of[i]]
-        if dv <= 0:
+        if dv <= 0 or (dev_bytes > 0 and not self.device_ok[i]):
             return None
         if need_lib:  # the closure takes a whole slot (no other function can use what it leaves free) unless
             k = self._slot_for(i, host)  # the slot is bound to this function anyway

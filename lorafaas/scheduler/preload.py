@@ -50,14 +50,15 @@ class PreloadPlanner:
         del now_s
         if not self.config.preloading:
             return PreloadPlan(target=(), offloads=(), preloads=(), value=0.0)
-        solver = GreedyKnapsack(view)
+        horizon = self.config.device_preload_horizon_s
+        solver = GreedyKnapsack(view, horizon)
         target = solver.solve()
         value = solver.value
         if len(solver.names) <= self.config.preload_seeded_max_functions:
             # density alone can shut out one large valuable closure (the knapsack's classic trap): also try each
             # of the most valuable closures first, and keep the best plan
-            for first in GreedyKnapsack(view).most_valuable(self.config.preload_seeds):
-                seeded = GreedyKnapsack(view)
+            for first in GreedyKnapsack(view, horizon).most_valuable(self.config.preload_seeds):
+                seeded = GreedyKnapsack(view, horizon)
                 seeded_target = seeded.solve(first)
                 if seeded.value > value * (1 + 1e-12):
                     target, value = seeded_target, seeded.value

@@ -29,6 +29,7 @@ class RateTracker:
         self.config = config or SchedulerConfig()
         self._streams: dict[FunctionName, _Stream] = {}
         self._planned: dict[FunctionName, float] = {}
+        self._first_planned: dict[FunctionName, float] = {}  # when a plan first saw each function (its deploy)
 
     def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
         stream = self._streams.get(function)
@@ -56,14 +57,20 @@ class RateTracker:
     def forget(self, function: FunctionName) -> None:
         self._streams.pop(function, None)
         self._planned.pop(function, None)
+        self._first_planned.pop(function, None)
 
     def apply(self, view: ClusterView, now_s: float) -> ClusterView:
         """The view with each profile's arrival rate replaced by the estimate (functions never seen keep theirs), and
-        none below `rate_floor_per_s`."""
+        none below `rate_floor_per_s`. A function not yet invoked within `device_preload_horizon_s` of the first plan
+        that saw it (its deploy) is expected within that horizon: a deploy is usually followed by its first calls."""
         functions = dict(view.functions)
+        horizon = self.config.device_preload_horizon_s
         for name, profile in view.functions.items():
             estimate = self.rate(name, now_s)
             rate = max(profile.arrival_rate_per_s if estimate is None else estimate, self.config.rate_floor_per_s)
+            deployed_s = self._first_planned.setdefault(name, now_s)
+            if estimate is None and horizon > 0 and now_s - deployed_s < horizon:
+                rate = max(rate, 1.0 / horizon)
             if rate != profile.arrival_rate_per_s:
                 functions[name] = dataclasses.replace(profile, arrival_rate_per_s=rate)
         return dataclasses.replace(view, functions=functions)

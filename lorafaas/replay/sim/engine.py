@@ -42,6 +42,7 @@ from lorafaas.scheduler import (
     FunctionName,
     Scheduler,
     SchedulerConfig,
+    for_device_kind,
 )
 
 
@@ -85,13 +86,13 @@ class Simulator:
         self.background_threads = [max(0.0, b) for _, b in samples]
         self.costs = CostModel(cluster)
         self.rng = random.Random(seed)
-        config = SchedulerConfig(
+        config = for_device_kind(SchedulerConfig(
             preloading=policy.preloading,
             offloading=policy.offloading,
             keep_alive_policy=policy.keep_alive,
             fixed_keep_alive_s=cluster.keep_alive_s,
             max_batch_size=cluster.max_batch_size,
-        )
+        ), cluster.device_kind)
         self.scheduler = Scheduler(config, random.Random(seed))
         self.fns: dict[FunctionName, FunctionState] = {}
         for i, name in enumerate(workload.functions):
@@ -157,6 +158,7 @@ class Simulator:
             "recheck": self._on_recheck,
             "done": self._on_done,
             "expire": self._on_expire,
+            "idle_retire": self._on_idle_retire,
             "plan": self._on_plan,
             "prefill": self.worker.on_prefill,  # type: ignore[dict-item]
             "background": self._on_background,
@@ -180,6 +182,8 @@ class Simulator:
             at, _, kind, payload = heapq.heappop(self.events)
             if kind == "plan" and i >= len(requests):
                 continue  # no more arrivals: stop planning
+            if kind == "idle_retire" and self._idle_retire_stale(payload):
+                continue  # nothing to retire: it must not move the clock (nor the end the cost is billed to)
             self.now = max(self.now, at)
             handlers[kind](payload)
         end = max(self.now, self.workload.duration_s)
@@ -334,14 +338,18 @@ class Simulator:
         if inst.running == 0 and not inst.permanent:
             if not any(i.running for i in fs.instances):
                 fs.last_end_s = self.now
-            decision = self.scheduler.keep_alive(inst.function)
-            window = (
-                decision.prewarm_s + decision.keep_alive_s
-                if self.policy.keep_alive == "hybrid"
-                else self.cluster.keep_alive_s
-            )
-            self.push(self.now + window, "expire", (inst, inst.expire_token))
+                if not fs.queue and self.scheduler.keep_alive(inst.function).reason == "histogram":
+                    # idle as a whole: its instances retire one per step (KeepAlivePolicy), as the agent's do
+                    at_s = self.scheduler.next_idle_retirement_s(self.now, None)
+                    if at_s is not None:
+                        self.push(at_s, "idle_retire", (inst.function, self.now))
+            self.push(self.now + self._keep_alive_s(inst.function), "expire", (inst, inst.expire_token))
         self._retry_blocked()
+
+    def _keep_alive_s(self, name: FunctionName) -> float:
+        decision = self.scheduler.keep_alive(name)
+        return decision.prewarm_s + decision.keep_alive_s if self.policy.keep_alive == "hybrid" \
+            else self.cluster.keep_alive_s
 
     def _release(self, inst: SimInstance, kv: int, batch: list[int]) -> None:
         """A request is over: its memory and slot are free; the last of its batch ends the batch."""
@@ -386,6 +394,30 @@ class Simulator:
             return
         self._stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
         self._retry_blocked()
+
+    def _on_idle_retire(self, payload: object) -> None:
+        """A function idle as a whole since `idle_since` retires its least recently used idle instance, then plans
+        the next retirement; stale once it has run a batch since."""
+        if self._idle_retire_stale(payload):
+            return
+        name, idle_since = payload  # type: ignore[misc]
+        fs = self.fns[name]
+        idle = sorted((i for i in fs.instances if not i.permanent and not i.running and i.ready_at_s <= self.now),
+                      key=lambda i: i.last_used_s)
+        if not idle:
+            return
+        self._stop_instance(idle[0], keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
+        self._retry_blocked()
+        at_s = self.scheduler.next_idle_retirement_s(idle_since, self.now)
+        if len(idle) > 1 and at_s is not None:
+            self.push(at_s, "idle_retire", payload)
+
+    def _idle_retire_stale(self, payload: object) -> bool:
+        """The function ran a batch since it went idle, or has no idle instance left to retire."""
+        name, idle_since = payload  # type: ignore[misc]
+        fs = self.fns[name]
+        return (fs.last_end_s != idle_since or bool(fs.queue) or any(i.running for i in fs.instances)
+                or all(i.permanent for i in fs.instances))
 
     def _on_plan(self, payload: object) -> None:
         """`payload` "tick": the periodic plan (schedules the next); None: a re-plan because a rate moved."""
@@ -439,6 +471,9 @@ class Simulator:
         fs.instances.append(inst)
         device.instances.add(inst)
         self.busy_peak = max(self.busy_peak, self.busy(device))
+        # an instance that never gets a batch (its requests went elsewhere while it started) idles out like any
+        # other, from when it is ready; its first batch makes this stale (the agent's reconcile does the same)
+        self.push(inst.ready_at_s + self._keep_alive_s(name), "expire", (inst, inst.expire_token))
         return inst
 
     def _stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:

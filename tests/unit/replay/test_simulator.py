@@ -254,12 +254,22 @@ def test_same_metrics_whatever_the_string_hash_seed() -> None:
 
 def test_a_deploy_before_the_trace_lets_pre_loading_stage_the_first_request_s_backbone_and_bills_it() -> None:
     work = _work((0.0, "llama2-13b-a", 512, 8))
-    size_s = PAPER.backbones["llama2-13b"].size_bytes / PAPER.loading.disk_bytes_per_s
+    backbone = PAPER.backbones["llama2-13b"]
+    size_s = backbone.size_bytes / PAPER.loading.disk_bytes_per_s
     at_once = replace(PAPER, deploy_lead_s=0.0)
     cold, cold_run = simulate(work, at_once, POLICIES["lorafaas"])
     staged, staged_run = simulate(work, replace(PAPER, deploy_lead_s=60.0), POLICIES["lorafaas"])
     assert cold.results[0].cold_start_s >= size_s  # the backbone from disk: deployed the instant it was invoked
-    assert not staged.results[0].cold and staged.results[0].ttft_s < 1.0  # all staged by the deploy's plan
-    assert staged_run.cost > cold_run.cost  # the minute of staging is billed
+    # just deployed, it is expected within the device horizon: staged on the GPU by the deploy's plan, and billed
+    assert not staged.results[0].cold and staged.results[0].ttft_s < 1.0
+    assert staged_run.cost > cold_run.cost
+    # first invoked long after its deploy, it was planned at the floor (once an hour), beyond the horizon: staged in
+    # host memory, which is not billed, and its first start copies the backbone to the GPU
+    late, late_run = simulate(work, replace(PAPER, deploy_lead_s=1800.0), POLICIES["lorafaas"])
+    assert late.results[0].cold and late.results[0].cold_start_s < size_s / 4
+    assert late.cold_breakdowns["llama2-13b-a"][0]["backbone"] == pytest.approx(
+        backbone.size_bytes / PAPER.loading.host_to_device_bytes_per_s)
+    held_half_an_hour = backbone.size_bytes / 1e9 * 1800 * PAPER.price.gpu_idle_per_gb_s
+    assert late_run.cost < staged_run.cost + held_half_an_hour  # the GPU copy went back to host after the horizon
     baseline, _ = simulate(work, replace(PAPER, deploy_lead_s=60.0), POLICIES["serverlessllm"])  # loads on demand
     assert baseline.results[0].ttft_s == simulate(work, at_once, POLICIES["serverlessllm"])[0].results[0].ttft_s

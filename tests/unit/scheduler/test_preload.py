@@ -177,3 +177,25 @@ def test_greedy_against_exact_on_random_small_instances() -> None:
           f"optimal in {sum(r > 1 - 1e-9 for r in ratios)}")
     assert worst >= 0.80
     assert sum(ratios) / len(ratios) >= 0.99
+
+
+def test_the_device_tier_takes_memory_only_for_functions_expected_within_the_horizon() -> None:
+    # a: once a minute, expected within the 600 s horizon; b: once an hour (the rate floor), not; both fit anywhere
+    fns = [fn("a", backbone="x", rate=1 / 60), fn("b", backbone="y", rate=1 / 3600)]
+    p = plan(view(fns, devices=[("d0", 100, 0)]), device_preload_horizon_s=600.0)
+    assert kinds_of(p.target, "a") == {"libraries": ("host", None), "backbone": ("device", "d0"),
+                                       "adapter": ("device", "d0"), "warmup": ("device", "d0")}
+    assert kinds_of(p.target, "b") == {"libraries": ("host", None), "backbone": ("host", None),
+                                       "adapter": ("host", None)}  # staged where memory is not billed
+    # the horizon off: device memory for both, as before it existed
+    p = plan(view(fns, devices=[("d0", 100, 0)]), device_preload_horizon_s=0.0)
+    assert kinds_of(p.target, "b")["backbone"] == ("device", "d0")
+
+
+def test_beyond_the_horizon_a_function_still_binds_to_a_backbone_copy_already_there() -> None:
+    # binding to a's copy of backbone x takes no device memory; b's own adapter would, so it stays in host memory
+    fns = [fn("a", backbone="x", rate=1 / 60), fn("b", backbone="x", rate=1 / 3600)]
+    p = plan(view(fns, devices=[("d0", 100, 0)]), device_preload_horizon_s=600.0)
+    assert kinds_of(p.target, "a")["backbone"] == ("device", "d0")
+    assert kinds_of(p.target, "b")["backbone"] == ("device", "d0")
+    assert kinds_of(p.target, "b")["adapter"] == ("host", None)

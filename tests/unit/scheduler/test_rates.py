@@ -69,11 +69,29 @@ def test_no_deployed_function_is_planned_below_the_floor() -> None:
     staged in idle memory before its first burst (Bursty's worst TTFTs were first bursts loading from disk)."""
     tracker = RateTracker(SchedulerConfig(rate_window_s=60, rate_floor_per_s=1 / 3600))
     tracker.observe_arrival("quiet", 0.0)
-    rated = tracker.apply(view([fn("quiet", rate=0.0), fn("never", rate=0.0), fn("hot", rate=5.0)]), 4 * 3600.0)
+    functions = [fn("quiet", rate=0.0), fn("never", rate=0.0), fn("hot", rate=5.0)]
+    tracker.apply(view(functions), 0.0)  # deployed at 0
+    rated = tracker.apply(view(functions), 4 * 3600.0)
     assert rated.functions["quiet"].arrival_rate_per_s == pytest.approx(1 / 3600)
     assert rated.functions["never"].arrival_rate_per_s == pytest.approx(1 / 3600)
     assert rated.functions["hot"].arrival_rate_per_s == 5.0  # never seen here: it keeps the rate it came with
-    off = RateTracker(SchedulerConfig(rate_floor_per_s=0.0)).apply(view([fn("never", rate=0.0)]), 10.0)
+    off = RateTracker(SchedulerConfig(rate_floor_per_s=0.0, device_preload_horizon_s=0.0)).apply(
+        view([fn("never", rate=0.0)]), 10.0)
     assert off.functions["never"].arrival_rate_per_s == 0.0
     with pytest.raises(ValueError, match="rate_floor_per_s"):
         SchedulerConfig(rate_floor_per_s=-1.0)
+
+
+def test_a_function_just_deployed_is_expected_within_the_device_horizon() -> None:
+    """A deploy is usually followed by its first calls: not yet invoked, a function counts as expected within
+    `device_preload_horizon_s` of the first plan that saw it, so the device tier stages it; after that, the floor."""
+    tracker = RateTracker(SchedulerConfig(rate_floor_per_s=1 / 3600, device_preload_horizon_s=600.0))
+    functions = [fn("new", rate=0.0)]
+    assert tracker.apply(view(functions), 100.0).functions["new"].arrival_rate_per_s == pytest.approx(1 / 600)
+    assert tracker.apply(view(functions), 699.0).functions["new"].arrival_rate_per_s == pytest.approx(1 / 600)
+    assert tracker.apply(view(functions), 700.0).functions["new"].arrival_rate_per_s == pytest.approx(1 / 3600)
+    tracker.forget("new")  # deleted, then deployed again (maybe by another tenant): a new deploy
+    assert tracker.apply(view(functions), 5000.0).functions["new"].arrival_rate_per_s == pytest.approx(1 / 600)
+    tracker.observe_arrival("new", 5001.0)  # invoked: its own rate from then on
+    rate = tracker.apply(view(functions), 5400.0).functions["new"].arrival_rate_per_s
+    assert rate == pytest.approx(max(1 / 3600, tracker.rate("new", 5400.0)))

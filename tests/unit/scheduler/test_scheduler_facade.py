@@ -36,8 +36,10 @@ def test_a_function_never_invoked_is_staged_only_above_a_zero_floor() -> None:
     v = view([fn("new", rate=0.0, warmup=None)], devices=[("d0", 100, 0)], slots=[("s0", 100, 0, None)])
     staged = Scheduler(SchedulerConfig(), random.Random(0)).plan(v, now_s=0.0)
     assert {(p.function, p.kind) for p in staged.preloads} >= {("new", "libraries"), ("new", "backbone")}
-    unstaged = Scheduler(SchedulerConfig(rate_floor_per_s=0.0), random.Random(0)).plan(v, now_s=0.0)
-    assert unstaged.preloads == ()
+    without_floor = Scheduler(SchedulerConfig(rate_floor_per_s=0.0), random.Random(0))
+    just_deployed = without_floor.plan(v, now_s=0.0)  # expected within the device horizon of its deploy
+    assert {(p.function, p.kind) for p in just_deployed.preloads} >= {("new", "libraries"), ("new", "backbone")}
+    assert without_floor.plan(v, now_s=600.0).preloads == ()  # not invoked by then, and no floor: nothing
 
 
 def test_decisions_route_to_the_policies() -> None:
