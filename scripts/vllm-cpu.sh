@@ -66,6 +66,8 @@ done
 max_loras=$(( ${#lora_modules[@]} > 4 ? ${#lora_modules[@]} : 4 ))
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+# /v1/load_lora_adapter, which `lorafaas bench new-adapter --vllm` times against a new lorafaas function
+export VLLM_ALLOW_RUNTIME_LORA_UPDATING="${VLLM_ALLOW_RUNTIME_LORA_UPDATING:-True}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
 echo "vLLM on :$port, model $model_dir, adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
 exec "$vpy" -m vllm.entrypoints.openai.api_server --host 127.0.0.1 --port "$port" \

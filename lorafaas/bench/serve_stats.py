@@ -3,12 +3,14 @@
 Kept apart from the HTTP client so both are tested on their own: `summarize` turns the outcomes of the requests of
 one level into the figures vLLM's `benchmark_serving` reports (TTFT, TPOT = time per output token after the first,
 ITL, end-to-end latency), and `LoadProbe` reads what else the machine was doing (load average, every core's busy time,
-the CPU time of the server's process tree), because on a shared machine a figure without its load means little.
+the CPU time of the server's process tree, and the tree's peak memory), because on a shared machine a figure without
+its load means little.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import msgspec
@@ -63,6 +65,12 @@ class MachineLoad(msgspec.Struct, frozen=True, kw_only=True):
     server_cores: float | None = None
     other_cores: float | None = None
     server_pid: int | None = None
+    # the most memory the server's process tree held during the level: PSS summed over its processes (a page shared
+    # by k of them counts 1/k to each, so shared weights count once), sampled every PSS_SAMPLE_S
+    server_pss_peak_mb: float | None = None
+
+
+PSS_SAMPLE_S = 0.5
 
 
 class LevelResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +125,9 @@ class LoadProbe:
     def __init__(self, server_pid: int | None = None) -> None:
         self.server_pid = server_pid
         self._me = psutil.Process()
+        self._pss_peak = 0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     def start(self) -> None:
         self._t0 = time.monotonic()
@@ -124,8 +135,23 @@ class LoadProbe:
         self._busy0 = _busy_seconds()
         self._client0 = _own_cpu(self._me)
         self._server0 = _tree_cpu(self.server_pid) if self.server_pid else {}
+        if self.server_pid:
+            self._pss_peak = tree_pss_bytes(self.server_pid)
+            self._stop.clear()
+            self._sampler = threading.Thread(target=self._sample_pss, name="pss-sampler", daemon=True)
+            self._sampler.start()
+
+    def _sample_pss(self) -> None:
+        while not self._stop.wait(PSS_SAMPLE_S):
+            self._pss_peak = max(self._pss_peak, tree_pss_bytes(self.server_pid))  # type: ignore[arg-type]
 
     def stop(self) -> MachineLoad:
+        pss_mb = None
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            self._sampler = None
+            pss_mb = max(self._pss_peak, tree_pss_bytes(self.server_pid)) / 2**20  # type: ignore[arg-type]
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         busy = (_busy_seconds() - self._busy0) / elapsed
         client = (_own_cpu(self._me) - self._client0) / elapsed
@@ -138,7 +164,8 @@ class LoadProbe:
             other = max(busy - server - client, 0.0)
         return MachineLoad(cores=psutil.cpu_count() or 1, loadavg_1m_start=self._load0,
                            loadavg_1m_end=os.getloadavg()[0], busy_cores=busy, client_cores=client,
-                           server_cores=server, other_cores=other, server_pid=self.server_pid)
+                           server_cores=server, other_cores=other, server_pid=self.server_pid,
+                           server_pss_peak_mb=pss_mb)
 
 
 def _busy_seconds() -> float:
@@ -167,3 +194,24 @@ def _tree_cpu(pid: int) -> dict[int, float]:
             continue
         seconds[process.pid] = times.user + times.system
     return seconds
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """PSS of `pid` and every live descendant, summed (0 if it is gone). Read from /proc/PID/smaps_rollup, which
+    the kernel sums for us: reading every mapping's smaps costs a large process milliseconds."""
+    try:
+        root = psutil.Process(pid)
+        pids = [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for each in pids:
+        try:
+            with open(f"/proc/{each}/smaps_rollup") as rollup:
+                for line in rollup:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended between the listing and the read, or not ours to read
+    return total

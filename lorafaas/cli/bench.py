@@ -250,3 +250,4 @@ def moe_transport(
 
 
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py
+app.command("new-adapter")(bench_serve.new_adapter)  # lorafaas/bench/new_adapter.py

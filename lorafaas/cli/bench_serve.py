@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import typer
 from rich.table import Table
@@ -87,7 +89,7 @@ def serve(
 
 def _print_tables(result) -> None:
     table = Table("target", "conc", "done/failed", "out tok/s", "req/s", "TTFT p50/p90/p99 (mean) ms",
-                  "TPOT p50/p90/p99 (mean) ms", "load: 1m avg, busy/server/other cores",
+                  "TPOT p50/p90/p99 (mean) ms", "load: 1m avg, busy/server/other cores", "server PSS peak MB",
                   title=f"bench serve: {len(result.config.models)} models, {result.config.requests} requests per "
                         f"level, {result.config.output_len} output tokens")
     for level in sorted(result.levels, key=lambda lv: (lv.concurrency, lv.target)):
@@ -96,7 +98,8 @@ def _print_tables(result) -> None:
                      + (f"{load.server_cores:.2f}/{load.other_cores:.2f}" if load.server_cores is not None else "-/-")
         table.add_row(level.target, str(level.concurrency), f"{level.completed}/{level.failed}",
                       f"{level.output_tokens_per_s:.1f}", f"{level.requests_per_s:.2f}", _dist(level.ttft),
-                      _dist(level.tpot), shown_load)
+                      _dist(level.tpot), shown_load,
+                      "-" if load.server_pss_peak_mb is None else f"{load.server_pss_peak_mb:.0f}")
     console.print(table)
     for level in result.levels:
         if level.short_replies and result.config.ignore_eos:
@@ -109,3 +112,46 @@ def _print_tables(result) -> None:
 
 def _dist(d) -> str:
     return f"{d.p50_ms:.0f}/{d.p90_ms:.0f}/{d.p99_ms:.0f} ({d.mean_ms:.0f})"
+
+
+def new_adapter(
+    adapter: Path = typer.Option(..., "--adapter", exists=True, file_okay=False, help="A PEFT adapter directory "
+                                 "(vLLM reads it by path: run on the server's machine)."),
+    lorafaas_url: str = typer.Option(None, "--lorafaas", help="A lorafaas gateway's base URL."),
+    vllm_url: str = typer.Option(None, "--vllm", help="A vLLM server's base URL (started with "
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."),
+    backbone: str = typer.Option("smollm2-135m", "--backbone", help="lorafaas: the new functions' backbone."),
+    repeats: int = typer.Option(5, "--repeats", min=1, max=1000, help="Samples per target (alternated)."),
+    output_len: int = typer.Option(16, "--output-len", min=1, max=4096, help="max_tokens of each first request."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LORAFAAS_API_KEY", help="Bearer token for every target."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """A new adapter's time to first token: a new function on lorafaas, a runtime-loaded LoRA on vLLM."""
+    from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
+    from lorafaas.bench.serve import parse_target
+
+    targets = [NewAdapterTarget(kind=kind, url=parse_target(url, 0).url)
+               for kind, url in (("lorafaas", lorafaas_url), ("vllm", vllm_url)) if url]
+    if not targets:
+        raise typer.BadParameter("give --lorafaas URL, --vllm URL or both", param_hint="--lorafaas")
+    config = NewAdapterConfig(adapter_dir=str(adapter), backbone=backbone, repeats=repeats, output_len=output_len,
+                              api_key=api_key)
+    with RichProgress() as progress:
+        try:
+            result = run_new_adapter_bench(targets, config, progress)
+        except (RuntimeError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("target", "register s (median)", "first TTFT s (median)", "total s (median)", "samples (total s)",
+                  title=f"new adapter to first token: {repeats} samples each, {output_len} tokens")
+    for summary in result.summaries:
+        totals = ", ".join(f"{s.total_s:.3f}" for s in result.samples if s.kind == summary.kind)
+        table.add_row(summary.kind, f"{summary.median_register_s:.3f}", f"{summary.median_ttft_s:.3f}",
+                      f"{summary.median_total_s:.3f}", totals)
+    console.print(table)
+    if len(result.summaries) == 2:
+        ratio = result.summaries[0].median_total_s / result.summaries[1].median_total_s
+        console.print(f"lorafaas / vllm, median total: {ratio:.2f}x")

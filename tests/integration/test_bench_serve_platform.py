@@ -38,6 +38,8 @@ def test_bench_serve_measures_a_running_platform(platform, cli) -> None:
         assert level["mean_prompt_tokens"] > 0
         # the platform and its function processes did the work, and their CPU time was read
         assert level["load"]["server_pid"] == platform.process.pid and level["load"]["server_cores"] > 0
+        # and their memory: the gateway, the backbone daemon and the two functions' workers, at least
+        assert level["load"]["server_pss_peak_mb"] > 100
 
 
 def test_bench_serve_reports_a_refused_key_as_failed_requests(platform, cli) -> None:
@@ -46,3 +48,29 @@ def test_bench_serve_reports_a_refused_key_as_failed_requests(platform, cli) -> 
     assert result.returncode == 1
     [level] = json.loads(result.stdout)["levels"]
     assert level["failed"] == 2 and level["errors"][0].startswith("HTTP 401")
+
+
+def test_bench_new_adapter_deploys_a_new_function_per_sample_and_removes_it(platform, cli, tmp_path,
+                                                                            tiny_dense_dir) -> None:
+    adapter = save_tiny_adapter(tmp_path / "fresh", tiny_dense_dir, seed=7, base_model_name="tiny-dense")
+    result = cli("bench", "new-adapter", "--lorafaas", platform.url, "--adapter", str(adapter), "--backbone",
+                 "tiny-dense", "--repeats", "2", "--output-len", "4", "--api-key", platform.admin_key, "--json",
+                 timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(result.stdout)
+    samples = document["samples"]
+    assert len(samples) == 2 and len({s["name"] for s in samples}) == 2  # a name never used before, each time
+    for sample in samples:
+        assert sample["kind"] == "lorafaas" and sample["register_s"] > 0 and sample["ttft_s"] > 0
+        assert sample["total_s"] == sample["register_s"] + sample["ttft_s"]
+    [summary] = document["summaries"]
+    assert summary["median_total_s"] == (samples[0]["total_s"] + samples[1]["total_s"]) / 2
+    with platform.client() as admin:  # each sample's function was deleted after its first token
+        assert {f["name"] for f in admin.list()} == {"alpha", "beta"}
+
+
+def test_bench_new_adapter_says_what_is_wrong(platform, cli, tmp_path) -> None:
+    result = cli("bench", "new-adapter", "--lorafaas", platform.url, "--adapter", str(tmp_path))
+    assert result.returncode == 1 and "adapter_config.json" in result.stdout
+    result = cli("bench", "new-adapter", "--adapter", str(tmp_path))
+    assert result.returncode == 2 and "--lorafaas" in result.stdout + result.stderr

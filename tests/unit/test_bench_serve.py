@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -18,7 +21,7 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request, parse_target, run_serve_bench
-from lorafaas.bench.serve_stats import Distribution, MachineLoad, RequestOutcome, summarize
+from lorafaas.bench.serve_stats import Distribution, LoadProbe, MachineLoad, RequestOutcome, summarize, tree_pss_bytes
 from lorafaas.cli import app
 from lorafaas.testing.platform_process import free_port
 
@@ -177,3 +180,24 @@ def test_cli_says_when_a_server_ignores_ignore_eos(sse_server: str) -> None:
                                       "--no-warmup"])
     assert result.exit_code == 0, result.output
     assert "2 replies stopped before 5 tokens" in " ".join(result.output.split())
+
+
+def test_load_probe_reports_the_peak_pss_of_the_servers_process_tree() -> None:
+    """The server's child takes 300 MB for about a second during the level and gives it back before its end: the
+    peak shows it, the tree's PSS at the end does not."""
+    child = ("import time; time.sleep(0.3); b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+             "time.sleep(1.5); del b; time.sleep(30)")
+    server = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                                                     f"{child!r}])"])
+    try:
+        probe = LoadProbe(server.pid)
+        probe.start()
+        time.sleep(3.0)
+        load = probe.stop()
+        assert load.server_pss_peak_mb is not None and load.server_pss_peak_mb >= 300
+        assert tree_pss_bytes(server.pid) < 200 * 2**20  # given back: only the peak remembers it
+    finally:
+        for process in [*psutil.Process(server.pid).children(recursive=True), server]:
+            process.kill()
+        server.wait()
+    assert LoadProbe(None).server_pid is None and tree_pss_bytes(2**22 + 12345) == 0

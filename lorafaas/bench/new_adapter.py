@@ -1,0 +1,127 @@
+"""`lorafaas bench new-adapter`: how long a new adapter takes to its first token, on lorafaas and on vLLM, one run.
+
+A sample makes a new adapter callable under a name never used before, then streams its first completion:
+
+    lorafaas   POST /v1/functions (the adapter's archive and {"name", "backbone"}): a new function, then its first
+               request, which starts its instance (nothing of a function deployed a moment ago is pre-loaded)
+    vllm       POST /v1/load_lora_adapter ({"lora_name", "lora_path"}; the server needs
+               VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), then its first request
+
+Per sample: `register_s` (the registration's reply), `ttft_s` (the first request's first token, timed as `bench
+serve` times it) and `total_s`, their sum. The targets alternate sample by sample, and each sample's adapter is
+removed afterwards (DELETE /v1/functions/NAME; POST /v1/unload_lora_adapter), so every sample is a first load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import msgspec
+
+from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request
+from lorafaas.platform.adapter_upload import pack_adapter
+from lorafaas.progress import ProgressSink, SilentProgress
+
+ServerKind = Literal["lorafaas", "vllm"]
+
+
+class NewAdapterTarget(msgspec.Struct, frozen=True, kw_only=True):
+    kind: ServerKind
+    url: str  # base URL, without /v1
+
+
+class NewAdapterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    adapter_dir: str  # a PEFT adapter directory, readable by this process and (for vLLM) by the server
+    backbone: str = "smollm2-135m"  # lorafaas: the function's backbone
+    repeats: int = 5
+    output_len: int = 16
+    prompt_len: int = 32
+    api_key: str | None = None
+    timeout_s: float = 300.0
+
+
+class NewAdapterSample(msgspec.Struct, frozen=True, kw_only=True):
+    kind: ServerKind
+    name: str
+    register_s: float
+    ttft_s: float
+    total_s: float
+
+
+class NewAdapterSummary(msgspec.Struct, frozen=True, kw_only=True):
+    kind: ServerKind
+    median_register_s: float
+    median_ttft_s: float
+    median_total_s: float
+
+
+class NewAdapterResult(msgspec.Struct, frozen=True, kw_only=True):
+    config: NewAdapterConfig
+    targets: tuple[NewAdapterTarget, ...]
+    samples: tuple[NewAdapterSample, ...]
+    summaries: tuple[NewAdapterSummary, ...]
+
+
+def run_new_adapter_bench(targets: list[NewAdapterTarget], config: NewAdapterConfig,
+                          progress: ProgressSink | None = None) -> NewAdapterResult:
+    if not (Path(config.adapter_dir) / "adapter_config.json").is_file():
+        raise ValueError(f"--adapter {config.adapter_dir}: no adapter_config.json there (a PEFT adapter directory)")
+    return asyncio.run(_run(targets, config, progress or SilentProgress()))
+
+
+async def _run(targets: list[NewAdapterTarget], config: NewAdapterConfig, progress: ProgressSink
+               ) -> NewAdapterResult:
+    archive = pack_adapter(Path(config.adapter_dir))
+    prompt = make_prompts(1, config.prompt_len, seed=0)[0]
+    samples: list[NewAdapterSample] = []
+    progress.stage("new adapters", total=config.repeats * len(targets))
+    async with httpx.AsyncClient(timeout=config.timeout_s) as http:
+        for k in range(config.repeats):
+            order = targets if k % 2 == 0 else list(reversed(targets))  # A B, B A, ...: a drift falls on both
+            for target in order:
+                samples.append(await _sample(http, target, config, archive, prompt))
+                progress.advance()
+    summaries = tuple(
+        NewAdapterSummary(kind=t.kind, median_register_s=statistics.median(s.register_s for s in mine),
+                          median_ttft_s=statistics.median(s.ttft_s for s in mine),
+                          median_total_s=statistics.median(s.total_s for s in mine))
+        for t in targets if (mine := [s for s in samples if s.kind == t.kind]))
+    return NewAdapterResult(config=config, targets=tuple(targets), samples=tuple(samples), summaries=summaries)
+
+
+async def _sample(http: httpx.AsyncClient, target: NewAdapterTarget, config: NewAdapterConfig, archive: bytes,
+                  prompt: str) -> NewAdapterSample:
+    name = f"new-{uuid.uuid4().hex[:10]}"
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    started = time.perf_counter()
+    if target.kind == "lorafaas":
+        spec = json.dumps({"name": name, "backbone": config.backbone})
+        reply = await http.post(f"{target.url}/v1/functions", headers=headers, data={"spec": spec},
+                                files={"adapter": ("adapter.tar.gz", archive, "application/gzip")})
+    else:
+        reply = await http.post(f"{target.url}/v1/load_lora_adapter", headers=headers,
+                                json={"lora_name": name, "lora_path": str(Path(config.adapter_dir).resolve())})
+    register_s = time.perf_counter() - started
+    if reply.status_code not in (200, 201):
+        raise RuntimeError(f"{target.kind} at {target.url}: registering adapter {name} answered HTTP "
+                           f"{reply.status_code}: {reply.text[:300]}")
+    try:
+        request = ServeBenchConfig(models=(name,), concurrencies=(1,), requests=1, output_len=config.output_len,
+                                   api_key=config.api_key, timeout_s=config.timeout_s)
+        outcome = await one_request(http, Target(label=target.kind, url=target.url), name, prompt, request)
+        if not outcome.ok:
+            raise RuntimeError(f"{target.kind} at {target.url}: the first request to {name} failed: {outcome.error}")
+    finally:
+        if target.kind == "lorafaas":
+            await http.delete(f"{target.url}/v1/functions/{name}", headers=headers)
+        else:
+            await http.post(f"{target.url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": name})
+    return NewAdapterSample(kind=target.kind, name=name, register_s=register_s, ttft_s=outcome.ttft_s,
+                            total_s=register_s + outcome.ttft_s)

@@ -1,0 +1,107 @@
+"""`lorafaas bench new-adapter` against a real HTTP server speaking vLLM's runtime LoRA API on loopback (the lorafaas
+side runs against a real platform in tests/integration/test_bench_serve_platform.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
+from lorafaas.testing.platform_process import free_port
+
+CALLS: list[tuple[str, str]] = []  # (what, adapter name)
+LOADED: set[str] = set()
+
+
+async def load(request: Request):
+    body = await request.json()
+    if Path(body["lora_path"]).name == "refuse":
+        return PlainTextResponse("runtime LoRA updating is disabled", status_code=400)
+    await asyncio.sleep(0.02)
+    LOADED.add(body["lora_name"])
+    CALLS.append(("load", body["lora_name"]))
+    return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def unload(request: Request):
+    name = (await request.json())["lora_name"]
+    LOADED.discard(name)
+    CALLS.append(("unload", name))
+    return PlainTextResponse("Success")
+
+
+async def completions(request: Request):
+    body = await request.json()
+    CALLS.append(("complete", body["model"]))
+    if body["model"] not in LOADED:
+        return JSONResponse({"error": {"message": f"model {body['model']} does not exist"}}, status_code=404)
+
+    async def events():
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(0.005)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' w{i}'}]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def vllm_like() -> Iterator[str]:
+    port = free_port()
+    routes = [Route("/v1/load_lora_adapter", load, methods=["POST"]),
+              Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"])]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _adapter(tmp_path: Path) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+    return tmp_path
+
+
+def test_each_sample_loads_a_new_name_serves_it_and_unloads_it(vllm_like: str, tmp_path: Path) -> None:
+    CALLS.clear()
+    config = NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=3, output_len=4)
+    result = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)], config)
+    names = [s.name for s in result.samples]
+    assert len(set(names)) == 3
+    assert CALLS == [(what, name) for name in names for what in ("load", "complete", "unload")]
+    for sample in result.samples:
+        assert sample.register_s >= 0.02 and sample.ttft_s > 0 and sample.total_s == sample.register_s + sample.ttft_s
+    [summary] = result.summaries
+    assert summary.median_total_s == sorted(s.total_s for s in result.samples)[1]
+    assert not LOADED  # nothing left behind
+
+
+def test_a_refused_registration_is_an_error_naming_the_server(vllm_like: str, tmp_path: Path) -> None:
+    refused = _adapter(tmp_path / "refuse")  # the test server refuses it, as vLLM without runtime LoRA updating
+    with pytest.raises(RuntimeError, match=r"vllm at http://127\.0\.0\.1:\d+: registering adapter new-\w+ answered "
+                                           r"HTTP 400: runtime LoRA updating is disabled"):
+        run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
+                              NewAdapterConfig(adapter_dir=str(refused), repeats=1))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
+                              NewAdapterConfig(adapter_dir=str(tmp_path / "nowhere"), repeats=1))
