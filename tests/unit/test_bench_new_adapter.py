@@ -88,7 +88,8 @@ def test_each_sample_loads_a_new_name_serves_it_and_unloads_it(vllm_like: str, t
     result = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)], config)
     names = [s.name for s in result.samples]
     assert len(set(names)) == 3
-    assert CALLS == [(what, name) for name in names for what in ("load", "complete", "unload")]
+    expected = [(what, name) for name in names for what in ("load", "complete", "unload")]
+    assert CALLS == expected
     for sample in result.samples:
         assert sample.register_s >= 0.02 and sample.ttft_s > 0 and sample.total_s == sample.register_s + sample.ttft_s
     [summary] = result.summaries
@@ -102,6 +103,6 @@ def test_a_refused_registration_is_an_error_naming_the_server(vllm_like: str, tm
                                            r"HTTP 400: runtime LoRA updating is disabled"):
         run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
                               NewAdapterConfig(adapter_dir=str(refused), repeats=1))
-    with pytest.raises(ValueError, match="adapter_config.json"):
+    with pytest.raises(ValueError, match=r"adapter_config\.json"):
         run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
                               NewAdapterConfig(adapter_dir=str(tmp_path / "nowhere"), repeats=1))
