@@ -20,8 +20,8 @@ from starlette.routing import Route
 from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
 from lorafaas.testing.platform_process import free_port
 
-CALLS: list[tuple[str, str]] = []  # (what, adapter name)
-LOADED: set[str] = set()
+calls: list[tuple[str, str]] = []  # (what, adapter name)
+loaded: set[str] = set()
 
 
 async def load(request: Request):
@@ -29,22 +29,22 @@ async def load(request: Request):
     if Path(body["lora_path"]).name == "refuse":
         return PlainTextResponse("runtime LoRA updating is disabled", status_code=400)
     await asyncio.sleep(0.02)
-    LOADED.add(body["lora_name"])
-    CALLS.append(("load", body["lora_name"]))
+    loaded.add(body["lora_name"])
+    calls.append(("load", body["lora_name"]))
     return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
 
 async def unload(request: Request):
     name = (await request.json())["lora_name"]
-    LOADED.discard(name)
-    CALLS.append(("unload", name))
+    loaded.discard(name)
+    calls.append(("unload", name))
     return PlainTextResponse("Success")
 
 
 async def completions(request: Request):
     body = await request.json()
-    CALLS.append(("complete", body["model"]))
-    if body["model"] not in LOADED:
+    calls.append(("complete", body["model"]))
+    if body["model"] not in loaded:
         return JSONResponse({"error": {"message": f"model {body['model']} does not exist"}}, status_code=404)
 
     async def events():
@@ -83,18 +83,18 @@ def _adapter(tmp_path: Path) -> Path:
 
 
 def test_each_sample_loads_a_new_name_serves_it_and_unloads_it(vllm_like: str, tmp_path: Path) -> None:
-    CALLS.clear()
+    calls.clear()
     config = NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=3, output_len=4)
     result = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)], config)
     names = [s.name for s in result.samples]
     assert len(set(names)) == 3
     expected = [(what, name) for name in names for what in ("load", "complete", "unload")]
-    assert CALLS == expected
+    assert calls == expected
     for sample in result.samples:
         assert sample.register_s >= 0.02 and sample.ttft_s > 0 and sample.total_s == sample.register_s + sample.ttft_s
     [summary] = result.summaries
     assert summary.median_total_s == sorted(s.total_s for s in result.samples)[1]
-    assert not LOADED  # nothing left behind
+    assert not loaded  # nothing left behind
 
 
 def test_a_refused_registration_is_an_error_naming_the_server(vllm_like: str, tmp_path: Path) -> None:
