@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
-from lorafaas.testing.platform_process import free_port
+from lorafaas.testing.loopback_http import serve_routes
 
 calls: list[tuple[str, str]] = []  # (what, adapter name)
 loaded: set[str] = set()
@@ -58,21 +54,10 @@ async def completions(request: Request):
 
 @pytest.fixture(scope="module")
 def vllm_like() -> Iterator[str]:
-    port = free_port()
-    routes = [Route("/v1/load_lora_adapter", load, methods=["POST"]),
-              Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_routes([Route("/v1/load_lora_adapter", load, methods=["POST"]),
+                       Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+                       Route("/v1/completions", completions, methods=["POST"])]) as url:
+        yield url
 
 
 def _adapter(tmp_path: Path) -> Path:

@@ -6,15 +6,12 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -23,6 +20,7 @@ from typer.testing import CliRunner
 from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request, parse_target, run_serve_bench
 from lorafaas.bench.serve_stats import Distribution, LoadProbe, MachineLoad, RequestOutcome, summarize, tree_pss_bytes
 from lorafaas.cli import app
+from lorafaas.testing.loopback_http import serve_routes
 from lorafaas.testing.platform_process import free_port
 
 LOAD = MachineLoad(cores=2, loadavg_1m_start=0.5, loadavg_1m_end=0.7, busy_cores=1.0, client_cores=0.1)
@@ -103,18 +101,8 @@ async def completions(request: Request):
 
 @pytest.fixture(scope="module")
 def sse_server() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]),
-                                          host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the test SSE server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_routes([Route("/v1/completions", completions, methods=["POST"])]) as url:
+        yield url
 
 
 def _one(url: str, model: str, **config) -> RequestOutcome:
