@@ -8,8 +8,9 @@ A sample makes a new adapter callable under a name never used before, then strea
                VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), then its first request
 
 Per sample: `register_s` (the registration's reply), `ttft_s` (the first request's first token, timed as `bench
-serve` times it) and `total_s`, their sum. The targets alternate sample by sample, and each sample's adapter is
-removed afterwards (DELETE /v1/functions/NAME; POST /v1/unload_lora_adapter), so every sample is a first load.
+serve` times it) and `total_s`, their sum. The targets alternate sample by sample, each after a pause (`settle_s`)
+in which the other server goes idle, and each sample's adapter is removed afterwards (DELETE /v1/functions/NAME;
+POST /v1/unload_lora_adapter), so every sample is a first load.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class NewAdapterConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_len: int = 32
     api_key: str | None = None
     timeout_s: float = 300.0
+    # a pause before each sample: vLLM's CPU engine keeps its threads spinning for a while after a request, and a
+    # lorafaas sample started right after a vLLM one shared the cores with them (1.07 s against 0.32-0.42 s)
+    settle_s: float = 3.0
 
 
 class NewAdapterSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,6 +90,7 @@ async def _run(targets: list[NewAdapterTarget], config: NewAdapterConfig, progre
         for k in range(config.repeats):
             order = targets if k % 2 == 0 else list(reversed(targets))  # A B, B A, ...: a drift falls on both
             for target in order:
+                await asyncio.sleep(config.settle_s)
                 samples.append(await _sample(http, target, config, archive, prompt))
                 progress.advance()
     summaries = tuple(

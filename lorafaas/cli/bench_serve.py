@@ -123,6 +123,8 @@ def new_adapter(
     backbone: str = typer.Option("smollm2-135m", "--backbone", help="lorafaas: the new functions' backbone."),
     repeats: int = typer.Option(5, "--repeats", min=1, max=1000, help="Samples per target (alternated)."),
     output_len: int = typer.Option(16, "--output-len", min=1, max=4096, help="max_tokens of each first request."),
+    settle_s: float = typer.Option(3.0, "--settle", min=0.0, max=600.0, help="Seconds of pause before each sample, "
+                                   "so the server measured before goes idle."),
     api_key: str = typer.Option(None, "--api-key", envvar="LORAFAAS_API_KEY", help="Bearer token for every target."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -135,7 +137,7 @@ def new_adapter(
     if not targets:
         raise typer.BadParameter("give --lorafaas URL, --vllm URL or both", param_hint="--lorafaas")
     config = NewAdapterConfig(adapter_dir=str(adapter), backbone=backbone, repeats=repeats, output_len=output_len,
-                              api_key=api_key)
+                              api_key=api_key, settle_s=settle_s)
     with RichProgress() as progress:
         try:
             result = run_new_adapter_bench(targets, config, progress)

@@ -54,8 +54,8 @@ def test_bench_new_adapter_deploys_a_new_function_per_sample_and_removes_it(plat
                                                                             tiny_dense_dir) -> None:
     adapter = save_tiny_adapter(tmp_path / "fresh", tiny_dense_dir, seed=7, base_model_name="tiny-dense")
     result = cli("bench", "new-adapter", "--lorafaas", platform.url, "--adapter", str(adapter), "--backbone",
-                 "tiny-dense", "--repeats", "2", "--output-len", "4", "--api-key", platform.admin_key, "--json",
-                 timeout=300)
+                 "tiny-dense", "--repeats", "2", "--output-len", "4", "--settle", "0", "--api-key", platform.admin_key,
+                 "--json", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(result.stdout)
     samples = document["samples"]

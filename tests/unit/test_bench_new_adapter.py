@@ -69,7 +69,7 @@ def _adapter(tmp_path: Path) -> Path:
 
 def test_each_sample_loads_a_new_name_serves_it_and_unloads_it(vllm_like: str, tmp_path: Path) -> None:
     calls.clear()
-    config = NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=3, output_len=4)
+    config = NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=3, output_len=4, settle_s=0.0)
     result = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)], config)
     names = [s.name for s in result.samples]
     assert len(set(names)) == 3
@@ -87,7 +87,7 @@ def test_a_refused_registration_is_an_error_naming_the_server(vllm_like: str, tm
     with pytest.raises(RuntimeError, match=r"vllm at http://127\.0\.0\.1:\d+: registering adapter new-\w+ answered "
                                            r"HTTP 400: runtime LoRA updating is disabled"):
         run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
-                              NewAdapterConfig(adapter_dir=str(refused), repeats=1))
+                              NewAdapterConfig(adapter_dir=str(refused), repeats=1, settle_s=0.0))
     with pytest.raises(ValueError, match=r"adapter_config\.json"):
         run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
                               NewAdapterConfig(adapter_dir=str(tmp_path / "nowhere"), repeats=1))
