@@ -7,6 +7,7 @@ GB/s in the YAML, bytes and bytes/s here. `load_cluster("paper")` or `load_clust
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -117,16 +118,36 @@ class ClusterSpec:
 
 
 class _Fields:
+    """One mapping of the YAML; remembers the keys it was asked for, so `check_known` can refuse the others (a
+    misspelt key would otherwise leave its default in force without a word)."""
+
     def __init__(self, where: str, data: object) -> None:
         if not isinstance(data, dict):
             raise ClusterInvalid(f"{where}: expected a mapping, got {type(data).__name__}")
         self.where, self.data = where, data
+        self.seen: set[str] = set()
+
+    def get(self, key: str, default: object = None) -> object:
+        self.seen.add(key)
+        return self.data.get(key, default)
+
+    def has(self, key: str) -> bool:
+        self.seen.add(key)
+        return key in self.data
+
+    def check_known(self) -> None:
+        unknown = sorted(str(k) for k in self.data if k not in self.seen)
+        if unknown:
+            hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, self.seen, 1)) else k
+                     for k in unknown]
+            raise ClusterInvalid(f"{self.where}: unknown key(s) {', '.join(hints)}; "
+                                 f"known: {', '.join(sorted(self.seen))}")
 
     def sub(self, key: str) -> _Fields:
-        return _Fields(f"{self.where}.{key}", self.data.get(key, {}))
+        return _Fields(f"{self.where}.{key}", self.get(key, {}))
 
     def number(self, key: str, default: float | None = None, low: float = 0.0, high: float = math.inf) -> float:
-        value = self.data.get(key, default)
+        value = self.get(key, default)
         if value is None:
             raise ClusterInvalid(f"{self.where}.{key} is missing")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -142,7 +163,7 @@ class _Fields:
         return int(value)
 
     def text(self, key: str, default: str | None = None) -> str:
-        value = self.data.get(key, default)
+        value = self.get(key, default)
         if not isinstance(value, str) or not value:
             raise ClusterInvalid(f"{self.where}.{key} is {value!r}; expected a non-empty string")
         return value
@@ -152,8 +173,10 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
     top = _Fields(where, data)
     dev, load, price = top.sub("device"), top.sub("loading"), top.sub("price")
     backbones = {}
-    for name, raw in (top.data.get("backbones") or {}).items():
+    checked = [top]
+    for name, raw in (top.get("backbones") or {}).items():
         b = _Fields(f"{where}.backbones.{name}", raw)
+        checked.append(b)
         backbones[name] = BackboneSpec(
             name,
             int(b.number("size_gb", low=1e-6) * GB),
@@ -167,8 +190,9 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
     default_slo = top.number("default_slo_ttft_ms", 1000, 1e-3) / 1e3
     functions = {}
-    for i, raw in enumerate(top.data.get("functions") or []):
+    for i, raw in enumerate(top.get("functions") or []):
         f = _Fields(f"{where}.functions[{i}]", raw)
+        checked.append(f)
         backbone = f.text("backbone")
         if backbone not in backbones:
             raise ClusterInvalid(f"{f.where}.backbone is {backbone!r}; the cluster's backbones are {sorted(backbones)}")
@@ -208,7 +232,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
             f"{where}: the largest backbone ({largest / GB:.1f} GB) and one instance's overhead "
             f"({loading.instance_overhead_bytes / GB:.1f} GB) exceed a device's {memory / GB:.1f} GB"
         )
-    return ClusterSpec(
+    spec = ClusterSpec(
         top.text("name"),
         dev.text("kind", "gpu"),
         top.integer("nodes"),
@@ -232,17 +256,20 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.number("min_replan_s", 5.0, 0.0),
         _flag(top, "prefill_padded", False),
         top.number("request_overhead_ms", 0.0, 0.0, 60_000.0) / 1e3,
-        dev.number("cores", low=1.0, high=4096.0) if "cores" in dev.data else None,
-        dev.integer("compute_slots", low=1, high=100_000) if "compute_slots" in dev.data else None,
+        dev.number("cores", low=1.0, high=4096.0) if dev.has("cores") else None,
+        dev.integer("compute_slots", low=1, high=100_000) if dev.has("compute_slots") else None,
         dev.number("core_interference", 0.0, 0.0, 10.0),
         top.number("deploy_lead_s", 0.0, 0.0, 86_400.0),
         _flag(dev, "strict_compute", False),
         dev.number("lone_speedup", 1.0, 1.0, 64.0),
     )
+    for fields in (*checked, dev, load, price):
+        fields.check_known()
+    return spec
 
 
 def _flag(fields: _Fields, key: str, default: bool) -> bool:
-    value = fields.data.get(key, default)
+    value = fields.get(key, default)
     if not isinstance(value, bool):
         raise ClusterInvalid(f"{fields.where}.{key} is {value!r}; expected true or false")
     return value

@@ -128,6 +128,26 @@ def test_cluster_validation_names_field_and_bound(tmp_path: Path) -> None:
         load_cluster(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize(("path", "key", "message"), [
+    ((), "keepalive_s", r"x.yaml: unknown key\(s\) keepalive_s \(did you mean keep_alive_s\?\)"),
+    (("device",), "compute_slot", r"x.yaml.device: unknown key\(s\) compute_slot \(did you mean compute_slots\?\)"),
+    (("loading",), "disk_gbs", r"x.yaml.loading: unknown key\(s\) disk_gbs \(did you mean disk_gbps\?\)"),
+    (("backbones", "llama2-7b"), "size", r"x.yaml.backbones.llama2-7b: unknown key\(s\) size"),
+    (("functions", 0), "slo_ms", r"x.yaml.functions\[0\]: unknown key\(s\) slo_ms"),
+])
+def test_a_cluster_key_nobody_reads_is_refused_not_ignored(path: tuple, key: str, message: str) -> None:
+    """A misspelt key would leave its default in force without a word; the shipped clusters have none."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[3] / "lorafaas/replay/clusters/paper.yaml").read_text())
+    parse_cluster(data, "x.yaml")
+    target = data
+    for step in path:
+        target = target[step]
+    target[key] = 1
+    with pytest.raises(ClusterInvalid, match=message):
+        parse_cluster(data, "x.yaml")
+    assert load_cluster("local").name == "local"
+
+
 def test_paper_cluster_8_functions_4_hours_within_30_s(tmp_path: Path) -> None:
     trace = write_2019_invocations(tmp_path / "inv.csv", generate({"normal": 8}, 240, seed=1), 240)
     fns = [f"llama2-{s}-{x}" for s in ("7b", "13b") for x in "abcd"]
