@@ -143,12 +143,18 @@ class GenerationEngine:
             raise PromptTooLong(
                 f"prompt has {len(prompt_ids)} tokens; the context window is {self.max_context} tokens"
             )
+        room = self.max_context - len(prompt_ids)
+        if params.max_tokens_exact and params.max_tokens > room:
+            raise PromptTooLong(
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: together they exceed "
+                f"the context window of {self.max_context} tokens; ask for at most {room}, or omit max_tokens"
+            )
         grammar = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
         self._waiting.append(_Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            max_new_tokens=min(params.max_tokens, self.max_context - len(prompt_ids)),
+            max_new_tokens=min(params.max_tokens, room),
             stream=TextStream(self.tokenizer, params.stop),
             generator=new_generator(params),
             grammar=grammar,

@@ -36,6 +36,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (fixed-length benchmarks, as vLLM's)
+    # the caller asked for max_tokens: a prompt leaving less room in the context is refused (as vLLM and OpenAI
+    # refuse it), where a default max_tokens is only cut short at the context's end
+    max_tokens_exact: bool = False
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
     presence_penalty: float = 0.0  # subtracted once from every token already in the output

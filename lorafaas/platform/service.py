@@ -363,6 +363,7 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
                               presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                               repetition_penalty=request.repetition_penalty, logit_bias=dict(request.logit_bias),
                               logprobs=request.logprobs, ignore_eos=request.ignore_eos,
+                              max_tokens_exact=request.max_tokens_exact,
                               json_schema=request.response_format.json_schema if request.response_format else None)
     if request.messages is not None:
         messages = tuple(m.ChatMessage(msg.role, msg.content, msg.tool_call_id,

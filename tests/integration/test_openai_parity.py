@@ -109,6 +109,20 @@ def test_an_omitted_max_tokens_is_bounded_by_the_function_limit_and_the_context(
     assert error["param"] == "max_tokens" and "max_tokens_limit" in error["message"]
 
 
+def test_an_explicit_max_tokens_past_the_room_the_prompt_leaves_is_a_bad_request_not_cut_short(client) -> None:
+    """As vLLM and OpenAI answer: the prompt plus what was asked for must fit the context. Omitted, it is cut short
+    (above)."""
+    whole = client.chat.completions.create(model="alpha", messages=USER, extra_body={"ignore_eos": True})
+    room = CONTEXT - whole.usage.prompt_tokens
+    fits = client.chat.completions.create(model="alpha", messages=USER, max_tokens=room,
+                                          extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == room
+    error = bad_request(lambda: client.chat.completions.create(model="alpha", messages=USER, max_tokens=room + 1))
+    assert error["code"] == "prompt_too_long" and f"ask for at most {room}" in error["message"]
+    error = bad_request(lambda: client.completions.create(model="alpha", prompt=PROMPT, max_tokens=CONTEXT - 1))
+    assert error["code"] == "prompt_too_long" and "omit max_tokens" in error["message"]
+
+
 # -- item 3: zero tokens is a 400 ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

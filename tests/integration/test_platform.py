@@ -119,6 +119,7 @@ def test_bad_input_gets_a_4xx_json_error_and_changes_nothing(platform, admin, ad
         "duplicate deploy": (deploy_raw({"name": "alpha", "backbone": "tiny-dense"}, adapters["beta"]), 409,
                              "already_exists"),
         "prompt too long": (invoke_raw("alpha", chat("fox " * 400)), 422, "prompt_too_long"),
+        "max_tokens past the room": (invoke_raw("alpha", chat("fox " * 100, max_tokens=250)), 422, "prompt_too_long"),
         "max_tokens 0": (invoke_raw("alpha", chat(max_tokens=0)), 422, "invalid_input"),
         "max_tokens huge": (invoke_raw("alpha", chat(max_tokens=10**9)), 422, "invalid_input"),
         "malformed json": (invoke_raw("alpha", b'{"messages": [}'), 400, "malformed_json"),

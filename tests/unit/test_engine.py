@@ -105,6 +105,23 @@ def test_prompt_over_the_context_window_is_refused(engine: GenerationEngine) -> 
     assert not engine.has_work()
 
 
+def test_max_tokens_asked_for_beyond_the_room_left_is_refused_a_default_is_cut_short(engine: GenerationEngine
+                                                                                      ) -> None:
+    prompt = [5] * (engine.max_context - 10)
+    with pytest.raises(PromptTooLong, match=rf"prompt has {len(prompt)} tokens and max_tokens is 11: together they "
+                                            rf"exceed the context window of {engine.max_context} tokens; ask for at "
+                                            r"most 10, or omit max_tokens"):
+        engine.add("asked", prompt, SamplingParams(max_tokens=11, max_tokens_exact=True))
+    assert not engine.has_work()
+    engine.add("fits", prompt, SamplingParams(max_tokens=10, max_tokens_exact=True, ignore_eos=True))
+    engine.add("default", prompt, SamplingParams(max_tokens=50, ignore_eos=True))  # a default: cut at the end
+    outputs = [o for _ in range(40) for o in engine.step()]
+    generated = {rid: sum(1 for o in outputs if o.request_id == rid and o.token_id is not None)
+                 for rid in ("fits", "default")}
+    assert generated == {"fits": 10, "default": 10}
+    assert not engine.has_work()
+
+
 def test_top_p_keeps_only_the_nucleus() -> None:
     from lorafaas.function_runtime.sampling import next_token
 

@@ -79,7 +79,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
                                         service.models.path(spec.backbone))
             requested, param = body.requested_max_tokens()
             max_tokens = await max_tokens_for(service, spec, requested, CHAT_DEFAULT_MAX_TOKENS, param)
-            requests = _choices(body, spec, [messages], max_tokens, tools)
+            requests = _choices(body, spec, [messages], max_tokens, requested is not None, tools)
         return await respond(body, requests, chat=True, who=who)
 
     @router.post("/v1/completions", responses=OPENAI_RESPONSES)
@@ -90,34 +90,34 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             echoes = [body.echoed(prompt) for prompt in prompts for _ in range(body.n or 1)]  # refused before any I/O
             spec = await service.aget(who, body.model)
             max_tokens = await max_tokens_for(service, spec, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-            requests = _choices(body, spec, prompts, max_tokens)
+            requests = _choices(body, spec, prompts, max_tokens, body.max_tokens is not None)
         return await respond(body, requests, chat=False, who=who, echoes=echoes)
 
     return router
 
 
 def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
-             max_tokens: int, tools: str | None = None) -> list[InvocationRequest]:
+             max_tokens: int, exact: bool, tools: str | None = None) -> list[InvocationRequest]:
     """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
     requests = []
     for prompt in prompts:
         # Checked once per prompt (a response_format schema is compiled by the check); its samples differ only in
         # the seed, which body.check bounded for all n of them.
-        request = _request(body, prompt, max_tokens, tools).check(spec.max_tokens_limit)
+        request = _request(body, prompt, max_tokens, exact, tools).check(spec.max_tokens_limit)
         for i in range(body.n or 1):
             seed = body.seed + i if body.seed is not None else None
             requests.append(msgspec.structs.replace(request, seed=seed))
     return requests
 
 
-def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: int,
+def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: int, exact: bool,
              tools: str | None = None) -> InvocationRequest:
     text = prompt if isinstance(prompt, str) else None
     messages = prompt if text is None and isinstance(prompt[0], ChatMessage) else None
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     request = make_request(text, messages, max_tokens, temperature, top_p, body.stop, body.seed,
-                           logprobs=body.num_logprobs(), tools=tools, **body.sampler_args())
+                           logprobs=body.num_logprobs(), tools=tools, max_tokens_exact=exact, **body.sampler_args())
     token_ids = list(prompt) if text is None and messages is None else None
     return msgspec.structs.replace(request, prompt_token_ids=token_ids, ignore_eos=bool(body.ignore_eos))
 

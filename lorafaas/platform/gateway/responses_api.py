@@ -101,7 +101,8 @@ def responses_router(service: FunctionService, metrics: GatewayMetrics,
             max_tokens = await max_tokens_for(service, spec, body.max_output_tokens, DEFAULT_MAX_OUTPUT_TOKENS,
                                               "max_output_tokens")
             request = make_request(None, messages, max_tokens, 1.0 if body.temperature is None else body.temperature,
-                                   1.0 if body.top_p is None else body.top_p, None, None).check(spec.max_tokens_limit)
+                                   1.0 if body.top_p is None else body.top_p, None, None,
+                                   max_tokens_exact=body.max_output_tokens is not None).check(spec.max_tokens_limit)
         events = await start_invocation(service, metrics, who, body.model, request)
         reply = _Response(body, max_tokens, service)
         if body.stream:

@@ -116,7 +116,7 @@ class InvokeBody(SamplerFields):
     def to_request(self, max_tokens: int) -> InvocationRequest:
         """The request, generating `max_tokens` (this body's, checked against the function, or its default)."""
         return make_request(self.prompt, self.messages, max_tokens, self.temperature, self.top_p, self.stop,
-                            self.seed, **self.sampler_args())
+                            self.seed, max_tokens_exact=self.max_tokens is not None, **self.sampler_args())
 
 
 class DeploySpec(BaseModel):

@@ -150,6 +150,7 @@ class InvocationRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None  # a prompt already tokenized (the OpenAI API's token-id prompts)
     max_tokens: int = 128
+    max_tokens_exact: bool = False  # asked for by the caller (not a default): never cut short by the context
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = []
