@@ -170,18 +170,25 @@ def test_cli_says_when_a_server_ignores_ignore_eos(sse_server: str) -> None:
     assert "2 replies stopped before 5 tokens" in " ".join(result.output.split())
 
 
-def test_load_probe_reports_the_peak_pss_of_the_servers_process_tree() -> None:
-    """The server's child takes 300 MB for about a second during the level and gives it back before its end: the
-    peak shows it, the tree's PSS at the end does not."""
-    child = ("import time; time.sleep(0.3); b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
-             "time.sleep(1.5); del b; time.sleep(30)")
+def test_load_probe_reports_the_peak_pss_of_the_servers_process_tree(tmp_path) -> None:
+    """The server's child takes 300 MB for 1.5 s during the level and gives it back before its end: the peak shows
+    it, the tree's PSS at the end does not. (The child marks when it took and gave back the memory, so a slow machine
+    starting the processes late changes nothing.)"""
+    taken, freed = tmp_path / "taken", tmp_path / "freed"
+    child = (f"import pathlib, time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+             f"pathlib.Path({str(taken)!r}).touch(); time.sleep(1.5); del b; pathlib.Path({str(freed)!r}).touch(); "
+             f"time.sleep(60)")
     server = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
                                                      f"{child!r}])"])
     try:
         probe = LoadProbe(server.pid)
         probe.start()
-        time.sleep(3.0)
+        deadline = time.monotonic() + 60
+        while not freed.exists():
+            assert time.monotonic() < deadline, "the test's child never gave its memory back"
+            time.sleep(0.05)
         load = probe.stop()
+        assert taken.exists()
         assert load.server_pss_peak_mb is not None and load.server_pss_peak_mb >= 300
         assert tree_pss_bytes(server.pid) < 200 * 2**20  # given back: only the peak remembers it
     finally:
