@@ -653,11 +653,10 @@ class NodeAgent:
         idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0), key=lambda i: i.last_used_s)
         expired = [(i, f"idle for {now - i.last_used_s:.1f} s (keep-alive {keep_alive_s:.1f} s)")
                    for i in idle if now - i.last_used_s >= keep_alive_s][:surplus]
-        if expired or not surplus or len(idle) < len(current) or self.admission.queued(spec.name) \
-                or self.scheduler.keep_alive(spec.name).reason != "histogram":
+        if expired or not surplus or len(idle) < len(current) or self.admission.queued(spec.name):
             return expired
         idle_since = max(i.last_used_s for i in idle)
-        due = self.scheduler.next_idle_retirement_s(idle_since, self.idle_retired_s.get(spec.name))
+        due = self.scheduler.next_idle_retirement_s(spec.name, idle_since, self.idle_retired_s.get(spec.name))
         if due is None or now < due:
             return []
         self.idle_retired_s[spec.name] = now

@@ -125,12 +125,14 @@ class KeepAlivePolicy:
         keep_alive_s = tail_s * (1.0 + config.keep_alive_margin) - prewarm_s
         return KeepAliveDecision(prewarm_s, keep_alive_s, "histogram")
 
-    def next_idle_retirement_s(self, idle_since_s: float, last_retired_s: float | None) -> float | None:
-        """When a function idle as a whole since `idle_since_s` retires its next idle instance (its least recently
+    def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
+                               ) -> float | None:
+        """When `function`, idle as a whole since `idle_since_s`, retires its next idle instance (its least recently
         used): one step after it went idle or after its last such retirement, whichever is later. None: no stepped
-        retirement (the step is 0, or the policy is the fixed window, which stays as configured)."""
+        retirement (the step is 0, or the function's window is not the histogram's: a fixed window, the policy's or
+        the function's own, stays as configured)."""
         step_s = self.config.idle_retire_step_s
-        if step_s <= 0 or self.config.keep_alive_policy != "hybrid":
+        if step_s <= 0 or self.decide(function).reason != "histogram":
             return None
         since = idle_since_s if last_retired_s is None else max(idle_since_s, last_retired_s)
         return since + step_s

@@ -7,7 +7,7 @@
     make_room(view, device, needed_bytes)              offloading for an arriving batch
     place(function, view)                              which instance or device a request or instance goes to
     keep_alive(function)                               pre-warm and keep-alive windows after an invocation
-    next_idle_retirement_s(idle_since, last_retired)   when a function idle as a whole retires its next instance
+    next_idle_retirement_s(function, idle_since, ...)  when a function idle as a whole retires its next instance
 
 The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.preloads` (and `plan.offloads`) in order, then
 feed what it observed; each queued request goes where `admission.decide_admission` says. Nothing here performs
@@ -88,5 +88,6 @@ class Scheduler:
     def keep_alive(self, function: FunctionName) -> KeepAliveDecision:
         return self.keep_alives.decide(function)
 
-    def next_idle_retirement_s(self, idle_since_s: float, last_retired_s: float | None) -> float | None:
-        return self.keep_alives.next_idle_retirement_s(idle_since_s, last_retired_s)
+    def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
+                               ) -> float | None:
+        return self.keep_alives.next_idle_retirement_s(function, idle_since_s, last_retired_s)

@@ -111,6 +111,8 @@ def test_the_simulator_retires_the_same_way() -> None:
     paper = load_cluster("paper")
     work = Workload((Request(0.0, "t", "llama2-7b-a", 10, 2),), 1.0)
     sim = Simulator(paper, POLICIES["lorafaas"], work)
+    for idle_s in BURSTY_IDLE_S:  # its window comes from the histogram, as the stepped retirement needs
+        sim.scheduler.observe_idle("llama2-7b-a", idle_s)
     fs = sim.fns["llama2-7b-a"]
     device = sim.mem.devices[0]
     for k in range(3):

@@ -338,11 +338,10 @@ class Simulator:
         if inst.running == 0 and not inst.permanent:
             if not any(i.running for i in fs.instances):
                 fs.last_end_s = self.now
-                if not fs.queue and self.scheduler.keep_alive(inst.function).reason == "histogram":
-                    # idle as a whole: its instances retire one per step (KeepAlivePolicy), as the agent's do
-                    at_s = self.scheduler.next_idle_retirement_s(self.now, None)
-                    if at_s is not None:
-                        self.push(at_s, "idle_retire", (inst.function, self.now))
+                # idle as a whole: its instances retire one per step (KeepAlivePolicy), as the agent's do
+                at_s = None if fs.queue else self.scheduler.next_idle_retirement_s(inst.function, self.now, None)
+                if at_s is not None:
+                    self.push(at_s, "idle_retire", (inst.function, self.now))
             self.push(self.now + self._keep_alive_s(inst.function), "expire", (inst, inst.expire_token))
         self._retry_blocked()
 
@@ -408,7 +407,7 @@ class Simulator:
             return
         self._stop_instance(idle[0], keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
         self._retry_blocked()
-        at_s = self.scheduler.next_idle_retirement_s(idle_since, self.now)
+        at_s = self.scheduler.next_idle_retirement_s(name, idle_since, self.now)
         if len(idle) > 1 and at_s is not None:
             self.push(at_s, "idle_retire", payload)
 

@@ -86,17 +86,23 @@ def test_decision_follows_new_observations_and_forget() -> None:
         policy.observe_idle("f", -1.0)
 
 
+BURSTY_S = [10.0] * 20 + [5000.0] * 2  # seconds within a burst, hours between: a representative histogram
+
+
 def test_an_idle_function_retires_one_instance_per_step() -> None:
-    policy = KeepAlivePolicy(SchedulerConfig(idle_retire_step_s=180.0))
-    assert policy.next_idle_retirement_s(1000.0, None) == 1180.0  # one step after it went idle
-    assert policy.next_idle_retirement_s(1000.0, 1180.0) == 1360.0  # then one step after each retirement
-    assert policy.next_idle_retirement_s(1000.0, 400.0) == 1180.0  # a retirement of an earlier idle period
+    policy = policy_with(BURSTY_S, idle_retire_step_s=180.0)
+    assert policy.decide("f").reason == "histogram"
+    assert policy.next_idle_retirement_s("f", 1000.0, None) == 1180.0  # one step after it went idle
+    assert policy.next_idle_retirement_s("f", 1000.0, 1180.0) == 1360.0  # then one step after each retirement
+    assert policy.next_idle_retirement_s("f", 1000.0, 400.0) == 1180.0  # a retirement of an earlier idle period
 
 
 def test_stepped_retirement_is_off_with_a_zero_step_or_the_fixed_window() -> None:
-    assert KeepAlivePolicy(SchedulerConfig(idle_retire_step_s=0.0)).next_idle_retirement_s(0.0, None) is None
-    fixed = KeepAlivePolicy(SchedulerConfig(keep_alive_policy="fixed"))
-    assert fixed.next_idle_retirement_s(0.0, None) is None
+    assert policy_with(BURSTY_S, idle_retire_step_s=0.0).next_idle_retirement_s("f", 0.0, None) is None
+    fixed = policy_with(BURSTY_S, keep_alive_policy="fixed")
+    assert fixed.next_idle_retirement_s("f", 0.0, None) is None
+    # no representative histogram: the fixed fallback (the function's own keep-alive, in the agent) is kept
+    assert policy_with(BURSTY_S[:5]).next_idle_retirement_s("f", 0.0, None) is None
 
 
 @pytest.mark.parametrize("field", ["idle_retire_step_s", "device_preload_horizon_s"])
