@@ -179,15 +179,19 @@ def _own_cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def _tree_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of `pid` and each live descendant."""
+def _tree(pid: int) -> list[psutil.Process]:
+    """`pid` and each live descendant (none if `pid` is gone)."""
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return {}
+        return []
+
+
+def _tree_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of `pid` and each live descendant."""
     seconds = {}
-    for process in processes:
+    for process in _tree(pid):
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
@@ -199,15 +203,10 @@ def _tree_cpu(pid: int) -> dict[int, float]:
 def tree_pss_bytes(pid: int) -> int:
     """PSS of `pid` and every live descendant, summed (0 if it is gone). Read from /proc/PID/smaps_rollup, which
     the kernel sums for us: reading every mapping's smaps costs a large process milliseconds."""
-    try:
-        root = psutil.Process(pid)
-        pids = [pid, *(p.pid for p in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return 0
     total = 0
-    for each in pids:
+    for process in _tree(pid):
         try:
-            with open(f"/proc/{each}/smaps_rollup") as rollup:
+            with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
                 for line in rollup:
                     if line.startswith("Pss:"):
                         total += int(line.split()[1]) * 1024
