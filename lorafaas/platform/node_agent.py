@@ -645,8 +645,8 @@ class NodeAgent:
     def retirements(self, spec: FunctionSpec) -> list[tuple[Instance, str]]:
         """The idle instances to stop now, least recently used first, never below `min_instances`: those past the
         keep-alive window; else, while the function is idle as a whole and its window comes from the idle-time
-        histogram, one per `idle_retire_step_s` (`Scheduler.next_idle_retirement_s`). A keep-alive the function's
-        spec sets is kept as set."""
+        histogram, one per `idle_retire_step_s` (`Scheduler.next_idle_retirement_s`; a stepped retirement returned is
+        recorded as done). A keep-alive the function's spec sets is kept as set."""
         now, keep_alive_s = self.clock(), self.keep_alive_s(spec)
         current = self.table.current(spec)
         surplus = max(0, len(current) - spec.min_instances)
