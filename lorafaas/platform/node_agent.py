@@ -374,15 +374,18 @@ class NodeAgent:
         busy = self.table.busy_on_device(self.config.device)
         now = self.clock()
         waiting_others, waiting_ahead = self.compute_turns.counts(identity, now)
+        shared = any(i.function != spec.name and i.device == self.config.device
+                     and i.state in ("starting", "ready", "draining") for i in self.table.all())
         loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
-                                   busy < self.compute_slots) for i in instances)
+                                   busy < self.compute_slots, shared) for i in instances)
+        steady = self.scheduler.steady(spec.name)
         current = self.specs.get(spec.name) == spec
         max_instances = spec.max_instances if current else len(loads)  # nothing starts for a superseded version
         slo_s = spec.slo_ttft_ms / 1e3
         slo_batch = self.scheduler.batch_policy(spec.name, slo_s).max_batch_size
         adaptive = self.config.scheduler.adaptive_batching
         options = ()
-        if (needs_start_options(loads, slo_batch, self.config.max_batch_size)
+        if (needs_start_options(loads, slo_batch, self.config.max_batch_size, steady)
                 and worth_offering(len(loads), max_instances, busy, self.compute_slots)):
             joinable = can_join(loads, slo_batch, self.config.max_batch_size, adaptive)
             options = (StartOption(self.config.device, busy, self.compute_slots,
@@ -394,7 +397,7 @@ class NodeAgent:
             requests_per_background_start=self.config.scheduler.requests_per_background_start,
             strict_compute=self.config.strict_compute, compute_waiting_others=waiting_others,
             compute_waiting_ahead=waiting_ahead, compute_waited_s=self.compute_turns.waited_s(identity, now),
-            max_compute_wait_s=self.config.scheduler.max_compute_wait_s,
+            max_compute_wait_s=self.config.scheduler.max_compute_wait_s, steady=steady,
         )
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:

@@ -7,10 +7,13 @@ One policy for every executor: the node agent (`lorafaas/platform/node_agent.py`
 
 The rule, in order:
 1. An instance that is ready and holds fewer than min(B, worker capacity) requests takes up to that many (least
-   loaded first, then the oldest): B keeps a batch's prefill within the SLO. An idle instance begins running only
-   where its device has compute to spare, or as its function's one running instance (`_runnable`): busy instances
-   are counted across functions, so a device never runs more of them than it has compute for, beyond one per
-   function with requests.
+   loaded first, then one alone on its device, then the oldest): B keeps a batch's prefill within the SLO. An idle
+   instance begins running only where its device has compute to spare, or as its function's one running instance
+   (`_runnable`): busy instances are counted across functions, so a device never runs more of them than it has
+   compute for, beyond one per function with requests. A steady function (`AdmissionView.steady`) sent to an idle
+   instance on a device other functions share also starts another instance in the background on the first device
+   offered where compute is spare now (`_steady_spare`): its next requests find an idle instance, preferably alone
+   on its device, rather than a batch under way or a device another function keeps busy.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
    (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
@@ -70,6 +73,7 @@ class InstanceLoad:
     # its device runs fewer busy instances (of every function: running a request or starting) than it has compute
     # slots; an idle instance whose device is full begins running only as its function's one running instance
     spare_compute: bool = True
+    shares_device: bool = False  # another function has an instance on its device (it may contend for compute)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class AdmissionView:
     compute_waiting_ahead: int = 0  # of those, how many began waiting before this function (all, if it does not wait)
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
+    steady: bool = False  # its arrivals are steady (`Scheduler.steady`): it is given a device of its own
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,9 @@ class AdmissionDecision:
     action: AdmissionAction
     reason: AdmissionReason
     instance_id: InstanceId | None = None  # dispatch, await_start
-    device: DeviceId | None = None  # start; with a join: an instance to start there in the background
+    # start; with a join (or a steady function's dispatch to a shared device): an instance to start there in the
+    # background
+    device: DeviceId | None = None
     size: int = 0  # dispatch: how many of the queue's requests go now
 
 
@@ -116,9 +123,13 @@ def worth_offering(num_instances: int, max_instances: int, busy_instances: int, 
     return num_instances < max_instances and may_scale_out(num_instances, busy_instances, compute_slots)
 
 
-def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int) -> bool:
+def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int,
+                        steady: bool = False) -> bool:
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
-    B (executors skip working the options out then; finding a device can cost a view of the cluster)."""
+    B (executors skip working the options out then; finding a device can cost a view of the cluster), unless the
+    function is steady and has no instance on a device of its own."""
+    if steady and all(i.shares_device for i in instances):
+        return True
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
     return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready], strict=False))
 
@@ -160,7 +171,9 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
         room = cap - best.in_flight
         if strict and view.compute_waiting_others > 0:  # a turn: what is queued now goes in it (up to the join
             room = max(room, limit - best.in_flight)  # limit), or it would wait a whole round of other turns
-        return AdmissionDecision("dispatch", "room", best.instance_id, size=min(view.queue_length, room))
+        spare = _steady_spare(view) if view.steady and best.in_flight == 0 and best.shares_device else None
+        return AdmissionDecision("dispatch", "room", best.instance_id, device=spare,
+                                 size=min(view.queue_length, room))
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
@@ -215,5 +228,16 @@ def _runnable(ready: list[InstanceLoad], strict: bool, yielding: bool = False, t
     return running + allowed
 
 
+def _steady_spare(view: AdmissionView) -> DeviceId | None:
+    """For a steady function about to run on an instance whose device other functions share: the first device
+    offered where compute is spare now, to start another instance there in the background. None while one of its
+    instances is starting, at `max_instances`, or when no device has compute to spare."""
+    if len(view.instances) >= view.max_instances or any(not i.ready for i in view.instances):
+        return None
+    return next((o.device for o in view.start_options if o.busy_instances < o.compute_slots), None)
+
+
 def _least_loaded(instances: list[InstanceLoad]) -> InstanceLoad:
-    return min(instances, key=lambda i: (i.in_flight, i.started_s, i.instance_id))
+    """Fewest requests first; then an instance alone on its device (no other function's batches to contend with);
+    then the oldest."""
+    return min(instances, key=lambda i: (i.in_flight, i.shares_device, i.started_s, i.instance_id))

@@ -42,6 +42,12 @@ class SchedulerConfig:
     # loaded from disk by its first burst (docs/scheduler.md: Bursty's worst TTFTs were first bursts)
     rate_floor_per_s: float = 1.0 / 3600
     rate_change_tolerance: float = 0.25  # relative change of any rate that calls for a new pre-load plan
+    # steadiness: a function whose last gaps between arrivals (at least `steady_min_gaps`, at most `steady_max_gaps`)
+    # vary no more than a Poisson stream's do, within sampling noise (coefficient of variation <= 1 + 3 / sqrt(n)),
+    # will use a device of its own steadily: it gets one where compute is spare rather than share a busy one, and its
+    # idle instances are not retired stepwise (docs/scheduler.md, "Contention across functions"); 0: off
+    steady_min_gaps: int = 10
+    steady_max_gaps: int = 100
 
     # batching: T(b) = T0 + a(b-1), fitted online; priors until two distinct batch sizes are seen
     max_batch_size: int = 32
@@ -103,6 +109,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number >= 0 (0: off)")
+        if not (0 <= self.steady_min_gaps <= self.steady_max_gaps <= 10_000 and self.steady_max_gaps >= 2):
+            raise ValueError(f"SchedulerConfig: steady_min_gaps ({self.steady_min_gaps}) must be in [0, "
+                             f"steady_max_gaps ({self.steady_max_gaps})], and steady_max_gaps in [2, 10000]")
         if not self.rate_floor_per_s >= 0:
             raise ValueError(f"SchedulerConfig.rate_floor_per_s is {self.rate_floor_per_s}; must be >= 0")
         if self.rate_change_tolerance <= 0:
@@ -134,7 +143,8 @@ class SchedulerConfig:
 
 def for_device_kind(config: SchedulerConfig, kind: str) -> SchedulerConfig:
     """`config` for a device of `kind` ("cpu" or "gpu"): a CPU's device tier is its host's memory, so there is no
-    cheaper tier to keep a rarely used function in and the pre-load horizon does not apply."""
-    if kind == "cpu" and config.device_preload_horizon_s:
-        return replace(config, device_preload_horizon_s=0.0)
+    cheaper tier to keep a rarely used function in and the pre-load horizon does not apply; and a host's cores are
+    one device, so there is no device of its own for a steady function to move to."""
+    if kind == "cpu" and (config.device_preload_horizon_s or config.steady_min_gaps):
+        return replace(config, device_preload_horizon_s=0.0, steady_min_gaps=0)
     return config

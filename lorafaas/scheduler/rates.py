@@ -6,12 +6,18 @@
 For a Poisson stream of rate lambda started at t_first, E[c(t)] = lambda * tau * (1 - exp(-(t - t_first) / tau)),
 so the estimate is unbiased from the first arrival on (h, `rate_min_horizon_s`, only avoids dividing by zero) and
 forgets the past with time constant tau (`rate_window_s`).
+
+Steadiness: the last n gaps between arrivals (`steady_min_gaps` <= n <= `steady_max_gaps`) vary no more than a
+Poisson stream's, whose gaps have a coefficient of variation of 1; an estimate over n gaps has a standard error of
+about 1 / sqrt(n), so a function is steady while CV <= 1 + 3 / sqrt(n). On/off and bursty streams (CV 1.5-10 in
+the paper's classes) are not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.messages import ClusterView, FunctionName
@@ -22,6 +28,7 @@ class _Stream:
     count: float
     last_s: float
     first_s: float
+    gaps: deque[float]  # the last `steady_max_gaps` gaps between arrivals (0 for simultaneous ones)
 
 
 class RateTracker:
@@ -34,8 +41,13 @@ class RateTracker:
     def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
         stream = self._streams.get(function)
         if stream is None:
-            self._streams[function] = _Stream(float(count), now_s, now_s)
+            stream = _Stream(0.0, now_s, now_s, deque(maxlen=self.config.steady_max_gaps))
+            self._streams[function] = stream
+            stream.gaps.extend([0.0] * (count - 1))
+            stream.count = float(count)
             return
+        stream.gaps.append(max(0.0, now_s - stream.last_s))
+        stream.gaps.extend([0.0] * (count - 1))
         if now_s > stream.last_s:  # arrivals reported slightly out of order count as simultaneous
             stream.count *= math.exp(-(now_s - stream.last_s) / self.config.rate_window_s)
             stream.last_s = now_s
@@ -50,6 +62,20 @@ class RateTracker:
         decayed = stream.count * math.exp(-max(0.0, now_s - stream.last_s) / tau)
         horizon = max(now_s - stream.first_s, self.config.rate_min_horizon_s)
         return decayed / (tau * -math.expm1(-horizon / tau))
+
+    def steady(self, function: FunctionName) -> bool:
+        """Whether `function`'s arrivals are steady (module docstring); False while fewer than `steady_min_gaps`
+        gaps are known, and always when that is 0 (off)."""
+        stream = self._streams.get(function)
+        wanted = self.config.steady_min_gaps
+        if wanted <= 0 or stream is None or len(stream.gaps) < wanted:
+            return False
+        n = len(stream.gaps)
+        mean = sum(stream.gaps) / n
+        if mean <= 0:
+            return False
+        variance = sum((g - mean) ** 2 for g in stream.gaps) / n
+        return math.sqrt(variance) / mean <= 1.0 + 3.0 / math.sqrt(n)
 
     def rates(self, now_s: float) -> dict[FunctionName, float]:
         return {f: self.rate(f, now_s) or 0.0 for f in self._streams}

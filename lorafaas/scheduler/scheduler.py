@@ -8,6 +8,7 @@
     place(function, view)                              which instance or device a request or instance goes to
     keep_alive(function)                               pre-warm and keep-alive windows after an invocation
     next_idle_retirement_s(function, idle_since, ...)  when a function idle as a whole retires its next instance
+    steady(function)                                   its arrivals are steady: admission gives it a device of its own
 
 The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.preloads` (and `plan.offloads`) in order, then
 feed what it observed; each queued request goes where `admission.decide_admission` says. Nothing here performs
@@ -90,4 +91,11 @@ class Scheduler:
 
     def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
                                ) -> float | None:
+        """None for a steady function (`RateTracker.steady`): its next arrival is due within about one mean gap, so
+        its instances stay to their windows (the copy of its own it was given is not handed back between calls)."""
+        if self.rates.steady(function):
+            return None
         return self.keep_alives.next_idle_retirement_s(function, idle_since_s, last_retired_s)
+
+    def steady(self, function: FunctionName) -> bool:
+        return self.rates.steady(function)

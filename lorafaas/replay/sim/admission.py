@@ -46,8 +46,10 @@ class SimAdmission:
         sim = self.sim
         waiting_others, waiting_ahead = self.turns.counts(name, sim.now)
         loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
-                                   i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots)
+                                   i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots,
+                                   any(o.function != name for o in i.device.instances))
                       for i in fs.instances)
+        steady = sim.scheduler.steady(name)
         adaptive = sim.policy.batching == "adaptive"
         slo_batch = self.slo_batch(name, fs)
         capacity = sim.cluster.max_batch_size
@@ -55,7 +57,7 @@ class SimAdmission:
         joinable = can_join(loads, slo_batch, capacity, adaptive)
         options = []
         devices = self._devices(name, len(loads), max_instances, excluded) if needs_start_options(
-            loads, slo_batch, capacity) else []
+            loads, slo_batch, capacity, steady) else []
         for device in devices:
             expected = sum(sim.views.start_delays(name, device).values()) if joinable else None
             options.append(StartOption(device.device_id, sim.busy(device), sim.compute_slots, expected))
@@ -66,7 +68,7 @@ class SimAdmission:
             requests_per_background_start=sim.scheduler.config.requests_per_background_start,
             strict_compute=self.strict, compute_waiting_others=waiting_others, compute_waiting_ahead=waiting_ahead,
             compute_waited_s=self.turns.waited_s(name, sim.now),
-            max_compute_wait_s=sim.scheduler.config.max_compute_wait_s,
+            max_compute_wait_s=sim.scheduler.config.max_compute_wait_s, steady=steady,
         )
 
     def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:

@@ -184,3 +184,37 @@ def test_a_function_taking_its_turn_takes_its_queue_up_to_the_join_limit_not_onl
     assert decide_admission(strict(spare)).size == 4  # nobody waits: B now, the rest may scale out or join later
     turn = decide_admission(strict(spare, others=1, ahead=0))
     assert (turn.action, turn.instance_id, turn.size) == ("dispatch", "a", 8)  # the rest would wait a whole round
+
+
+def test_of_equally_loaded_instances_one_alone_on_its_device_goes_first() -> None:
+    shared = InstanceLoad("old", True, 0, 0.0, True, shares_device=True)
+    alone = InstanceLoad("young", True, 0, 5.0, True, shares_device=False)
+    assert decide_admission(view(shared, alone)).instance_id == "young"
+    busy_alone = replace(alone, in_flight=1)
+    assert decide_admission(view(shared, busy_alone)).instance_id == "old"  # fewer requests still comes first
+
+
+def test_a_steady_function_on_a_shared_device_also_starts_an_instance_where_compute_is_spare() -> None:
+    gpu0 = StartOption("gpu0", busy_instances=1, compute_slots=1)
+    gpu1 = StartOption("gpu1", busy_instances=0, compute_slots=1)
+    shared = InstanceLoad("a", True, 0, 0.0, False, shares_device=True)
+    steady = replace(view(shared, options=(gpu0, gpu1)), steady=True)
+    decision = decide_admission(steady)
+    assert (decision.action, decision.reason, decision.instance_id, decision.device) == ("dispatch", "room", "a",
+                                                                                         "gpu1")
+    assert decide_admission(replace(steady, steady=False)).device is None  # not steady: no extra instance
+    alone = replace(shared, shares_device=False)
+    assert decide_admission(replace(steady, instances=(alone,))).device is None  # nothing to contend with
+    assert decide_admission(replace(steady, start_options=(gpu0,))).device is None  # no compute spare anywhere
+    assert decide_admission(replace(steady, max_instances=1)).device is None
+    starting_one = replace(steady, instances=(shared, InstanceLoad("b", False, 0, 1.0)))
+    assert decide_admission(starting_one).device is None  # one start at a time
+
+
+def test_start_options_are_needed_for_a_steady_function_with_every_instance_on_a_shared_device() -> None:
+    from lorafaas.scheduler import needs_start_options
+
+    shared = InstanceLoad("a", True, 0, 0.0, True, shares_device=True)
+    assert not needs_start_options((shared,), 4, 8)  # it has room: nothing to start
+    assert needs_start_options((shared,), 4, 8, steady=True)
+    assert not needs_start_options((replace(shared, shares_device=False),), 4, 8, steady=True)

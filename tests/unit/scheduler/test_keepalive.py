@@ -110,3 +110,18 @@ def test_stepped_retirement_is_off_with_a_zero_step_or_the_fixed_window() -> Non
 def test_the_idle_cost_settings_refuse_what_is_not_a_duration(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+def test_a_steady_function_is_not_retired_stepwise() -> None:
+    from lorafaas.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(idle_retire_step_s=180.0))
+    for idle_s in BURSTY_S:
+        scheduler.observe_idle("f", idle_s)
+    for k in range(12):  # bursts: 20 at once, an hour apart
+        scheduler.observe_arrival("f", 3600.0 * k, count=20)
+    assert scheduler.next_idle_retirement_s("f", 1000.0, None) == 1180.0
+    for k in range(101):  # then one a minute, evenly: the last 100 gaps are steady
+        scheduler.observe_arrival("f", 50_000.0 + 60.0 * k)
+    assert scheduler.steady("f")
+    assert scheduler.next_idle_retirement_s("f", 60_000.0, None) is None

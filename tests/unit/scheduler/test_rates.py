@@ -95,3 +95,36 @@ def test_a_function_just_deployed_is_expected_within_the_device_horizon() -> Non
     tracker.observe_arrival("new", 5001.0)  # invoked: its own rate from then on
     rate = tracker.apply(view(functions), 5400.0).functions["new"].arrival_rate_per_s
     assert rate == pytest.approx(max(1 / 3600, tracker.rate("new", 5400.0)))
+
+
+def test_poisson_arrivals_are_steady_on_off_and_bursty_ones_are_not() -> None:
+    steady, on_off, bursty = RateTracker(), RateTracker(), RateTracker()
+    poisson(steady, "f", 0.05, 0.0, 4 * 3600.0, seed=1)
+    t = 0.0
+    for stretch in range(12):  # 10 minutes on at one a minute-ish, 20 minutes off
+        t = poisson(on_off, "f", 0.05, t, t + 600.0, seed=stretch) + 1200.0
+    for burst in range(6):  # 20 at once, an hour apart
+        bursty.observe_arrival("f", burst * 3600.0, count=20)
+    assert steady.steady("f")
+    assert not on_off.steady("f")
+    assert not bursty.steady("f")
+
+
+def test_steadiness_needs_enough_gaps_forgets_old_ones_and_can_be_switched_off() -> None:
+    tracker = RateTracker(SchedulerConfig(steady_min_gaps=10, steady_max_gaps=20))
+    for k in range(10):  # 10 arrivals: 9 gaps
+        tracker.observe_arrival("f", 60.0 * k)
+    assert not tracker.steady("f")  # too few gaps to tell
+    tracker.observe_arrival("f", 600.0)
+    assert tracker.steady("f")  # evenly spaced: CV 0
+    tracker.observe_arrival("f", 600.0, count=30)  # a burst: 30 gaps of 0 fill the window
+    assert not tracker.steady("f")
+    for k in range(1, 21):  # 20 evenly spaced arrivals push the burst out of the last 20 gaps
+        tracker.observe_arrival("f", 600.0 + 60.0 * k)
+    assert tracker.steady("f")
+    tracker.forget("f")
+    assert not tracker.steady("f")
+    off = RateTracker(SchedulerConfig(steady_min_gaps=0))
+    for k in range(200):
+        off.observe_arrival("f", 60.0 * k)
+    assert not off.steady("f")

@@ -70,6 +70,8 @@ def test_decisions_route_to_the_policies() -> None:
     ("head_percentile", 99.5, "percentiles"),
     ("histogram_range_s", 30.0, "shorter than one bin"),
     ("prewarm_margin", 2.0, "prewarm_margin"),
+    ("steady_min_gaps", -1, "steady_min_gaps"),
+    ("steady_max_gaps", 1, "steady_max_gaps"),
 ])
 def test_config_bounds_name_the_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -103,3 +105,12 @@ def test_bench_scheduler_command_prints_the_four_figures() -> None:
     assert set(figures) == {"preload_plan_ms_100x8", "preload_plan_ms_1000x16", "batch_decision_us",
                             "offload_decision_ms"}
     assert all(value > 0 for value in figures.values())
+
+
+def test_on_a_cpu_the_horizon_and_steadiness_are_off_and_on_a_gpu_kept() -> None:
+    from lorafaas.scheduler import for_device_kind
+
+    config = SchedulerConfig()
+    cpu = for_device_kind(config, "cpu")
+    assert (cpu.device_preload_horizon_s, cpu.steady_min_gaps) == (0.0, 0)  # one device: nowhere else to go
+    assert for_device_kind(config, "gpu") == config
