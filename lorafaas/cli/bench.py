@@ -251,3 +251,4 @@ def moe_transport(
 
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py
 app.command("new-adapter")(bench_serve.new_adapter)  # lorafaas/bench/new_adapter.py
+app.command("server-start")(bench_serve.server_start)  # lorafaas/bench/server_start.py

@@ -157,3 +157,80 @@ def new_adapter(
     if len(result.summaries) == 2:
         ratio = result.summaries[0].median_total_s / result.summaries[1].median_total_s
         console.print(f"lorafaas / vllm, median total: {ratio:.2f}x")
+
+
+def _labelled(option: str, specs: list[str]) -> dict[str, str]:
+    """`label=value`, one per target."""
+    values: dict[str, str] = {}
+    for spec in specs:
+        label, sep, value = spec.partition("=")
+        if not sep or not label or not value:
+            raise typer.BadParameter(f"{spec!r}: expected label=value", param_hint=option)
+        if label in values:
+            raise typer.BadParameter(f"{label!r} is given twice", param_hint=option)
+        values[label] = value
+    return values
+
+
+def server_start(
+    urls: list[str] = typer.Option(..., "--url", help="label=URL of a server's base URL (repeat per target)."),
+    commands: list[str] = typer.Option(..., "--command", help="label=COMMAND that starts that server in the "
+                                       "foreground (split as a shell would; repeat per target)."),
+    models: list[str] = typer.Option(..., "--model", help="label=MODEL: the function or adapter the first request "
+                                     "names (repeat per target)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=100, help="Starts per target (alternated)."),
+    output_len: int = typer.Option(16, "--output-len", min=1, max=4096, help="max_tokens of each first request."),
+    timeout_s: float = typer.Option(600.0, "--timeout", min=1.0, max=7200.0, help="Seconds one start may take."),
+    settle_s: float = typer.Option(3.0, "--settle", min=0.0, max=600.0, help="Seconds of pause before each start."),
+    log_dir: Path = typer.Option(Path("server-start-logs"), "--log-dir", help="Each start's server output."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LORAFAAS_API_KEY", help="Bearer token for every target."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """From launching a server to its first token: each start a new server process, stopped after its first answer."""
+    import shlex
+
+    from lorafaas.bench.serve import parse_target
+    from lorafaas.bench.server_start import ServerStartConfig, ServerStartTarget, run_server_start_bench
+
+    by_url, by_command, by_model = _labelled("--url", urls), _labelled("--command", commands), \
+        _labelled("--model", models)
+    for option, given in (("--command", by_command), ("--model", by_model)):
+        if set(given) != set(by_url):
+            raise typer.BadParameter(f"labels {sorted(given)} differ from --url's {sorted(by_url)}: give each "
+                                     "target a --url, a --command and a --model", param_hint=option)
+    targets = []
+    for label, url in by_url.items():
+        try:
+            argv = tuple(shlex.split(by_command[label]))
+        except ValueError as exc:
+            raise typer.BadParameter(f"{label}: {exc}", param_hint="--command") from None
+        if not argv:
+            raise typer.BadParameter(f"{label}: the command is empty", param_hint="--command")
+        try:
+            base = parse_target(url, 0).url
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--url") from None
+        targets.append(ServerStartTarget(label=label, url=base, model=by_model[label], command=argv))
+    config = ServerStartConfig(repeats=repeats, output_len=output_len, api_key=api_key, timeout_s=timeout_s,
+                               settle_s=settle_s, log_dir=str(log_dir))
+    with RichProgress() as progress:
+        try:
+            result = run_server_start_bench(targets, config, progress)
+        except (RuntimeError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("target", "first token s (median)", "min / max s", "samples s", "requests until answered",
+                  title=f"server start to first token: {repeats} starts each")
+    for summary in result.summaries:
+        mine = [s for s in result.samples if s.label == summary.label]
+        table.add_row(summary.label, f"{summary.median_first_token_s:.2f}",
+                      f"{summary.min_first_token_s:.2f} / {summary.max_first_token_s:.2f}",
+                      ", ".join(f"{s.first_token_s:.2f}" for s in mine), ", ".join(str(s.attempts) for s in mine))
+    console.print(table)
+    if len(result.summaries) == 2:
+        first, second = result.summaries
+        console.print(f"{first.label} / {second.label}, median: "
+                      f"{first.median_first_token_s / second.median_first_token_s:.2f}x")
