@@ -49,6 +49,9 @@ def up(
     lone_threads: int | None = typer.Option(None, "--lone-threads", min=1, max=256,
                                             help="Torch threads of an instance computing alone under the step "
                                                  "gate (default: every core)."),
+    max_batch: int = typer.Option(8, "--max-batch", min=1, max=256,
+                                  help="Requests one function instance batches at most (its worker's capacity); "
+                                       "requests beyond every instance's capacity wait for a place."),
     hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,
                                        help="Seconds an instance holding requests may leave a heartbeat unanswered "
                                             "before it is declared hung: its requests are retried or failed, and "
@@ -65,7 +68,7 @@ def up(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, threads_per_instance=threads_per_instance, strict_compute=strict_compute,
-        step_gate=step_gate, lone_threads=lone_threads, hang_timeout_s=hang_timeout,
+        step_gate=step_gate, lone_threads=lone_threads, hang_timeout_s=hang_timeout, max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{_local_address(host)}:{port}"

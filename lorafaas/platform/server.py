@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -58,6 +58,7 @@ class ServerConfig:
     step_gate: bool = True  # AgentConfig.step_gate
     lone_threads: int | None = None  # AgentConfig.lone_threads
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
+    max_batch_size: int = 8  # AgentConfig.max_batch_size: a worker's batch capacity (the fixed-batch policy keeps 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
 
 
@@ -128,7 +129,10 @@ class Platform:
         self.adapters = AdapterStore(home / "adapters")
         self.launcher = open_backend(config.backend, home, device.name)
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
+        if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
+            scheduler = replace(scheduler, max_batch_size=config.max_batch_size)
         agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
+                                   max_batch_size=config.max_batch_size,
                                    scheduler=scheduler, compute_slots=config.compute_slots,
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
                                    step_gate=config.step_gate, lone_threads=config.lone_threads,

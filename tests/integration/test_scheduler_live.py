@@ -97,3 +97,25 @@ def test_a_start_slower_than_the_slo_gives_way_to_a_running_batch(tmp_path, tiny
         assert described["cold_starts"].get("scale_out") == 1, described["cold_starts"]  # the background start
         assert sum(described["cold_starts"].values()) == 3 and len(described["instances"]) == 3  # max_instances
         assert described["batching"]["most_in_flight"] >= 2  # requests joined a running batch
+
+
+def test_max_batch_caps_what_one_instance_holds(tmp_path, tiny_dense_dir) -> None:
+    """`up --max-batch 2`: a burst of six to a function of one instance runs two at a time, and all are served."""
+    store = ModelStore(tmp_path / "models")
+    store.import_dir("tiny-dense", tiny_dense_dir)
+    adapter = save_tiny_adapter(tmp_path / "a", tiny_dense_dir, base_model_name="tiny-dense")
+    with PlatformProcess(tmp_path, extra_args=("--max-batch", "2")) as platform, platform.client() as admin:
+        admin.deploy({"name": "capped", "backbone": "tiny-dense", "max_instances": 1}, adapter)
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=platform.url, timeout=120,
+                                         headers={"Authorization": f"Bearer {platform.admin_key}"}) as http:
+                return await asyncio.gather(*(
+                    http.post("/v1/functions/capped/invoke", json=chat(f"Burst request {i}", 40)) for i in range(6)
+                ))
+
+        replies = asyncio.run(burst())
+        assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+        batching = admin.describe("capped")["batching"]
+        assert batching["most_in_flight"] == 2, batching  # the burst filled the instance up to its capacity
+        assert batching["max_batch_size"] <= 2, batching
