@@ -49,7 +49,7 @@ def up(
     lone_threads: int | None = typer.Option(None, "--lone-threads", min=1, max=256,
                                             help="Torch threads of an instance computing alone under the step "
                                                  "gate (default: every core)."),
-    max_batch: int = typer.Option(8, "--max-batch", min=1, max=256,
+    max_batch: int = typer.Option(32, "--max-batch", min=1, max=256,
                                   help="Requests one function instance batches at most (its worker's capacity); "
                                        "requests beyond every instance's capacity wait for a place."),
     hang_timeout: float = typer.Option(10.0, "--hang-timeout", min=0.1,

@@ -25,7 +25,7 @@ from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.node_agent import AgentConfig, NodeAgent
+from lorafaas.platform.node_agent import DEFAULT_MAX_BATCH, AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.interface import open_store, sqlite_url
 from lorafaas.scheduler import SchedulerConfig, for_device_kind
@@ -58,17 +58,17 @@ class ServerConfig:
     step_gate: bool = True  # AgentConfig.step_gate
     lone_threads: int | None = None  # AgentConfig.lone_threads
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
-    max_batch_size: int = 8  # AgentConfig.max_batch_size: a worker's batch capacity (the fixed-batch policy keeps 1)
+    max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
 
 
 # The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
 POLICIES = {
-    "lorafaas": SchedulerConfig(max_batch_size=8),
-    "no-preload": SchedulerConfig(max_batch_size=8, preloading=False),
-    "no-offload": SchedulerConfig(max_batch_size=8, offloading=False),
+    "lorafaas": SchedulerConfig(max_batch_size=DEFAULT_MAX_BATCH),
+    "no-preload": SchedulerConfig(max_batch_size=DEFAULT_MAX_BATCH, preloading=False),
+    "no-offload": SchedulerConfig(max_batch_size=DEFAULT_MAX_BATCH, offloading=False),
     "fixed-batch": SchedulerConfig(max_batch_size=1, adaptive_batching=False),
-    "fixed-keep-alive": SchedulerConfig(max_batch_size=8, keep_alive_policy="fixed"),
+    "fixed-keep-alive": SchedulerConfig(max_batch_size=DEFAULT_MAX_BATCH, keep_alive_policy="fixed"),
 }
 
 
