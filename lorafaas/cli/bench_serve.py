@@ -110,6 +110,20 @@ def _print_tables(result) -> None:
             console.print(f"[red]{level.target} at {level.concurrency}:[/red] {error}")
 
 
+def _run_bench(run, targets, config, as_json: bool):
+    """Run a benchmark with a progress bar: its result, or None once printed as JSON; an error exits 1."""
+    with RichProgress() as progress:
+        try:
+            result = run(targets, config, progress)
+        except (RuntimeError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return None
+    return result
+
+
 def _dist(d) -> str:
     return f"{d.p50_ms:.0f}/{d.p90_ms:.0f}/{d.p99_ms:.0f} ({d.mean_ms:.0f})"
 
@@ -138,14 +152,8 @@ def new_adapter(
         raise typer.BadParameter("give --lorafaas URL, --vllm URL or both", param_hint="--lorafaas")
     config = NewAdapterConfig(adapter_dir=str(adapter), backbone=backbone, repeats=repeats, output_len=output_len,
                               api_key=api_key, settle_s=settle_s)
-    with RichProgress() as progress:
-        try:
-            result = run_new_adapter_bench(targets, config, progress)
-        except (RuntimeError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(1) from None
-    if as_json:
-        print_json(msgspec.to_builtins(result))
+    result = _run_bench(run_new_adapter_bench, targets, config, as_json)
+    if result is None:
         return
     table = Table("target", "register s (median)", "first TTFT s (median)", "total s (median)", "samples (total s)",
                   title=f"new adapter to first token: {repeats} samples each, {output_len} tokens")
@@ -213,14 +221,8 @@ def server_start(
         targets.append(ServerStartTarget(label=label, url=base, model=by_model[label], command=argv))
     config = ServerStartConfig(repeats=repeats, output_len=output_len, api_key=api_key, timeout_s=timeout_s,
                                settle_s=settle_s, log_dir=str(log_dir))
-    with RichProgress() as progress:
-        try:
-            result = run_server_start_bench(targets, config, progress)
-        except (RuntimeError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(1) from None
-    if as_json:
-        print_json(msgspec.to_builtins(result))
+    result = _run_bench(run_server_start_bench, targets, config, as_json)
+    if result is None:
         return
     table = Table("target", "first token s (median)", "min / max s", "samples s", "requests until answered",
                   title=f"server start to first token: {repeats} starts each")

@@ -4,8 +4,6 @@ platform's workers are), writes the child's pid to PIDFILE, then serves streamin
     python slow_start_server.py PORT DELAY PIDFILE
 """
 
-import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -13,22 +11,17 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from lorafaas.testing.fake_completions import completion_stream
 
 
 async def completions(request: Request):
     body = await request.json()
     if body["model"] != "m":
         return JSONResponse({"error": {"message": f"model {body['model']} does not exist"}}, status_code=404)
-
-    async def events():
-        for i in range(body["max_tokens"]):
-            await asyncio.sleep(0.005)
-            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' w{i}'}]})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return completion_stream(body["max_tokens"])
 
 
 if __name__ == "__main__":

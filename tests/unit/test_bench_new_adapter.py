@@ -4,16 +4,16 @@ side runs against a real platform in tests/integration/test_bench_serve_platform
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
+from lorafaas.testing.fake_completions import completion_stream
 from lorafaas.testing.loopback_http import serve_routes
 
 calls: list[tuple[str, str]] = []  # (what, adapter name)
@@ -42,14 +42,7 @@ async def completions(request: Request):
     calls.append(("complete", body["model"]))
     if body["model"] not in loaded:
         return JSONResponse({"error": {"message": f"model {body['model']} does not exist"}}, status_code=404)
-
-    async def events():
-        for i in range(body["max_tokens"]):
-            await asyncio.sleep(0.005)
-            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' w{i}'}]})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return completion_stream(body["max_tokens"])
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ delay and leaves a child in a session of its own, and servers that fail to start
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,13 @@ from lorafaas.cli import app
 from lorafaas.testing.platform_process import free_port
 
 SERVER = str(Path(__file__).with_name("slow_start_server.py"))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _servers_import_this_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test server imports `lorafaas.testing`: this tree's, installed or not."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def slow_server(label: str, delay_s: float, tmp_path: Path, model: str = "m") -> tuple[ServerStartTarget, Path]:
