@@ -92,7 +92,9 @@ def http_client(platform: PlatformProcess, key: str) -> httpx.AsyncClient:
 def test_a_deleted_function_never_answers_again_not_even_for_whoever_deploys_its_name_next(home, adapters) -> None:
     long = body(max_tokens=48)
     # A long hang timeout: the worker is paused below while the delete lands, which is not a hang.
-    with PlatformProcess(home, extra_args=("--hang-timeout", "120")) as platform, platform.client() as admin:
+    # a worker capacity of 8, so that of 24 requests 16 are queued when the delete lands
+    with PlatformProcess(home, extra_args=("--hang-timeout", "120", "--max-batch", "8")) as platform, \
+            platform.client() as admin:
         key_a, key_b = admin.create_key("team-a")["key"], admin.create_key("team-b")["key"]
         expected = {name: reference(admin, adapters[name], long) for name in ("alpha", "beta", "gamma")}
         assert len(set(expected.values())) == 3, "the adapters answer differently"

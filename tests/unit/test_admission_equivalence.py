@@ -23,6 +23,7 @@ from lorafaas.scheduler import AdmissionDecision, SchedulerConfig, decide_admiss
 
 NOW_S = 100.0
 SLO_S = 1.0
+FULL = load_cluster("local").max_batch_size  # requests a worker holds at its capacity (the local cluster's, 32)
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,16 @@ SCENARIOS = [
     Scenario("cold function", (), queued=1),
     Scenario("room in a ready instance", ((True, 2),), queued=3),
     Scenario("the least loaded of two", ((True, 5), (True, 1)), queued=9),
-    Scenario("full, compute to spare: scale out", ((True, 8),), queued=1),
-    Scenario("full, device saturated by another function", ((True, 8),), queued=2, busy_elsewhere=1),
+    Scenario("full, compute to spare: scale out", ((True, FULL),), queued=1),
+    Scenario("full, device saturated by another function", ((True, FULL),), queued=2, busy_elsewhere=1),
     Scenario("B reached, device saturated: join", ((True, 2),), queued=4, busy_elsewhere=1,
              prefills=((1, 0.3), (2, 0.8))),
     Scenario("B reached, compute to spare: scale out", ((True, 2),), queued=4, prefills=((1, 0.3), (2, 0.8))),
     Scenario("only a starting instance", ((False, 0),), queued=3, max_instances=1),
-    Scenario("at max instances, all full", ((True, 8), (True, 8)), queued=1, max_instances=2),
-    Scenario("starting beside a full one", ((True, 8), (False, 0)), queued=2, busy_elsewhere=0, slots=1),
-    Scenario("four cores, three busy", ((True, 8), (True, 8)), queued=5, busy_elsewhere=1, slots=4),
-    Scenario("an idle second instance, the cores taken", ((True, 8), (True, 0)), queued=3, busy_elsewhere=1,
+    Scenario("at max instances, all full", ((True, FULL), (True, FULL)), queued=1, max_instances=2),
+    Scenario("starting beside a full one", ((True, FULL), (False, 0)), queued=2, busy_elsewhere=0, slots=1),
+    Scenario("four cores, three busy", ((True, FULL), (True, FULL)), queued=5, busy_elsewhere=1, slots=4),
+    Scenario("an idle second instance, the cores taken", ((True, FULL), (True, 0)), queued=3, busy_elsewhere=1,
              max_instances=2),
     Scenario("an idle second instance, a core spare", ((True, 2), (True, 0)), queued=3, slots=3),
     Scenario("the function's one instance, the cores taken", ((True, 0),), queued=1, busy_elsewhere=2),
@@ -74,8 +75,8 @@ def _spec(name: str, max_instances: int) -> FunctionSpec:
 
 
 def agent_view(s: Scenario, expected_start_s: float | None):
-    config = AgentConfig(device="cpu", max_batch_size=8, compute_slots=s.slots, strict_compute=s.strict,
-                         scheduler=SchedulerConfig(max_batch_size=8))
+    config = AgentConfig(device="cpu", max_batch_size=FULL, compute_slots=s.slots, strict_compute=s.strict,
+                         scheduler=SchedulerConfig(max_batch_size=FULL))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=lambda: NOW_S)  # type: ignore[arg-type]
     spec, other = _spec("fn", s.max_instances), _spec("other", 4)
     agent.specs = {"fn": spec, "other": other}
