@@ -179,7 +179,7 @@ def _own_cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def process_tree(pid: int) -> list[psutil.Process]:
     """`pid` and each live descendant (none if `pid` is gone)."""
     try:
         root = psutil.Process(pid)
@@ -191,7 +191,7 @@ def _tree(pid: int) -> list[psutil.Process]:
 def _tree_cpu(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of `pid` and each live descendant."""
     seconds = {}
-    for process in _tree(pid):
+    for process in process_tree(pid):
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
@@ -204,7 +204,7 @@ def tree_pss_bytes(pid: int) -> int:
     """PSS of `pid` and every live descendant, summed (0 if it is gone). Read from /proc/PID/smaps_rollup, which
     the kernel sums for us: reading every mapping's smaps costs a large process milliseconds."""
     total = 0
-    for process in _tree(pid):
+    for process in process_tree(pid):
         try:
             with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
                 for line in rollup:

@@ -27,6 +27,7 @@ import msgspec
 import psutil
 
 from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request
+from lorafaas.bench.serve_stats import process_tree
 from lorafaas.progress import ProgressSink, SilentProgress
 
 
@@ -136,13 +137,12 @@ def _stop_tree(server: subprocess.Popen, grace_s: float) -> float:
     """SIGTERM the server and give it `grace_s` to stop what it started; then SIGKILL whatever of its tree is left
     (children that began sessions of their own included, which a process-group signal would miss)."""
     started = time.perf_counter()
-    try:
-        root = psutil.Process(server.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
+    tree = process_tree(server.pid)
+    if not tree:
         server.wait()
         return 0.0
-    root.terminate()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree[0].terminate()
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(timeout=grace_s)
     for process in tree:

@@ -104,7 +104,7 @@ class AdmissionView:
     compute_waiting_ahead: int = 0  # of those, how many began waiting before this function (all, if it does not wait)
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
-    steady: bool = False  # its arrivals are steady (`Scheduler.steady`): it is given a device of its own
+    steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device it gets a spare instance
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, wor
                         steady: bool = False) -> bool:
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
     B (executors skip working the options out then; finding a device can cost a view of the cluster), unless the
-    function is steady and has no instance on a device of its own."""
+    function is steady and has no instance alone on its device."""
     if steady and all(i.shares_device for i in instances):
         return True
     cap = max(1, min(slo_batch, max(1, worker_capacity)))

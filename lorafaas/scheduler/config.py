@@ -44,8 +44,9 @@ class SchedulerConfig:
     rate_change_tolerance: float = 0.25  # relative change of any rate that calls for a new pre-load plan
     # steadiness: a function whose last gaps between arrivals (at least `steady_min_gaps`, at most `steady_max_gaps`)
     # vary no more than a Poisson stream's do, within sampling noise (coefficient of variation <= 1 + 3 / sqrt(n)),
-    # will use a device of its own steadily: it gets one where compute is spare rather than share a busy one, and its
-    # idle instances are not retired stepwise (docs/scheduler.md, "Contention across functions"); 0: off
+    # keeps a device busy: sent to an idle instance on a device other functions share, it also starts another where
+    # compute is spare, and its idle instances are not retired stepwise (docs/scheduler.md, "Contention across
+    # functions"); 0: off
     steady_min_gaps: int = 10
     steady_max_gaps: int = 100
 

@@ -41,10 +41,8 @@ class RateTracker:
     def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
         stream = self._streams.get(function)
         if stream is None:
-            stream = _Stream(0.0, now_s, now_s, deque(maxlen=self.config.steady_max_gaps))
-            self._streams[function] = stream
-            stream.gaps.extend([0.0] * (count - 1))
-            stream.count = float(count)
+            gaps = deque([0.0] * (count - 1), maxlen=self.config.steady_max_gaps)
+            self._streams[function] = _Stream(float(count), now_s, now_s, gaps)
             return
         stream.gaps.append(max(0.0, now_s - stream.last_s))
         stream.gaps.extend([0.0] * (count - 1))

@@ -8,7 +8,7 @@
     place(function, view)                              which instance or device a request or instance goes to
     keep_alive(function)                               pre-warm and keep-alive windows after an invocation
     next_idle_retirement_s(function, idle_since, ...)  when a function idle as a whole retires its next instance
-    steady(function)                                   its arrivals are steady: admission gives it a device of its own
+    steady(function)                                   its arrivals are steady: on a shared device, a spare instance
 
 The agent's loop: `plan = scheduler.plan(view, now_s)`, apply `plan.preloads` (and `plan.offloads`) in order, then
 feed what it observed; each queued request goes where `admission.decide_admission` says. Nothing here performs

@@ -391,6 +391,10 @@ class Simulator:
         inst, token = payload  # type: ignore[misc]
         if inst.running or inst.expire_token != token or inst not in self.fns[inst.function].instances:
             return
+        self._retire(inst)
+
+    def _retire(self, inst: SimInstance) -> None:
+        """An idle instance stops (its artifacts stay where the policy plans them) and what waited for room retries."""
         self._stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
         self._retry_blocked()
 
@@ -405,8 +409,7 @@ class Simulator:
                       key=lambda i: i.last_used_s)
         if not idle:
             return
-        self._stop_instance(idle[0], keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
-        self._retry_blocked()
+        self._retire(idle[0])
         at_s = self.scheduler.next_idle_retirement_s(name, idle_since, self.now)
         if len(idle) > 1 and at_s is not None:
             self.push(at_s, "idle_retire", payload)
