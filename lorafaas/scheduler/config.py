@@ -84,6 +84,10 @@ class SchedulerConfig:
     # none later than its keep-alive window: a burst's scale-out is not billed through the hybrid window's long
     # tail, and the next burst finds the instances it most likely needs (docs/scheduler.md, "Idle cost"); 0: off
     idle_retire_step_s: float = 180.0
+    # ... only for a function whose recent gaps between arrivals vary at least this much (coefficient of variation;
+    # a Poisson stream's is 1): bursts, whose scale-out the next burst may not need, not the active stretches of
+    # on/off traffic, which need it again (docs/scheduler.md, "Idle cost"); 0: every function
+    idle_retire_min_cv: float = 5.0
 
     def __post_init__(self) -> None:
         positive = ("rate_window_s", "rate_min_horizon_s", "prior_t0_s", "fixed_keep_alive_s", "histogram_bin_s",
@@ -106,7 +110,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:
             raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
-        for name in ("device_preload_horizon_s", "idle_retire_step_s"):
+        for name in ("device_preload_horizon_s", "idle_retire_step_s", "idle_retire_min_cv"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number >= 0 (0: off)")

@@ -11,6 +11,10 @@ Steadiness: the last n gaps between arrivals (`steady_min_gaps` <= n <= `steady_
 Poisson stream's, whose gaps have a coefficient of variation of 1; an estimate over n gaps has a standard error of
 about 1 / sqrt(n), so a function is steady while CV <= 1 + 3 / sqrt(n). On/off and bursty streams (CV 1.5-10 in
 the paper's classes) are not.
+
+Variation (`gap_variation`): the same coefficient over the same gaps, once at least `VARIATION_MIN_GAPS` are known.
+Stepped retirement uses it to tell bursts (CV well above a Poisson stream's 1) from the active stretches of on/off
+traffic (docs/scheduler.md, "Idle cost").
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections import deque
 
 from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.messages import ClusterView, FunctionName
+
+VARIATION_MIN_GAPS = 10  # fewer gaps say too little about a stream's variation (standard error ~ 1 / sqrt(n))
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,16 +70,28 @@ class RateTracker:
     def steady(self, function: FunctionName) -> bool:
         """Whether `function`'s arrivals are steady (module docstring); False while fewer than `steady_min_gaps`
         gaps are known, and always when that is 0 (off)."""
-        stream = self._streams.get(function)
         wanted = self.config.steady_min_gaps
-        if wanted <= 0 or stream is None or len(stream.gaps) < wanted:
+        if wanted <= 0:
             return False
+        known = self._variation(function, wanted)
+        return known is not None and known[0] <= 1.0 + 3.0 / math.sqrt(known[1])
+
+    def gap_variation(self, function: FunctionName) -> float | None:
+        """The coefficient of variation of `function`'s last gaps between arrivals (up to `steady_max_gaps`), or None
+        while fewer than `VARIATION_MIN_GAPS` are known or they are all 0."""
+        known = self._variation(function, VARIATION_MIN_GAPS)
+        return None if known is None else known[0]
+
+    def _variation(self, function: FunctionName, min_gaps: int) -> tuple[float, int] | None:
+        stream = self._streams.get(function)
+        if stream is None or len(stream.gaps) < min_gaps:
+            return None
         n = len(stream.gaps)
         mean = sum(stream.gaps) / n
         if mean <= 0:
-            return False
+            return None
         variance = sum((g - mean) ** 2 for g in stream.gaps) / n
-        return math.sqrt(variance) / mean <= 1.0 + 3.0 / math.sqrt(n)
+        return math.sqrt(variance) / mean, n
 
     def rates(self, now_s: float) -> dict[FunctionName, float]:
         return {f: self.rate(f, now_s) or 0.0 for f in self._streams}

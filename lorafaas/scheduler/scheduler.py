@@ -91,9 +91,14 @@ class Scheduler:
 
     def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
                                ) -> float | None:
-        """None for a steady function (`RateTracker.steady`): its next arrival is due within about one mean gap, so
-        its instances stay to their windows (the copy of its own it was given is not handed back between calls)."""
+        """None unless `function`'s arrivals come in bursts: a steady function's next arrival is due within about one
+        mean gap (`RateTracker.steady`), and the active stretches of on/off traffic vary less than
+        `idle_retire_min_cv` (`RateTracker.gap_variation`); their instances stay to their windows, since the next
+        stretch needs them again. With fewer gaps known the step applies."""
         if self.rates.steady(function):
+            return None
+        variation = self.rates.gap_variation(function)
+        if variation is not None and variation < self.config.idle_retire_min_cv:
             return None
         return self.keep_alives.next_idle_retirement_s(function, idle_since_s, last_retired_s)
 

@@ -105,7 +105,7 @@ def test_stepped_retirement_is_off_with_a_zero_step_or_the_fixed_window() -> Non
     assert policy_with(BURSTY_S[:5]).next_idle_retirement_s("f", 0.0, None) is None
 
 
-@pytest.mark.parametrize("field", ["idle_retire_step_s", "device_preload_horizon_s"])
+@pytest.mark.parametrize("field", ["idle_retire_step_s", "device_preload_horizon_s", "idle_retire_min_cv"])
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_the_idle_cost_settings_refuse_what_is_not_a_duration(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
@@ -118,10 +118,38 @@ def test_a_steady_function_is_not_retired_stepwise() -> None:
     scheduler = Scheduler(SchedulerConfig(idle_retire_step_s=180.0))
     for idle_s in BURSTY_S:
         scheduler.observe_idle("f", idle_s)
-    for k in range(12):  # bursts: 20 at once, an hour apart
-        scheduler.observe_arrival("f", 3600.0 * k, count=20)
+    for k in range(12):  # bursts: 40 at once, an hour apart
+        scheduler.observe_arrival("f", 3600.0 * k, count=40)
     assert scheduler.next_idle_retirement_s("f", 1000.0, None) == 1180.0
     for k in range(101):  # then one a minute, evenly: the last 100 gaps are steady
         scheduler.observe_arrival("f", 50_000.0 + 60.0 * k)
     assert scheduler.steady("f")
     assert scheduler.next_idle_retirement_s("f", 60_000.0, None) is None
+
+
+def test_only_bursts_are_retired_stepwise_not_the_stretches_of_on_off_traffic() -> None:
+    import random
+
+    from lorafaas.scheduler import Scheduler
+
+    def scheduler_after(arrivals: list[tuple[float, int]], **config) -> Scheduler:
+        scheduler = Scheduler(SchedulerConfig(idle_retire_step_s=180.0, **config))
+        for idle_s in BURSTY_S:  # a representative histogram: the step applies to it unless the arrivals say not
+            scheduler.observe_idle("f", idle_s)
+        for at_s, count in arrivals:
+            scheduler.observe_arrival("f", at_s, count=count)
+        return scheduler
+
+    rng, on_off, t = random.Random(3), [], 0.0
+    for _stretch in range(6):  # 10 minutes of arrivals about 20 s apart, then 20 minutes of none
+        end = t + 600.0
+        while t < end:
+            on_off.append((t, 1))
+            t += rng.expovariate(0.05)
+        t = end + 1200.0
+    bursts = [(3600.0 * k, 40) for k in range(4)]  # 40 at once, an hour apart
+
+    assert scheduler_after(on_off).next_idle_retirement_s("f", 1000.0, None) is None
+    assert scheduler_after(bursts).next_idle_retirement_s("f", 1000.0, None) == 1180.0
+    assert scheduler_after(on_off[:5]).next_idle_retirement_s("f", 1000.0, None) == 1180.0  # too few gaps to tell
+    assert scheduler_after(on_off, idle_retire_min_cv=0.0).next_idle_retirement_s("f", 1000.0, None) == 1180.0

@@ -128,3 +128,23 @@ def test_steadiness_needs_enough_gaps_forgets_old_ones_and_can_be_switched_off()
     for k in range(200):
         off.observe_arrival("f", 60.0 * k)
     assert not off.steady("f")
+
+
+def test_gap_variation_tells_bursts_from_on_off_stretches() -> None:
+    steady, on_off, bursty, few = RateTracker(), RateTracker(), RateTracker(), RateTracker()
+    poisson(steady, "f", 0.05, 0.0, 4 * 3600.0, seed=1)
+    t = 0.0
+    for stretch in range(12):  # 10 minutes on at about one every 20 s, 20 minutes off
+        t = poisson(on_off, "f", 0.05, t, t + 600.0, seed=stretch) + 1200.0
+    for burst in range(4):  # 40 at once, an hour apart: CV sqrt(39)
+        bursty.observe_arrival("f", burst * 3600.0, count=40)
+    for k in range(10):  # 9 gaps: too few to tell
+        few.observe_arrival("f", 3600.0 * (k % 2) + k)
+    assert 0.8 < steady.gap_variation("f") < 1.2
+    assert 1.5 < on_off.gap_variation("f") < 5.0
+    assert bursty.gap_variation("f") > 5.0
+    assert few.gap_variation("f") is None
+    assert RateTracker().gap_variation("never seen") is None
+    simultaneous = RateTracker()
+    simultaneous.observe_arrival("f", 5.0, count=50)  # every gap 0: no variation to speak of
+    assert simultaneous.gap_variation("f") is None
