@@ -13,6 +13,10 @@ import sys
 
 import msgspec
 
+# The daemon's one compute is the shared base pass (a CPU daemon): its OpenMP threads must sleep between products, not
+# spin on the cores the functions' processes compute on meanwhile (measured: 34.4 against 28.1 tokens/s, 8 functions).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
 

@@ -27,6 +27,7 @@ import msgspec
 
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
+from lorafaas.backbone_daemon.base_pass import BasePassExecutor
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
@@ -73,6 +74,7 @@ class BackboneDaemon:
         self._owns_socket = False
         self.adopted_from_pid: int | None = None
         self.num_leases_adopted = 0
+        self.base_pass: BasePassExecutor | None = None
 
     def start(self) -> None:
         """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
@@ -146,6 +148,8 @@ class BackboneDaemon:
         socket_path.chmod(0o600)  # leases are for the platform's own processes
         self._owns_socket = True
         reaper = asyncio.create_task(self._reap_forever())
+        if self.config.device == "cpu":
+            self._start_base_pass(loop)
         log.info(
             "daemon %d: serving backbone %s on %s at %s (segment %s, %d bytes)",
             os.getpid(),
@@ -161,10 +165,28 @@ class BackboneDaemon:
             await self._stop.wait()
         finally:
             reaper.cancel()
+            if self.base_pass is not None:
+                self.base_pass.stop()
+                self.base_pass = None
             server.close()
             for writer in list(self._writers):
                 writer.close()
             await server.wait_closed()
+
+    def _start_base_pass(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve the shared base pass for the functions attached here (a thread; idle until one connects)."""
+        attachment = cuda_ipc.attach(self.segment.manifest, self.segment.fd)  # read-only views, no copy
+
+        async def holds_lease(pid: int) -> bool:
+            return any(lease.pid == pid for lease in self.leases.snapshot())
+
+        def may_join(pid: int) -> bool:  # asked on the executor's thread; the lease table is the loop's
+            return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
+
+        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, may_join,
+                                          threads=os.cpu_count())
+        self.base_pass.start()
+        self._base_pass_attachment = attachment  # the executor's views live as long as their mapping
 
     def cleanup(self) -> None:
         """Close the segment, remove the socket, release the lock. Idempotent; attached functions keep their mapping."""

@@ -49,6 +49,11 @@ def up(
     lone_threads: int | None = typer.Option(None, "--lone-threads", min=1, max=256,
                                             help="Torch threads of an instance computing alone under the step "
                                                  "gate (default: every core)."),
+    shared_base: bool = typer.Option(False, "--shared-base/--no-shared-base",
+                                     help="Local CPU workers send the backbone's linear layers to the backbone "
+                                          "daemon's shared base pass, batched with other functions' rows, while "
+                                          "attention, KV cache, the adapter and sampling stay in each function's "
+                                          "process (docs/performance.md, \"The shared base pass\")."),
     max_batch: int = typer.Option(32, "--max-batch", min=1, max=256,
                                   help="Requests one function instance batches at most (its worker's capacity); "
                                        "requests beyond every instance's capacity wait for a place."),
@@ -68,7 +73,8 @@ def up(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, threads_per_instance=threads_per_instance, strict_compute=strict_compute,
-        step_gate=step_gate, lone_threads=lone_threads, hang_timeout_s=hang_timeout, max_batch_size=max_batch,
+        step_gate=step_gate, lone_threads=lone_threads, shared_base=shared_base, hang_timeout_s=hang_timeout,
+        max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )
     url = f"http://{_local_address(host)}:{port}"

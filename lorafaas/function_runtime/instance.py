@@ -63,6 +63,7 @@ class FunctionInstance:
         self.tokenizer = None
         self.host_adapter = None
         self.engine = None
+        self.base_pass = None  # a BasePassClient while the backbone's linear layers go to the shared base pass
         self._lease_id: str | None = None
 
     @property
@@ -130,6 +131,8 @@ class FunctionInstance:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
             self.model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
+            if self.spec.base_pass:
+                self._join_base_pass()
         else:
             from lorafaas.models.reference import load_backbone
 
@@ -226,7 +229,18 @@ class FunctionInstance:
         if adapter is not None and _kind_of(adapter) != "dense":
             adapter.close()
 
+    def _join_base_pass(self) -> None:
+        from lorafaas.function_runtime.base_pass import BasePassUnavailable, install
+
+        try:
+            self.base_pass = install(self.model, self.model._lorafaas_attachment.tensors, self.spec.base_pass)
+        except BasePassUnavailable as exc:  # slower alone, never wrong
+            log.warning("%s/%s: %s; computing every layer here", self.spec.function, self.spec.instance_id, exc)
+
     def _unbind(self) -> None:
+        if self.base_pass is not None:
+            self.base_pass.close()
+            self.base_pass = None
         self.model = self.tokenizer = self.engine = None
         if self._lease_id and self.spec.daemon_socket:
             from lorafaas.protocols.daemon_client import DaemonClient

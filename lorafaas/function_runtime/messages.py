@@ -150,6 +150,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_size: int = 8
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     step_gate: str | None = None  # the device's step gate (a Unix socket): cores granted per step; None: ungated
+    # The backbone daemon's shared base pass (a Unix socket): the backbone's linear layers computed together with
+    # other functions' rows (`lorafaas.protocols.base_pass`); None: every layer computed here.
+    base_pass: str | None = None
     # Expert adapters (MoE backbones) only: where their expert LoRA runs; ignored for dense adapters.
     lora_mode: Literal["local", "remote"] | None = None  # None: remote, the default on MoE backbones
     lora_server: str | None = None  # the node's LoRA server for the backbone (a socket path or tcp://HOST:PORT)

@@ -215,14 +215,18 @@ class WorkerServer:
                     ))
 
     def _step(self, engine) -> list:
-        """One engine step, on the cores the device's step gate grants (compute thread)."""
-        if self._gate is None:
-            return engine.step()
-        self._gate.acquire()
+        """One engine step, on the cores the device's step gate grants (compute thread); the shared base pass, if
+        the instance is in it, is told after each whether another follows."""
+        base_pass = self.instance.base_pass
+        if self._gate is not None:
+            self._gate.acquire()
         try:
             return engine.step()
         finally:
-            self._gate.release(again=engine.has_work())
+            if self._gate is not None:
+                self._gate.release(again=engine.has_work())
+            if base_pass is not None:
+                base_pass.end_step(again=engine.has_work())
 
     def _fail_all(self, engine, error: LorafaasError) -> None:
         for request_id, route in list(self._routes.items()):

@@ -38,6 +38,7 @@ from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
+from lorafaas.protocols.daemon_config import base_pass_socket
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
@@ -86,6 +87,10 @@ class AgentConfig:
     # compute slots, counted across functions; one computing alone gets up to `lone_threads` (None: every core)
     step_gate: bool = True
     lone_threads: int | None = None
+    # local CPU workers send the backbone's linear layers to the daemon's shared base pass, batched with other
+    # functions' rows (docs/performance.md, "The shared base pass"); they then compute ungated: the base pass is
+    # where most of a step's compute goes, and it runs one product for all of them
+    shared_base: bool = False
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -471,6 +476,9 @@ class NodeAgent:
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
             if self.gate is not None:
                 worker_spec = msgspec.structs.replace(worker_spec, step_gate=str(self.gate.path))
+            if self.config.shared_base and self.config.device == "cpu" and worker_spec.daemon_socket:
+                worker_spec = msgspec.structs.replace(
+                    worker_spec, step_gate=None, base_pass=str(base_pass_socket(Path(worker_spec.daemon_socket))))
             instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)

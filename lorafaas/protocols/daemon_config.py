@@ -58,6 +58,7 @@ class DaemonPaths:
     socket: Path
     lock: Path
     record: Path  # the sealed segment and its leases, for a successor to adopt (see adoption.py)
+    base_pass: Path  # a CPU daemon's base-pass executor (`lorafaas.protocols.base_pass`), beside the socket
     segment_prefix: str  # every segment of this (home, backbone, device) starts with it, followed by a pid
 
     @classmethod
@@ -74,6 +75,7 @@ class DaemonPaths:
             socket=socket,
             lock=run_dir / f"{stem}.lock",
             record=run_dir / f"{stem}.segment",
+            base_pass=base_pass_socket(socket),
             segment_prefix=f"{SEGMENT_PREFIX}{home_tag}.{backbone}.{device.replace(':', '-')}.",
         )
 
@@ -84,3 +86,8 @@ class DaemonPaths:
         """The pid recorded in one of this daemon's segment names, or None if `name` is not one."""
         rest = name.removeprefix(self.segment_prefix)
         return int(rest) if rest != name and rest.isdigit() else None
+
+
+def base_pass_socket(daemon_socket: Path) -> Path:
+    """Where the daemon serving `daemon_socket` serves its shared base pass (on a CPU)."""
+    return daemon_socket.with_name(daemon_socket.name.removesuffix(".sock") + ".base.sock")

@@ -1,0 +1,424 @@
+"""The device's base-pass executor: one thread of the backbone daemon computing the backbone's shared linear layers
+for the rows of every function instance at the same point of its forward pass (protocol:
+`lorafaas.protocols.base_pass`).
+
+Passes are gathered in rounds. A member's first group (key 0) is a pass start: the executor holds starters until
+every other active member is at a pass start too (members in the middle of a pass come round within one step), or
+`hold_s` has passed; then two or more starters begin a round together and one alone is told ALONE (it computes that
+pass itself, from its own read-only mapping of the backbone). Within a round the executor waits, group by group, for
+each round member's call, and computes the calls together. Nobody waits on a slow member for long: a member that has
+not called within `deadline_s` of the others leaves the round (its later calls are computed as they come), and sits
+out the next `penalty_passes` rounds. A call outside the round's current group (a chunk, a member out of step) is
+computed at once, alone.
+
+Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
+the peer's pid, `SO_PEERCRED`); each member's rows live in its own buffer, shared with this thread only, and the
+executor writes each member's output rows into that member's buffer only. Requests are checked (group index, rows,
+buffer size); a member that breaks the protocol is hung up on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from lorafaas.protocols import base_pass as bp
+from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
+
+log = logging.getLogger(__name__)
+_hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
+STATS_LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class _Member:
+    sock: socket.socket
+    pid: int
+    inbox: bytearray = field(default_factory=bytearray)
+    greeted: bool = False
+    fd: int | None = None
+    buffer: mmap.mmap | None = None
+    flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
+    output_offset: int = 0  # in elements
+    max_rows: int = 0
+    pending: tuple[int, int, int] | None = None  # a call waiting: (key, rows, flags)
+    active: bool = False  # in a pass, or said it has another step to run
+    penalty: int = 0  # rounds still to sit out (it straggled)
+
+
+@dataclass
+class BasePassStats:
+    rounds: int = 0
+    round_calls: int = 0  # group calls computed in rounds (one per member per group)
+    batched_products: int = 0  # matrix products computed for two or more members at once
+    alone_calls: int = 0  # calls computed for one member (outside a round, or the last one left in it)
+    alone_passes: int = 0  # passes a member was told to compute itself
+    stragglers: int = 0
+    refused: int = 0
+    compute_s: float = 0.0  # in products and copies
+    round_wait_s: float = 0.0  # from a round's group being computed to the last member's call for the next
+
+
+class BasePassExecutor:
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], may_join: Callable[[int], bool], *,
+                 threads: int | None = None, hold_s: float = 0.05, deadline_s: float = 0.05,
+                 penalty_passes: int = 10) -> None:
+        self.path = Path(path)
+        self.tensors = tensors
+        self.may_join = may_join
+        self.threads = threads
+        self.hold_s = hold_s
+        self.deadline_s = deadline_s
+        self.penalty_passes = penalty_passes
+        self.stats = BasePassStats()
+        self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
+        self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self._members: dict[socket.socket, _Member] = {}
+        self._round: list[_Member] | None = None
+        self._round_key = 0
+        self._round_deadline = 0.0
+        self._hold_since: float | None = None
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- life ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        self.path.chmod(0o600)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="base-pass", daemon=True)
+        self._thread.start()
+        log.info("base pass: serving on %s", self.path)
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        log.info("base pass: stopped with %d member(s); %s", len(self._members), self.stats)
+        for member in list(self._members.values()):
+            self._drop(member, None)
+        if self._listener is not None:
+            self._listener.close()
+        self.path.unlink(missing_ok=True)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per OS thread: this one computes every product
+        logged, logged_s = dataclasses.replace(self.stats), time.monotonic()
+        while not self._stopping:
+            now = time.monotonic()
+            if now - logged_s >= STATS_LOG_INTERVAL_S and self.stats != logged:
+                log.info("base pass: %d member(s); %s", len(self._members), self.stats)
+                logged, logged_s = dataclasses.replace(self.stats), now
+            timeout = self._timeout(now)
+            timeout = STATS_LOG_INTERVAL_S if timeout is None else min(timeout, STATS_LOG_INTERVAL_S)
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                else:
+                    member = self._members.get(key.fileobj)  # type: ignore[arg-type]
+                    if member is not None:
+                        self._read(member)
+            try:
+                self._advance(time.monotonic())
+            except Exception:  # never let one bad product end the device's executor
+                log.exception("base pass: a round failed; its members are hung up on")
+                for member in list(self._round or []):
+                    self._drop(member, "the executor failed")
+                self._round = None
+
+    def _timeout(self, now: float) -> float | None:
+        deadlines = [d for d in (self._round_deadline if self._round else None,
+                                 self._hold_since + self.hold_s if self._hold_since is not None else None)
+                     if d is not None]
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    # -- connections ----------------------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()  # type: ignore[union-attr]
+        except BlockingIOError:
+            return
+        pid = _peer_pid(sock)
+        if pid is None or not self.may_join(pid):
+            self.stats.refused += 1
+            log.warning("base pass: refused pid %s (it holds no lease on this backbone)", pid)
+            sock.close()
+            return
+        sock.setblocking(False)
+        member = _Member(sock=sock, pid=pid)
+        self._members[sock] = member
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, member: _Member) -> None:
+        try:
+            if member.greeted:
+                data = member.sock.recv(65536)
+                fds: list[int] = []
+            else:
+                data, fds, _flags, _addr = socket.recv_fds(member.sock, 65536, 1)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop(member, str(exc))
+            return
+        for fd in fds:
+            if member.fd is None:
+                member.fd = fd
+            else:
+                os.close(fd)
+        if not data:
+            self._drop(member, None)
+            return
+        member.inbox += data
+        if not member.greeted:
+            self._greet(member)
+        while member.greeted and len(member.inbox) >= bp.HEADER.size:
+            key, rows, flags = bp.HEADER.unpack_from(member.inbox)
+            del member.inbox[: bp.HEADER.size]
+            if key == bp.END_KEY:
+                member.active = bool(flags & bp.AGAIN)
+                if self._round is not None and member in self._round:
+                    self._round.remove(member)  # its pass ended without its last groups
+                continue
+            if member.pending is not None or not 0 <= key < len(self._layers) or not 0 < rows <= member.max_rows:
+                self._drop(member, f"bad call (group {key}, {rows} rows)")
+                return
+            member.pending = (key, rows, flags)
+
+    def _greet(self, member: _Member) -> None:
+        if len(member.inbox) < FRAME_HEADER_BYTES:
+            return
+        try:
+            length = frame_length(bytes(member.inbox[:FRAME_HEADER_BYTES]))
+        except ValueError as exc:
+            self._drop(member, str(exc))
+            return
+        if len(member.inbox) < FRAME_HEADER_BYTES + length:
+            return
+        payload = bytes(member.inbox[FRAME_HEADER_BYTES:FRAME_HEADER_BYTES + length])
+        del member.inbox[: FRAME_HEADER_BYTES + length]
+        try:
+            hello = _hello_decoder.decode(payload)
+            self._admit(member, hello)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self._refuse(member, str(exc))
+            return
+        member.greeted = True
+        self._reply_frame(member, bp.BasePassWelcome(accepted=True))
+
+    def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:
+        """Map the member's buffer after checking its hello against the backbone; raises ValueError to refuse."""
+        if member.fd is None:
+            raise ValueError("the hello carried no buffer")
+        if not 1 <= hello.max_rows <= bp.MAX_ROWS:
+            raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
+        if self._groups is None:
+            self._layers = [self._resolve(group, hello.dtype) for group in hello.groups]
+            self._groups = hello.groups
+        elif hello.groups != self._groups:
+            raise ValueError("its layer groups differ from the other members' (another model?)")
+        dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
+        if str(dtype).removeprefix("torch.") != hello.dtype:
+            raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
+        max_in = max((w.shape[1] for layer in self._layers for w, _ in layer), default=1)
+        max_out = max((sum(w.shape[0] for w, _ in layer) for layer in self._layers), default=1)
+        output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
+        if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
+            raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
+        member.buffer = mmap.mmap(member.fd, size)
+        member.flat = torch.frombuffer(member.buffer, dtype=dtype)
+        member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
+        member.max_rows = hello.max_rows
+
+    def _resolve(self, group: bp.GroupSpec, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        if not group.weights or len(group.weights) != len(group.biases):
+            raise ValueError("a group needs its weights and one bias entry per weight")
+        layers = []
+        for weight_name, bias_name in zip(group.weights, group.biases, strict=True):
+            weight = self.tensors.get(weight_name)
+            if weight is None or weight.dim() != 2:
+                raise ValueError(f"the backbone has no linear weight {weight_name!r}")
+            bias = None
+            if bias_name is not None:
+                bias = self.tensors.get(bias_name)
+                if bias is None or bias.shape != (weight.shape[0],):
+                    raise ValueError(f"the backbone has no bias {bias_name!r} for {weight_name!r}")
+            if layers and weight.shape[1] != layers[0][0].shape[1]:
+                raise ValueError(f"{weight_name!r} takes another input width than its group's first weight")
+            layers.append((weight, bias))
+        return layers
+
+    def _refuse(self, member: _Member, why: str) -> None:
+        self.stats.refused += 1
+        log.warning("base pass: refused pid %d: %s", member.pid, why)
+        self._reply_frame(member, bp.BasePassWelcome(accepted=False, message=why))
+        self._drop(member, None)
+
+    def _reply_frame(self, member: _Member, message: msgspec.Struct) -> None:
+        with contextlib.suppress(OSError):
+            member.sock.setblocking(True)
+            member.sock.settimeout(1.0)
+            member.sock.sendall(encode_frame(message))
+            member.sock.setblocking(False)
+
+    def _drop(self, member: _Member, why: str | None) -> None:
+        if why:
+            log.warning("base pass: hanging up on pid %d: %s", member.pid, why)
+        self._members.pop(member.sock, None)
+        if self._round is not None and member in self._round:
+            self._round.remove(member)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(member.sock)
+        member.sock.close()
+        member.flat = None
+        if member.buffer is not None:
+            with contextlib.suppress(BufferError):
+                member.buffer.close()
+        if member.fd is not None:
+            os.close(member.fd)
+        if not self._members:  # the next member may bring another model
+            self._groups, self._layers = None, []
+
+    # -- rounds ---------------------------------------------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        members = list(self._members.values())
+        in_round = set(map(id, self._round or []))
+        # calls outside the round's current group: computed at once, alone
+        for member in members:
+            call = member.pending
+            if call is None or (call[0] == 0 and not call[2] & bp.CONTINUATION):
+                continue
+            if id(member) in in_round and call[0] == self._round_key:
+                continue
+            self._compute([member], call[0])
+        if self._round is not None:
+            self._step_round(now)
+        if self._round is None:
+            self._start_round(now)
+
+    def _step_round(self, now: float) -> None:
+        round_members = self._round or []
+        ready = [m for m in round_members if m.pending is not None and m.pending[0] == self._round_key]
+        if len(ready) < len(round_members) and now < self._round_deadline:
+            return
+        for member in round_members:
+            if member not in ready:  # it keeps everyone waiting: out of this round, and of the next few
+                member.penalty = self.penalty_passes
+                self.stats.stragglers += 1
+        self.stats.round_wait_s += now - (self._round_deadline - self.deadline_s)
+        if ready:
+            self._compute(ready, self._round_key)
+            now = time.monotonic()
+        self._round_key += 1
+        self._round_deadline = now + self.deadline_s
+        self._round = ready if ready and self._round_key < len(self._layers) else None
+
+    def _start_round(self, now: float) -> None:
+        starters = [m for m in self._members.values()
+                    if m.pending is not None and m.pending[0] == 0 and not m.pending[2] & bp.CONTINUATION]
+        if not starters:
+            self._hold_since = None
+            return
+        if self._hold_since is None:
+            self._hold_since = now
+        starting = set(map(id, starters))
+        awaited = [m for m in self._members.values() if m.active and m.penalty == 0 and id(m) not in starting]
+        if awaited and now < self._hold_since + self.hold_s:
+            return
+        self._hold_since = None
+        eligible = [m for m in starters if m.penalty == 0]
+        alone = [m for m in starters if m.penalty > 0]
+        if len(eligible) == 1:
+            alone += eligible
+            eligible = []
+        for member in alone:
+            member.penalty = max(0, member.penalty - 1)
+            member.pending = None
+            member.active = True
+            self.stats.alone_passes += 1
+            self._send(member, bp.ALONE)
+        if eligible:
+            for member in eligible:
+                member.active = True
+            self.stats.rounds += 1
+            self._round, self._round_key = eligible, 0
+            self._round_deadline = now + self.deadline_s
+            self._step_round(now)
+
+    def _compute(self, members: list[_Member], key: int) -> None:
+        started = time.monotonic()
+        layer = self._layers[key]
+        width = layer[0][0].shape[1]
+        inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in members]  # type: ignore[index]
+        x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        outputs = [F.linear(x, weight, bias) for weight, bias in layer]
+        if len(members) > 1:
+            self.stats.batched_products += len(layer)
+            self.stats.round_calls += len(members)
+        else:
+            self.stats.alone_calls += 1
+        row = 0
+        for member in members:
+            rows = member.pending[1]  # type: ignore[index]
+            offset = member.output_offset
+            for out in outputs:
+                size = rows * out.shape[1]
+                member.flat[offset:offset + size].view(rows, out.shape[1]).copy_(out[row:row + rows])  # type: ignore[index]
+                offset += size
+            row += rows
+        self.stats.compute_s += time.monotonic() - started
+        for member in members:
+            member.pending = None
+            self._send(member, bp.DONE)
+
+    def _send(self, member: _Member, reply: bytes) -> None:
+        try:
+            member.sock.send(reply)
+        except OSError as exc:  # it stopped reading (its socket buffer is full) or went away
+            self._drop(member, str(exc))
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    with contextlib.suppress(OSError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    return None

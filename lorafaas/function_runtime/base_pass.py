@@ -1,0 +1,228 @@
+"""A function instance's side of the shared base pass (`lorafaas.protocols.base_pass`): the backbone's linear layers
+computed by the device's executor together with other functions' rows.
+
+`install(model, tensors, path)` puts a `RemoteBase` in front of every backbone linear layer the model binds from the
+segment (inside `LoraLinear`, whose LoRA delta stays here, or bare, like an untargeted `lm_head`). A forward pass
+then sends each group's input (q, k and v share one; gate and up another) to the executor and reads the outputs
+back. When the executor answers ALONE at a pass's start, or cannot be reached, the pass runs here as before, from
+this process's own read-only mapping of the same weights, so the results are those of the same linear layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+
+import msgspec
+import torch
+from torch import nn
+
+from lorafaas.protocols import base_pass as bp
+from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
+
+log = logging.getLogger(__name__)
+_welcome_decoder = msgspec.msgpack.Decoder(bp.BasePassWelcome)
+
+# Linear layers of one decoder layer that take the same input, by their names in the Llama family (Llama, Mistral,
+# Qwen2, SmolLM): one call each. Any other linear layer is a group of its own.
+SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+DEFAULT_MAX_ROWS = 256
+CALL_TIMEOUT_S = 30.0
+
+
+class BasePassUnavailable(Exception):
+    pass
+
+
+class BasePassClient:
+    """One member's connection and buffer. Used by the compute thread only."""
+
+    def __init__(self, path: str, groups: list[bp.GroupSpec], widths: list[tuple[int, list[int]]], dtype: torch.dtype,
+                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.path = path
+        self.groups = groups
+        self.widths = widths  # per group: (in, [out of each layer])
+        self.dtype = dtype
+        self.max_rows = max_rows
+        self.broken = False
+        self.alone = False  # this pass runs here (the executor said ALONE)
+        self.next_key = 0
+        self.num_calls = 0
+        self.num_alone_passes = 0
+        name = str(dtype).removeprefix("torch.")
+        max_in = max(w for w, _ in widths)
+        max_out = max(sum(outs) for _, outs in widths)
+        output_offset, size = bp.buffer_layout(max_rows, max_in, max_out, name)
+        self._fd = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, size)
+        self._buffer = mmap.mmap(self._fd, size)
+        self._flat = torch.frombuffer(self._buffer, dtype=dtype)
+        self._output_offset = output_offset // bp.ELEMENT_BYTES[name]
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(CALL_TIMEOUT_S)
+        try:
+            self._sock.connect(path)
+            socket.send_fds(self._sock, [encode_frame(bp.BasePassHello(groups=tuple(groups), max_rows=max_rows,
+                                                                          dtype=name))], [self._fd])
+            welcome = _welcome_decoder.decode(self._read_frame())
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            self.close()
+            raise BasePassUnavailable(f"the base pass at {path} cannot be reached: {exc}") from exc
+        if not welcome.accepted:
+            self.close()
+            raise BasePassUnavailable(f"the base pass at {path} refused this instance: {welcome.message}")
+
+    def call(self, key: int, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The outputs of group `key` for x [..., in], or None: compute it here (ALONE, or the executor is gone)."""
+        if self.broken or (self.alone and key != 0):
+            return self._pass_over(key, None)
+        width, outs = self.widths[key]
+        rows = x.reshape(-1, width)
+        results: list[list[torch.Tensor]] = [[] for _ in outs]
+        try:
+            for start in range(0, max(rows.shape[0], 1), self.max_rows):
+                chunk = rows[start:start + self.max_rows]
+                n = chunk.shape[0]
+                self._flat[: n * width].view(n, width).copy_(chunk)
+                flags = bp.CONTINUATION if start else 0
+                self._sock.sendall(bp.HEADER.pack(key, n, flags))
+                reply = self._sock.recv(1)
+                if reply == bp.ALONE and key == 0 and not start:
+                    self.alone = True
+                    self.num_alone_passes += 1
+                    return self._pass_over(key, None)
+                if reply != bp.DONE:
+                    raise ConnectionError(f"the executor answered {reply!r}")
+                offset = self._output_offset
+                for i, out in enumerate(outs):
+                    results[i].append(self._flat[offset:offset + n * out].view(n, out).clone())
+                    offset += n * out
+        except OSError as exc:
+            self._fail(exc)
+            return self._pass_over(key, None)
+        self.num_calls += 1
+        lead = x.shape[:-1]
+        return self._pass_over(key, [torch.cat(r).view(*lead, r[0].shape[1]) if len(r) > 1 else r[0].view(*lead, -1)
+                                     for r in results])
+
+    def end_step(self, again: bool) -> None:
+        """After each engine step: whether this instance has another step to run."""
+        self.alone, self.next_key = False, 0
+        if self.broken:
+            return
+        try:
+            self._sock.sendall(bp.HEADER.pack(bp.END_KEY, 0, bp.AGAIN if again else 0))
+        except OSError as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._flat = None
+        with contextlib.suppress(BufferError):  # an output view still alive; the mapping goes with it
+            self._buffer.close()
+        os.close(self._fd)
+
+    def _pass_over(self, key: int, outputs):
+        if key == len(self.groups) - 1:  # the pass's last group: the next call starts a pass
+            self.alone = False
+        return outputs
+
+    def _read_frame(self) -> bytes:
+        header = self._recv_exactly(FRAME_HEADER_BYTES)
+        return self._recv_exactly(frame_length(header))
+
+    def _recv_exactly(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self._sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the executor closed the connection")
+            data += chunk
+        return bytes(data)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.warning("base pass %s unusable (%s): computing every layer here from now on", self.path, exc)
+        self.broken = True
+        self._sock.close()
+
+
+class RemoteForward:
+    """The forward of a backbone linear layer whose product the executor computes, the layer's own as the fallback.
+    Set on the layer itself (`layer.forward`), so the model's modules stay what they are and an adapter attached
+    later wraps the layer as before. The first layer of a group calls the executor for the whole group; the others
+    take their output when given the same input tensor (as the Llama family calls q, k and v), else compute here."""
+
+    def __init__(self, layer: nn.Linear, client: BasePassClient, key: int, index: int, shared: list) -> None:
+        self.layer = layer
+        self.client = client
+        self.key = key
+        self.index = index
+        self._shared = shared  # [input, outputs] of the group's last call, shared by the group's layers
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            outputs = self.client.call(self.key, x)
+            self._shared[:] = [x, outputs]
+            return self._local(x) if outputs is None else outputs[0]
+        given, outputs = self._shared
+        if outputs is None or given is not x:
+            return self._local(x)
+        return outputs[self.index]
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.Linear.forward(self.layer, x)
+
+
+def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear]]]:
+    """The groups of `model`'s backbone linear layers (those whose weights are `tensors`, the attached segment's), in
+    module order, each with its layers; raises BasePassUnavailable if there are none."""
+    names = {t.data_ptr(): name for name, t in tensors.items()}
+    found: dict[str, nn.Linear] = {}  # path -> layer, in module order (LoRA wrappers looked through)
+    for path_of, module in model.named_modules():
+        if type(module) is nn.Linear and module.weight.data_ptr() in names:
+            found[path_of.removesuffix(".base")] = module
+    if not found:
+        raise BasePassUnavailable("the model has no linear layer bound to the backbone's segment")
+    groups: list[tuple[bp.GroupSpec, list[nn.Linear]]] = []
+    grouped: set[str] = set()
+    for p in found:
+        if p in grouped:
+            continue
+        members = [p]
+        for names_of_group in SHARED_INPUT:
+            prefix = p.removesuffix(names_of_group[0])
+            if prefix != p and all(prefix + n in found for n in names_of_group):
+                members = [prefix + n for n in names_of_group]
+                break
+        grouped.update(members)
+        layers = [found[m] for m in members]
+        biases = tuple(None if layer.bias is None else names.get(layer.bias.data_ptr()) for layer in layers)
+        if any(b is None and layer.bias is not None for b, layer in zip(biases, layers, strict=True)):
+            raise BasePassUnavailable(f"a bias of {members} is not in the backbone's segment")
+        groups.append((bp.GroupSpec(weights=tuple(names[layer.weight.data_ptr()] for layer in layers),
+                                    biases=biases), layers))
+    return groups
+
+
+def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
+            max_rows: int = DEFAULT_MAX_ROWS) -> BasePassClient:
+    """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`); raises
+    BasePassUnavailable if it cannot be reached or refuses."""
+    groups = layer_groups(model, tensors)
+    widths = [(layers[0].in_features, [layer.out_features for layer in layers]) for _, layers in groups]
+    client = BasePassClient(path, [spec for spec, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
+    for key, (_, layers) in enumerate(groups):
+        shared: list = [None, None]
+        for index, layer in enumerate(layers):
+            layer.forward = RemoteForward(layer, client, key, index, shared)
+    return client
+
+
+def uninstall(model: nn.Module) -> None:
+    """Every linear layer computes here again (before the backbone is unbound)."""
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), RemoteForward):
+            del module.forward

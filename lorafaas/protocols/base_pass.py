@@ -1,0 +1,64 @@
+"""The shared base pass: the rows of several functions through the backbone's linear layers in one batched pass.
+
+Each function instance computes its own forward pass (attention, KV cache, its LoRA delta, sampling). Only the
+backbone's shared, read-only linear layers are handed to the device's base-pass executor, which computes the rows of
+every function at the same point of its pass in one matrix product: N hot functions then read the weights once per
+step instead of N times (docs/performance.md, "The shared base pass").
+
+A member (one function instance) talks to the executor over its own Unix stream socket and its own buffer: a memfd the
+member creates and hands over once (SCM_RIGHTS), shared with the executor and with no other function.
+
+    hello     member -> executor   a frame (`BasePassHello`: its layer groups, rows, dtype) with the buffer's fd
+    welcome   executor -> member   a frame (`BasePassWelcome`): accepted, or refused and why
+    CALL      member -> executor   the header (key, rows, flags) once X [rows, in] is at offset 0 of the buffer
+              executor -> member   DONE: the group's outputs are in the output region, each [rows, out_i], one
+                                   after another; or ALONE (only for a pass's first group): no other function is at
+                                   a pass's start, compute this pass locally
+    END       member -> executor   the header (END_KEY, 0, again) after each engine step: again says whether the
+                                   member has another step to run (the executor waits for it at the next pass start)
+
+Flags of a CALL: CONTINUATION, a further chunk of the group just called (rows beyond `max_rows`), served at once.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+HEADER = struct.Struct("<iii")  # key (the group's index, or END_KEY), rows, flags
+DONE, ALONE = b"d", b"a"
+END_KEY = -1
+CONTINUATION = 1  # CALL flag: another chunk of the group just called
+AGAIN = 1  # END flag: the member has another step to run
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_ROWS = 4096
+MAX_BUFFER_BYTES = 1 << 30
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """Linear layers that take the same input (e.g. q, k and v): the segment's names of their weights ([out, in],
+    one `in`) and biases (None: no bias)."""
+
+    weights: tuple[str, ...]
+    biases: tuple[str | None, ...]
+
+
+class BasePassHello(msgspec.Struct, frozen=True, tag="hello"):
+    groups: tuple[GroupSpec, ...]  # in the order a forward pass calls them
+    max_rows: int  # rows per call; more are sent in chunks
+    dtype: str  # of the weights and of X
+
+
+class BasePassWelcome(msgspec.Struct, frozen=True, tag="welcome"):
+    accepted: bool
+    message: str = ""
+
+
+def buffer_layout(max_rows: int, max_in: int, max_out: int, dtype: str) -> tuple[int, int]:
+    """(offset of the output region, total bytes) of a member's buffer: X [max_rows, max_in] at offset 0, then room
+    for the outputs of any group, [max_rows, sum of its outs]."""
+    element = ELEMENT_BYTES[dtype]
+    output_offset = max_rows * max_in * element
+    return output_offset, output_offset + max_rows * max_out * element

@@ -1,0 +1,68 @@
+"""`lorafaas up --shared-base` as a user runs it: three functions on one backbone, a burst of greedy requests to all of
+them at once, served by worker processes that send the backbone's linear layers to the backbone daemon's base pass.
+Every reply equals the one the same platform without the shared base pass gives, and the daemon's base pass did
+compute rows of several functions together."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.testing.platform_process import PlatformProcess
+from lorafaas.testing.tiny_models import save_tiny_adapter
+
+FUNCTIONS = ("alpha", "beta", "gamma")
+PROMPTS = ("Tell me a story about the sea.", "What is two and two?", "Name three colours.")
+
+
+def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra_args: tuple[str, ...]
+                  ) -> tuple[dict[tuple[str, str], str], PlatformProcess]:
+    store = ModelStore(home / "models")
+    store.import_dir("tiny-dense", models_dir)
+    with PlatformProcess(home, extra_args=extra_args) as platform, platform.client() as admin:
+        for name in FUNCTIONS:
+            admin.deploy({"name": name, "backbone": "tiny-dense"}, adapters[name])
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=platform.url, timeout=300,
+                                         headers={"Authorization": f"Bearer {platform.admin_key}"}) as http:
+                for name in FUNCTIONS:  # each function's instance up first: the burst is served warm, together
+                    (await http.post(f"/v1/functions/{name}/invoke", json={"prompt": "hi", "max_tokens": 1})
+                     ).raise_for_status()
+                keys = [(name, prompt) for name in FUNCTIONS for prompt in PROMPTS]
+                replies = await asyncio.gather(*(
+                    http.post(f"/v1/functions/{name}/invoke",
+                              json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+                    for name, prompt in keys))
+                return keys, replies
+
+        keys, replies = asyncio.run(burst())
+        assert [r.status_code for r in replies] == [200] * len(replies), [r.text for r in replies]
+        return {key: reply.json()["text"] for key, reply in zip(keys, replies, strict=True)}, platform
+
+
+def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_own_replies(
+        tmp_path: Path, tiny_dense_dir: Path) -> None:
+    adapters = {name: save_tiny_adapter(tmp_path / f"adapter-{name}", tiny_dense_dir, seed=seed,
+                                        base_model_name="tiny-dense")
+                for seed, name in enumerate(FUNCTIONS, start=1)}
+    shared, platform = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters, ("--shared-base",))
+    alone, _ = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, ())
+    assert shared == alone
+    assert len({shared[(name, PROMPTS[0])] for name in FUNCTIONS}) == 3  # each function's own adapter answered
+
+    daemon_log = platform.home / "logs" / "daemon-tiny-dense.log"
+    deadline = time.monotonic() + 30  # the executor logs its counts every 10 s while they change
+    rounds = 0
+    while time.monotonic() < deadline and not rounds:
+        text = daemon_log.read_text() if daemon_log.exists() else ""
+        counts = re.findall(r"base pass: (?:stopped with )?\d+ member\(s\); BasePassStats\(rounds=(\d+), "
+                            r"round_calls=\d+, batched_products=(\d+)", text)
+        rounds = max((int(r) for r, products in counts if int(products) > 0), default=0)
+        time.sleep(1)
+    assert rounds > 0, "the base pass never computed two functions' rows together"

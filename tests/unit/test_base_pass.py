@@ -1,0 +1,222 @@
+"""The shared base pass (`lorafaas.backbone_daemon.base_pass`, `lorafaas.function_runtime.base_pass`) on a tiny seeded
+backbone in a real sealed segment, over real Unix sockets and memfd buffers: members (one model each, bound to the
+segment, with its own adapter and its own prompt) computing together give what each computes alone; a stranger, a
+member of another model and a member breaking the protocol are refused; a member that stalls holds nobody up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon.base_pass import BasePassExecutor
+from lorafaas.backbone_daemon.loader import load_into_segment
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.function_runtime import base_pass as client
+from lorafaas.models.binding import bind_backbone
+from lorafaas.models.lora import attach_adapter, read_host_adapter
+from lorafaas.protocols import base_pass as bp
+from lorafaas.testing.tiny_models import save_tiny_adapter
+from lorafaas.wire import encode_frame
+
+
+@pytest.fixture(scope="module")
+def segment(tiny_store: ModelStore):
+    manifest = tiny_store.get("tiny-dense")
+    export = load_into_segment(tiny_store.path("tiny-dense"), manifest.weight_files, "cpu", f"bp-test-{os.getpid()}")
+    yield export, tiny_store.path("tiny-dense")
+    export.destroy()
+
+
+@pytest.fixture()
+def executor(segment, tmp_path: Path):
+    export, _ = segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    allowed = {"pids": {os.getpid()}}
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid in allowed["pids"],
+                               threads=1, hold_s=0.5, deadline_s=0.2)
+    running.allowed = allowed
+    running.start()
+    yield running
+    running.stop()
+    attachment.close()
+
+
+def bound_model(segment, adapter_dir: Path | None = None):
+    export, model_dir = segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    model = bind_backbone(attachment, model_dir)
+    if adapter_dir is not None:
+        attach_adapter(model, read_host_adapter(adapter_dir))
+    return model, attachment
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_store: ModelStore) -> list[Path]:
+    out = tmp_path_factory.mktemp("bp-adapters")
+    return [save_tiny_adapter(out / f"a{seed}", tiny_store.path("tiny-dense"), seed=seed,
+                              target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+            for seed in (1, 2, 3)]
+
+
+def test_members_computing_together_get_what_each_computes_alone(segment, executor, adapters) -> None:
+    prompts = [torch.tensor([[1, 5, 9, 13, 17, 21, 3, 7]]), torch.tensor([[2, 4, 6, 8]]),
+               torch.tensor([[11, 12, 13, 14, 15, 16]])]
+    expected = []
+    for adapter, ids in zip(adapters, prompts, strict=True):
+        model, _ = bound_model(segment, adapter)
+        with torch.no_grad():
+            expected.append(model(ids).logits)
+    got: list[torch.Tensor | None] = [None] * 3
+    members = []
+    for adapter in adapters:  # built here, one after another: transformers' no_init_weights is not thread-safe
+        model, attachment = bound_model(segment)
+        c = client.install(model, attachment.tensors, str(executor.path), max_rows=4)  # prompts go in chunks
+        attach_adapter(model, read_host_adapter(adapter))  # an adapter attached after joining wraps as before
+        members.append((model, c))
+    barrier = threading.Barrier(3)
+
+    def member(i: int) -> None:
+        model, c = members[i]
+        barrier.wait()
+        with torch.no_grad():
+            for step in range(4):
+                got[i] = model(prompts[i]).logits
+                c.end_step(again=step < 3)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for mine, alone in zip(got, expected, strict=True):
+        assert mine is not None
+        torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-5)  # batched products: rounding may differ
+    assert executor.stats.rounds >= 1
+    assert executor.stats.batched_products > 0  # the rows of two or more members in one product
+    assert sum(c.num_calls for _, c in members) > 0
+    assert executor.stats.stragglers == 0
+
+
+def test_one_member_alone_computes_its_pass_itself(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    c = client.install(model, attachment.tensors, str(executor.path))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        out = model(ids).logits
+    c.end_step(again=False)
+    client.uninstall(model)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids).logits, rtol=0, atol=0)  # computed here: bit for bit
+    assert c.num_alone_passes == 1 and executor.stats.rounds == 0
+
+
+def test_a_process_without_a_lease_is_refused(segment, executor) -> None:
+    executor.allowed["pids"] = set()
+    model, attachment = bound_model(segment)
+    with pytest.raises(client.BasePassUnavailable, match=r"cannot be reached|refused"):
+        client.install(model, attachment.tensors, str(executor.path))
+    assert executor.stats.refused == 1
+
+
+def raw_member(executor, groups, max_rows: int = 4, dtype: str = "float32", size: int | None = None):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(executor.path))
+    fd = os.memfd_create("test-member")
+    os.ftruncate(fd, size if size is not None else 64 << 20)
+    socket.send_fds(sock, [encode_frame(bp.BasePassHello(groups=tuple(groups), max_rows=max_rows, dtype=dtype))],
+                    [fd])
+    os.close(fd)
+    return sock
+
+
+def read_welcome(sock: socket.socket) -> bp.BasePassWelcome:
+    import msgspec
+
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return msgspec.msgpack.decode(data[4:], type=bp.BasePassWelcome)
+
+
+def groups_of(segment) -> list[bp.GroupSpec]:
+    """The groups a real member of this backbone sends."""
+    model, attachment = bound_model(segment)
+    return [spec for spec, _ in client.layer_groups(model, attachment.tensors)]
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"groups": [bp.GroupSpec(weights=("no.such.weight",), biases=(None,))]}, "no linear weight"),
+    ({"dtype": "bfloat16"}, "float32"),
+    ({"max_rows": 0}, "max_rows"),
+    ({"size": 4096}, "buffer must hold"),
+])
+def test_a_hello_the_backbone_does_not_fit_is_refused(segment, executor, change: dict, why: str) -> None:
+    args = {"groups": groups_of(segment), **change}
+    sock = raw_member(executor, **args)
+    welcome = read_welcome(sock)
+    assert not welcome.accepted and why in welcome.message
+    assert sock.recv(1) == b""  # and hung up on
+
+
+def test_members_of_another_model_are_refused_while_one_is_in(segment, executor) -> None:
+    first = raw_member(executor, groups_of(segment))
+    assert read_welcome(first).accepted
+    other = raw_member(executor, groups_of(segment)[:1])
+    welcome = read_welcome(other)
+    assert not welcome.accepted and "differ" in welcome.message
+    first.close()
+
+
+@pytest.mark.parametrize("call", [(10_000, 1, 0), (0, 5, 0), (0, 0, 0), (0, -1, 0)])
+def test_a_call_out_of_bounds_is_hung_up_on(segment, executor, call: tuple[int, int, int]) -> None:
+    sock = raw_member(executor, groups_of(segment), max_rows=4)
+    assert read_welcome(sock).accepted
+    sock.sendall(bp.HEADER.pack(*call))
+    assert sock.recv(1) == b""  # no reply, the connection closed: nothing computed outside its buffer
+
+
+def test_a_member_that_stalls_in_a_round_holds_nobody_up(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        alone = model(ids).logits
+    c = client.install(model, attachment.tensors, str(executor.path), max_rows=8)
+    staller = raw_member(executor, groups_of(segment), max_rows=8)
+    assert read_welcome(staller).accepted
+    with torch.no_grad():
+        passes = [model(ids).logits]  # alone: nobody else active
+        c.end_step(again=True)  # the member is active: a pass start now waits for it
+        staller.sendall(bp.HEADER.pack(0, 3, 0))  # a pass start, held for the member; then never a call again
+        passes.append(model(ids).logits)  # a round of two; the staller drops out at the deadline
+        c.end_step(again=True)
+        passes.append(model(ids).logits)  # the staller sits out: not waited for, the member computes alone
+        c.end_step(again=False)
+    assert staller.recv(1) == bp.DONE  # its first group was computed in the round
+    for out in passes:
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+    assert executor.stats.rounds == 1 and executor.stats.stragglers == 1
+    assert c.num_alone_passes == 2
+    staller.close()
+
+
+def test_a_member_whose_executor_goes_away_computes_alone(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    ids = torch.tensor([[7, 8, 9]])
+    with torch.no_grad():
+        alone = model(ids).logits
+    c = client.install(model, attachment.tensors, str(executor.path))
+    executor.stop()
+    with torch.no_grad():
+        out = model(ids).logits
+    assert c.broken
+    torch.testing.assert_close(out, alone, rtol=0, atol=0)
