@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 log = logging.getLogger(__name__)
+_NO_INIT_LOCK = threading.Lock()
 
 
 def build_empty_model(model_dir: Path):
@@ -33,7 +35,10 @@ def build_empty_model(model_dir: Path):
 
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"), _no_init_weights():  # initialising meta tensors is pure overhead (half the time)
+    # initialising meta tensors is pure overhead (half the time). no_init_weights swaps torch.nn.init's functions
+    # process-wide and puts back what it found: two threads overlapping in it would leave the no-ops in place for
+    # good (every later random init in the process a no-op), hence the lock.
+    with _NO_INIT_LOCK, torch.device("meta"), _no_init_weights():
         model = AutoModelForCausalLM.from_config(config)
     if (model_dir / "generation_config.json").is_file():  # as from_pretrained does, for generate()
         model.generation_config = GenerationConfig.from_pretrained(model_dir)

@@ -58,10 +58,21 @@ def bound_model(segment, adapter_dir: Path | None = None):
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_store: ModelStore) -> list[Path]:
+    """Three adapters whose factors are drawn here, with torch.randn: PEFT's random init goes through torch.nn.init,
+    which transformers' no_init_weights patches process-wide (and leaves patched if two threads overlap in it)."""
+    from safetensors.torch import load_file, save_file
+
     out = tmp_path_factory.mktemp("bp-adapters")
-    return [save_tiny_adapter(out / f"a{seed}", tiny_store.path("tiny-dense"), seed=seed,
-                              target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
-            for seed in (1, 2, 3)]
+    made = []
+    for seed in (1, 2, 3):
+        path = save_tiny_adapter(out / f"a{seed}", tiny_store.path("tiny-dense"), seed=seed,
+                                 target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {name: torch.randn(t.shape, generator=generator) * 0.05
+                   for name, t in load_file(path / "adapter_model.safetensors").items()}
+        save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+        made.append(path)
+    return made
 
 
 def test_members_computing_together_get_what_each_computes_alone(segment, executor, adapters) -> None:
