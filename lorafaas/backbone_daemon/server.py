@@ -17,8 +17,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +34,7 @@ from lorafaas.formats.model_store import ModelStore
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
 from lorafaas.protocols.fdpass import send_with_fds
-from lorafaas.protocols.leases import LeaseTable, process_alive
+from lorafaas.protocols.leases import LeaseTable, process_alive, socket_peer_pid
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
@@ -407,9 +405,9 @@ class BackboneDaemon:
 
 
 def _peer_pid(writer: asyncio.StreamWriter) -> int:
-    sock = writer.get_extra_info("socket")
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, _uid, _gid = struct.unpack("3i", creds)
+    pid = socket_peer_pid(writer.get_extra_info("socket"))
+    if pid is None:
+        raise OSError("the connection's peer cannot be identified (SO_PEERCRED)")
     return pid
 
 

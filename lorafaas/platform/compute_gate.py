@@ -10,16 +10,14 @@ that is no worker of ours cannot take any. A worker that dies or hangs up gives 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import socket
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from lorafaas.function_runtime.step_gate import DONE, NEXT, WANT
+from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.scheduler import CoreGrants
 
 log = logging.getLogger(__name__)
@@ -91,8 +89,4 @@ class ComputeGate:
 
 
 def peer_pid(writer: asyncio.StreamWriter) -> int | None:
-    sock = writer.get_extra_info("socket")
-    with contextlib.suppress(OSError, AttributeError):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
-    return None
+    return socket_peer_pid(writer.get_extra_info("socket"))

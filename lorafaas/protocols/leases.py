@@ -7,13 +7,25 @@ later) or, with a TTL, when it was not renewed in time. Owned by the daemon's ev
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from lorafaas.errors import LeaseNotFound
 from lorafaas.protocols.daemon_messages import LeaseInfo, LeaseRecord
+
+
+def socket_peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a connected Unix socket, as the kernel recorded it at connect
+    (`SO_PEERCRED`); None if the socket cannot tell."""
+    with contextlib.suppress(OSError, AttributeError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    return None
 
 
 def process_start_ticks(pid: int) -> int | None:
