@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import mmap
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafaas.protocols import base_pass as bp
+from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
@@ -145,20 +146,21 @@ class BasePassExecutor:
                 logged, logged_s = dataclasses.replace(self.stats), now
             timeout = self._timeout(now)
             timeout = STATS_LOG_INTERVAL_S if timeout is None else min(timeout, STATS_LOG_INTERVAL_S)
-            for key, _ in self._selector.select(timeout):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    with contextlib.suppress(OSError):
-                        self._wake_r.recv(64)
-                else:
-                    member = self._members.get(key.fileobj)  # type: ignore[arg-type]
-                    if member is not None:
-                        self._read(member)
+            events = self._selector.select(timeout)
             try:
+                for key, _ in events:
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                    else:
+                        member = self._members.get(key.fileobj)  # type: ignore[arg-type]
+                        if member is not None:
+                            self._read(member)
                 self._advance(time.monotonic())
-            except Exception:  # never let one bad product end the device's executor
-                log.exception("base pass: a round failed; its members are hung up on")
+            except Exception:  # never let one bad connection or product end the device's executor
+                log.exception("base pass: an iteration failed; the round's members are hung up on")
                 for member in list(self._round or []):
                     self._drop(member, "the executor failed")
                 self._round = None
@@ -176,8 +178,13 @@ class BasePassExecutor:
             sock, _ = self._listener.accept()  # type: ignore[union-attr]
         except BlockingIOError:
             return
-        pid = _peer_pid(sock)
-        if pid is None or not self.may_join(pid):
+        pid = socket_peer_pid(sock)
+        try:
+            allowed = pid is not None and self.may_join(pid)
+        except Exception:  # the lease table did not answer: nobody joins unchecked
+            log.exception("base pass: could not check pid %s against the leases", pid)
+            allowed = False
+        if not allowed:
             self.stats.refused += 1
             log.warning("base pass: refused pid %s (it holds no lease on this backbone)", pid)
             sock.close()
@@ -248,6 +255,12 @@ class BasePassExecutor:
         """Map the member's buffer after checking its hello against the backbone; raises ValueError to refuse."""
         if member.fd is None:
             raise ValueError("the hello carried no buffer")
+        try:  # a buffer its member could shrink under the mapping would fault this process (SIGBUS), not its own
+            sealed = fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        except OSError:
+            sealed = False
+        if not sealed:
+            raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
         if self._groups is None:
@@ -415,10 +428,3 @@ class BasePassExecutor:
             member.sock.send(reply)
         except OSError as exc:  # it stopped reading (its socket buffer is full) or went away
             self._drop(member, str(exc))
-
-
-def _peer_pid(sock: socket.socket) -> int | None:
-    with contextlib.suppress(OSError):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
-    return None

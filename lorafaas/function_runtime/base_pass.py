@@ -11,6 +11,7 @@ this process's own read-only mapping of the same weights, so the results are tho
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -56,8 +57,9 @@ class BasePassClient:
         max_in = max(w for w, _ in widths)
         max_out = max(sum(outs) for _, outs in widths)
         output_offset, size = bp.buffer_layout(max_rows, max_in, max_out, name)
-        self._fd = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC)
+        self._fd = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, size)
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # the executor maps it: never shorter
         self._buffer = mmap.mmap(self._fd, size)
         self._flat = torch.frombuffer(self._buffer, dtype=dtype)
         self._output_offset = output_offset // bp.ELEMENT_BYTES[name]

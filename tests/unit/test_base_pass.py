@@ -5,6 +5,7 @@ member of another model and a member breaking the protocol are refused; a member
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import threading
@@ -135,12 +136,35 @@ def test_a_process_without_a_lease_is_refused(segment, executor) -> None:
     assert executor.stats.refused == 1
 
 
-def raw_member(executor, groups, max_rows: int = 4, dtype: str = "float32", size: int | None = None):
+def test_an_unanswered_lease_check_refuses_and_the_executor_serves_on(segment, executor) -> None:
+    def lease_table_gone(pid: int) -> bool:
+        raise TimeoutError("the daemon's loop did not answer")
+
+    executor.may_join = lease_table_gone
+    model, attachment = bound_model(segment)
+    with pytest.raises(client.BasePassUnavailable):
+        client.install(model, attachment.tensors, str(executor.path))
+    executor.may_join = lambda pid: True
+    c = client.install(model, attachment.tensors, str(executor.path))  # the executor's thread is still serving
+    assert not c.broken and executor.stats.refused == 1
+
+
+def test_a_members_buffer_cannot_be_shrunk_under_the_executor(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    c = client.install(model, attachment.tensors, str(executor.path))
+    with pytest.raises(PermissionError):
+        os.ftruncate(c._fd, 4096)
+
+
+def raw_member(executor, groups, max_rows: int = 4, dtype: str = "float32", size: int | None = None,
+               sealed: bool = True):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(str(executor.path))
-    fd = os.memfd_create("test-member")
+    fd = os.memfd_create("test-member", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size if size is not None else 64 << 20)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     socket.send_fds(sock, [encode_frame(bp.BasePassHello(groups=tuple(groups), max_rows=max_rows, dtype=dtype))],
                     [fd])
     os.close(fd)
@@ -170,6 +194,7 @@ def groups_of(segment) -> list[bp.GroupSpec]:
     ({"dtype": "bfloat16"}, "float32"),
     ({"max_rows": 0}, "max_rows"),
     ({"size": 4096}, "buffer must hold"),
+    ({"sealed": False}, "F_SEAL_SHRINK"),  # shrunk under the executor's mapping, it would fault the daemon
 ])
 def test_a_hello_the_backbone_does_not_fit_is_refused(segment, executor, change: dict, why: str) -> None:
     args = {"groups": groups_of(segment), **change}
