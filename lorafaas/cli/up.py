@@ -53,7 +53,12 @@ def up(
                                      help="Local CPU workers send the backbone's linear layers to the backbone "
                                           "daemon's shared base pass, batched with other functions' rows, while "
                                           "attention, KV cache, the adapter and sampling stay in each function's "
-                                          "process (docs/performance.md, \"The shared base pass\")."),
+                                          "process, while enough functions step at once (--shared-base-from; "
+                                          "docs/performance.md, \"The shared base pass\")."),
+    shared_base_from: int | None = typer.Option(None, "--shared-base-from", min=2, max=255,
+                                                help="With --shared-base and the step gate: members' steps go to "
+                                                     "the shared base pass while at least this many step at once "
+                                                     "(default: 3 per compute slot); below, each computes its own."),
     max_batch: int = typer.Option(32, "--max-batch", min=1, max=256,
                                   help="Requests one function instance batches at most (its worker's capacity); "
                                        "requests beyond every instance's capacity wait for a place."),
@@ -68,12 +73,16 @@ def up(
     from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
 
     config: LorafaasConfig = ctx.obj
+    if shared_base_from is not None and not (shared_base and step_gate):
+        raise typer.BadParameter("needs --shared-base and the step gate (without the gate every member's step goes "
+                                 "to the shared base pass)", param_hint="--shared-base-from")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, threads_per_instance=threads_per_instance, strict_compute=strict_compute,
-        step_gate=step_gate, lone_threads=lone_threads, shared_base=shared_base, hang_timeout_s=hang_timeout,
+        step_gate=step_gate, lone_threads=lone_threads, shared_base=shared_base, shared_base_from=shared_base_from,
+        hang_timeout_s=hang_timeout,
         max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
     )

@@ -50,6 +50,8 @@ class BasePassClient:
         self.max_rows = max_rows
         self.broken = False
         self.alone = False  # this pass runs here (the executor said ALONE)
+        self.local = False  # this step runs here (the step gate granted cores, not the shared pass)
+        self._awaited = False  # the executor was told another step follows: it may hold a round for this member
         self.next_key = 0
         self.num_calls = 0
         self.num_alone_passes = 0
@@ -79,7 +81,7 @@ class BasePassClient:
 
     def call(self, key: int, x: torch.Tensor) -> list[torch.Tensor] | None:
         """The outputs of group `key` for x [..., in], or None: compute it here (ALONE, or the executor is gone)."""
-        if self.broken or (self.alone and key != 0):
+        if self.broken or self.local or (self.alone and key != 0):
             return self._pass_over(key, None)
         width, outs = self.widths[key]
         rows = x.reshape(-1, width)
@@ -110,13 +112,25 @@ class BasePassClient:
         return self._pass_over(key, [torch.cat(r).view(*lead, r[0].shape[1]) if len(r) > 1 else r[0].view(*lead, -1)
                                      for r in results])
 
+    def begin_step(self, shared: bool) -> None:
+        """Before each engine step: whether its backbone products go to the executor (else computed here)."""
+        self.local = not shared
+        if self.local and self._awaited:  # no round should wait for this member's pass start
+            self._end(again=False)
+
     def end_step(self, again: bool) -> None:
         """After each engine step: whether this instance has another step to run."""
         self.alone, self.next_key = False, 0
+        if not self.local:
+            self._end(again)
+        self.local = False
+
+    def _end(self, again: bool) -> None:
         if self.broken:
             return
         try:
             self._sock.sendall(bp.HEADER.pack(bp.END_KEY, 0, bp.AGAIN if again else 0))
+            self._awaited = again
         except OSError as exc:
             self._fail(exc)
 

@@ -3,11 +3,14 @@
 The node agent serves the gate on a Unix socket (`lorafaas.platform.compute_gate`; the policy is
 `lorafaas.scheduler.core_grants`). One byte each way, so a step costs one round trip:
 
-    worker -> gate   WANT   a step                  gate -> worker   one byte: the threads granted (1..cores)
-                     DONE   the step ended
+    worker -> gate   WANT   a step                  gate -> worker   one byte: the threads granted (1..cores),
+                     DONE   the step ended                            with SHARED set: in the shared base pass
                      NEXT   the step ended, and the next is wanted (the reply is the next grant)
+                     MEMBER this instance is in the device's shared base pass (once, before its first WANT)
 
 After NEXT the worker reads its grant before anything else; if it has no step to run by then it says DONE at once.
+A grant with SHARED set (`lorafaas.scheduler.core_grants`, "the shared base pass") sends this step's backbone
+products to the executor and runs the rest on the threads granted; one without it computes the whole pass here.
 A gate that cannot be reached (it went away with its agent) leaves the worker computing ungated, as the operating
 system shares the cores: slower under contention, never wrong.
 """
@@ -21,12 +24,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-WANT, DONE, NEXT = b"w", b"d", b"n"
+WANT, DONE, NEXT, MEMBER = b"w", b"d", b"n", b"m"
+SHARED = 0x80  # the flag on a grant's byte
 
 
 class StepGate:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, member: bool = False) -> None:
         self.path = path
+        self.member = member  # said once, on connecting
+        self.shared = False  # the last grant was a step in the shared base pass
         self._sock: socket.socket | None = None
         self._pending = False  # a WANT or NEXT whose grant is not read yet
         self._broken = False
@@ -48,9 +54,20 @@ class StepGate:
         if not granted:
             self._fail(ConnectionError("the gate closed the connection"))
             return
-        if granted[0] != self.threads:
-            torch.set_num_threads(granted[0])
-            self.threads = granted[0]
+        self.shared = bool(granted[0] & SHARED)
+        threads = granted[0] & ~SHARED
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+
+    def declare_member(self) -> None:
+        """This instance joined the device's shared base pass: its grants may say SHARED from now on."""
+        self.member = True
+        if self._sock is not None:
+            try:
+                self._sock.sendall(MEMBER)
+            except OSError as exc:
+                self._fail(exc)
 
     def release(self, again: bool) -> None:
         """The step ended; `again`: the next one is wanted (its grant is read by the next `acquire` or `withdraw`)."""
@@ -79,6 +96,8 @@ class StepGate:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.path)
+                if self.member:
+                    sock.sendall(MEMBER)
             except OSError as exc:
                 sock.close()
                 self._fail(exc)
@@ -91,3 +110,4 @@ class StepGate:
         self.close()
         self._broken = True
         self._pending = False
+        self.shared = False

@@ -215,18 +215,24 @@ class WorkerServer:
                     ))
 
     def _step(self, engine) -> list:
-        """One engine step, on the cores the device's step gate grants (compute thread); the shared base pass, if
-        the instance is in it, is told after each whether another follows."""
-        base_pass = self.instance.base_pass
-        if self._gate is not None:
-            self._gate.acquire()
+        """One engine step, on the cores the device's step gate grants (compute thread). An instance in the shared
+        base pass sends the step's backbone products there when the grant says so (always, without a gate), and
+        tells the pass after each step whether another follows."""
+        base_pass, gate = self.instance.base_pass, self._gate
+        if gate is not None:
+            if base_pass is not None and not gate.member:
+                gate.declare_member()
+            gate.acquire()
+        if base_pass is not None:
+            base_pass.begin_step(shared=gate is None or gate.shared)
         try:
             return engine.step()
         finally:
-            if self._gate is not None:
-                self._gate.release(again=engine.has_work())
+            again = engine.has_work()
+            if gate is not None:
+                gate.release(again=again)
             if base_pass is not None:
-                base_pass.end_step(again=engine.has_work())
+                base_pass.end_step(again=again)
 
     def _fail_all(self, engine, error: LorafaasError) -> None:
         for request_id, route in list(self._routes.items()):

@@ -3,8 +3,9 @@ more instances compute at once than the device has cores for, counted across fun
 
 One Unix socket per device, owner-only. A connection is accepted only from a live worker of this agent (the kernel
 names the peer's pid, `SO_PEERCRED`), one per worker: a worker cannot hold more than one step's cores, and a process
-that is no worker of ours cannot take any. A worker that dies or hangs up gives its cores back. Protocol:
-`lorafaas.function_runtime.step_gate`.
+that is no worker of ours cannot take any. A worker that dies or hangs up gives its cores back. A worker may say it is
+a member of the device's shared base pass (`CoreGrants.join`); only a worker the agent started in it
+(`is_member`) is heard. Protocol: `lorafaas.function_runtime.step_gate`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafaas.function_runtime.step_gate import DONE, NEXT, WANT
+from lorafaas.function_runtime.step_gate import DONE, MEMBER, NEXT, SHARED, WANT
 from lorafaas.protocols.leases import socket_peer_pid
-from lorafaas.scheduler import CoreGrants
+from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
 log = logging.getLogger(__name__)
 
 
 class ComputeGate:
-    def __init__(self, path: Path, grants: CoreGrants, is_worker: Callable[[int], bool]) -> None:
+    def __init__(self, path: Path, grants: CoreGrants, is_worker: Callable[[int], bool],
+                 is_member: Callable[[int], bool] = lambda pid: False) -> None:
         self.path = path
         self.grants = grants
         self.is_worker = is_worker  # pid -> whether it is a live worker of this agent
+        self.is_member = is_member  # pid -> whether the agent started it in the shared base pass
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
         self._server: asyncio.AbstractServer | None = None
         self._expiry: asyncio.Task | None = None
@@ -63,6 +66,11 @@ class ComputeGate:
                     self._send(self.grants.want(pid, time.monotonic()))
                 elif byte in (DONE, NEXT):
                     self._send(self.grants.done(pid, again=byte == NEXT, now_s=time.monotonic()))
+                elif byte == MEMBER and self.is_member(pid):
+                    self.grants.join(pid)
+                elif byte == MEMBER:  # shared grants to a process outside the pass would take cores unaccounted
+                    log.warning("step gate: pid %d says it is in the shared base pass, and is not; hanging up", pid)
+                    break
                 else:
                     log.warning("step gate: pid %d sent %r; hanging up", pid, byte)
                     break
@@ -85,7 +93,7 @@ class ComputeGate:
             if writer is None or writer.is_closing():
                 self._send(self.grants.gone(pid, time.monotonic()))
                 continue
-            writer.write(bytes([threads]))
+            writer.write(bytes([SHARED | self.grants.base_threads if threads == SHARED_PASS else threads]))
 
 
 def peer_pid(writer: asyncio.StreamWriter) -> int | None:

@@ -61,6 +61,9 @@ MAX_FAILURES_KEPT = 20  # per function, for describe
 # holding other functions' steps back; a real step here takes well under a second (a padded prefill of 8 x 128 tokens:
 # about 1.6 s on this 2-core machine)
 GATE_LEASE_S = 5.0
+# The shared base pass pays from this many members stepping at once per compute slot (docs/performance.md, "The
+# shared base pass": three functions on two cores lost to each computing its own pass, eight gained)
+SHARED_BASE_FROM_PER_SLOT = 3
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
 WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode")  # what an instance was started with
 
@@ -87,10 +90,12 @@ class AgentConfig:
     # compute slots, counted across functions; one computing alone gets up to `lone_threads` (None: every core)
     step_gate: bool = True
     lone_threads: int | None = None
-    # local CPU workers send the backbone's linear layers to the daemon's shared base pass, batched with other
-    # functions' rows (docs/performance.md, "The shared base pass"); they then compute ungated: the base pass is
-    # where most of a step's compute goes, and it runs one product for all of them
+    # local CPU workers join the daemon's shared base pass (docs/performance.md, "The shared base pass"). Under the
+    # step gate a member's step goes to it, its backbone products batched with other functions' rows, only while
+    # at least `shared_base_from` members step at once (None: SHARED_BASE_FROM_PER_SLOT x compute slots); below
+    # that members compute their own pass on granted cores. Without the gate members always go to the pass.
     shared_base: bool = False
+    shared_base_from: int | None = None
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0
     fill_or_expire: bool = False  # hold requests to fill a batch (for workers without continuous batching)
@@ -165,10 +170,13 @@ class NodeAgent:
             self.library_import_s = status.import_s
             if self.config.step_gate and self.config.device == "cpu":  # local workers, on this machine's cores
                 threads = max(1, self.config.num_threads)
+                shared_from = None
+                if self.config.shared_base:
+                    shared_from = self.config.shared_base_from or max(2, SHARED_BASE_FROM_PER_SLOT * self.compute_slots)
                 self.gate = ComputeGate(self.launcher.zygote_socket.parent / "step-gate-cpu.sock",
                                         CoreGrants(self.compute_slots * threads, threads, self.config.lone_threads,
-                                                   lease_s=GATE_LEASE_S),
-                                        self._is_worker)
+                                                   lease_s=GATE_LEASE_S, shared_from=shared_from),
+                                        self._is_worker, self._is_base_pass_member)
                 await self.gate.start()
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
@@ -447,6 +455,9 @@ class NodeAgent:
     def _is_worker(self, pid: int) -> bool:
         return any(i.pid == pid for i in self.table.all())
 
+    def _is_base_pass_member(self, pid: int) -> bool:
+        return any(i.pid == pid and i.handle is not None and i.handle.spec.base_pass for i in self.table.all())
+
     def _busy_instances(self) -> int:
         return self.table.busy_on_device(self.config.device)
 
@@ -478,7 +489,7 @@ class NodeAgent:
                 worker_spec = msgspec.structs.replace(worker_spec, step_gate=str(self.gate.path))
             if self.config.shared_base and self.config.device == "cpu" and worker_spec.daemon_socket:
                 worker_spec = msgspec.structs.replace(
-                    worker_spec, step_gate=None, base_pass=str(base_pass_socket(Path(worker_spec.daemon_socket))))
+                    worker_spec, base_pass=str(base_pass_socket(Path(worker_spec.daemon_socket))))
             instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)
             instance.instance_id = worker_spec.instance_id
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)

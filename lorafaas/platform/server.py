@@ -58,6 +58,7 @@ class ServerConfig:
     step_gate: bool = True  # AgentConfig.step_gate
     lone_threads: int | None = None  # AgentConfig.lone_threads
     shared_base: bool = False  # AgentConfig.shared_base
+    shared_base_from: int | None = None  # AgentConfig.shared_base_from
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
     max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
@@ -137,7 +138,7 @@ class Platform:
                                    scheduler=scheduler, compute_slots=config.compute_slots,
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
                                    step_gate=config.step_gate, lone_threads=config.lone_threads,
-                                   shared_base=config.shared_base,
+                                   shared_base=config.shared_base, shared_base_from=config.shared_base_from,
                                    hang_timeout_s=config.hang_timeout_s,
                                    heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)

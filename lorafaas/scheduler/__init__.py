@@ -22,7 +22,7 @@ from lorafaas.scheduler.batching import (
 )
 from lorafaas.scheduler.compute_turns import ComputeTurns
 from lorafaas.scheduler.config import SchedulerConfig, for_device_kind
-from lorafaas.scheduler.core_grants import CoreGrants
+from lorafaas.scheduler.core_grants import SHARED_PASS, CoreGrants
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
     ArtifactCost,
@@ -49,6 +49,7 @@ from lorafaas.scheduler.rates import RateTracker
 from lorafaas.scheduler.scheduler import Scheduler
 
 __all__ = [
+    "SHARED_PASS",
     "AdmissionDecision",
     "AdmissionView",
     "ArtifactCost",

@@ -12,6 +12,15 @@ cores back; a holder asks for at most one step at a time, so asking again while 
 A grant is a lease of `lease_s`: a holder still in its step after that (stuck, or a step far longer than any other)
 no longer counts (`expire`), so one function's stuck worker cannot stall the others' steps; they then share the
 cores with it as the operating system shares them, no worse than without the gate.
+
+The shared base pass (`shared_from`). Members of the device's base pass (`join`) can run a step's backbone products
+in the executor's batched pass instead of on cores of their own. That pays only when many functions step at once:
+their N reads of the weights become one. When at least `shared_from` members asked for a step within the last
+`shared_window_s`, a member's step is granted as `SHARED_PASS` (no cores of its own: the executor computes its
+backbone products on the device's cores, and its own remainder runs on one thread), every waiting member at once.
+Below that, members get cores like anyone else and compute their own pass. The two kinds of grant never overlap: a
+shared grant waits until the cores' holders are done, a cores grant until the shared steps are done, first come
+first served, so neither starves the other.
 """
 
 from __future__ import annotations
@@ -19,16 +28,24 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
+SHARED_PASS = 0  # a grant of no cores of its own: the step's backbone products go to the device's shared base pass
+
 
 class CoreGrants:
     def __init__(self, cores: int, base_threads: int = 1, max_threads: int | None = None,
-                 lease_s: float = math.inf) -> None:
+                 lease_s: float = math.inf, shared_from: int | None = None, shared_window_s: float = 1.0) -> None:
         if cores < 1 or base_threads < 1:
             raise ValueError(f"cores ({cores}) and base_threads ({base_threads}) must be >= 1")
+        if shared_from is not None and shared_from < 2:
+            raise ValueError(f"shared_from ({shared_from}) must be >= 2: one member alone has nobody to share with")
         self.cores = cores
         self.base_threads = min(base_threads, cores)
         self.max_threads = max(self.base_threads, min(max_threads or cores, cores))  # None: every core
         self.lease_s = lease_s
+        self.shared_from = shared_from
+        self.shared_window_s = shared_window_s
+        self._members: dict[Hashable, float] = {}  # members of the base pass -> when each last asked for a step
+        self._sharing: dict[Hashable, None] = {}  # holders of a SHARED_PASS grant
         self._holding: dict[Hashable, int] = {}  # holder -> threads granted
         self._granted_s: dict[Hashable, float] = {}  # holder -> when its grant was given
         self._waiting: dict[Hashable, None] = {}  # in the order they asked
@@ -36,6 +53,8 @@ class CoreGrants:
         self.num_granted = 0
         self.num_waited = 0  # grants that were not given at once (the asker waited for a core)
         self.num_lapsed = 0  # grants whose lease ran out before their step ended
+        self.num_shared = 0  # SHARED_PASS grants
+        self.most_sharing = 0  # the most SHARED_PASS holders at once
 
     @property
     def free(self) -> int:
@@ -49,10 +68,22 @@ class CoreGrants:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def join(self, holder: Hashable) -> None:
+        """`holder` is a member of the device's base pass: its steps may be granted as SHARED_PASS."""
+        self._members.setdefault(holder, -math.inf)
+
+    def sharing(self, now_s: float) -> bool:
+        """Whether members' steps go to the shared base pass now: enough of them are stepping."""
+        if self.shared_from is None:
+            return False
+        recent = sum(1 for asked_s in self._members.values() if now_s - asked_s <= self.shared_window_s)
+        return recent >= self.shared_from
+
     def want(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
-        """`holder` asks for a step; returns the grants to send now: (holder, threads)."""
-        if holder not in self._holding:
+        """`holder` asks for a step; returns the grants to send now: (holder, threads or SHARED_PASS)."""
+        if holder not in self._holding and holder not in self._sharing:
             self._waiting.setdefault(holder, None)
+            self._asked(holder, now_s)
         return self._grant(now_s, asker=holder)
 
     def done(self, holder: Hashable, again: bool = False, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
@@ -60,11 +91,13 @@ class CoreGrants:
         self._release(holder)
         if again:
             self._waiting.setdefault(holder, None)
+            self._asked(holder, now_s)
         return self._grant(now_s, asker=holder if again else None)
 
     def gone(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
         self._release(holder)
         self._waiting.pop(holder, None)
+        self._members.pop(holder, None)
         return self._grant(now_s)
 
     def expire(self, now_s: float) -> list[tuple[Hashable, int]]:
@@ -75,16 +108,36 @@ class CoreGrants:
         self.num_lapsed += len(lapsed)
         return self._grant(now_s)
 
+    def _asked(self, holder: Hashable, now_s: float) -> None:
+        if holder in self._members:
+            self._members[holder] = now_s
+
     def _release(self, holder: Hashable) -> None:
         self._holding.pop(holder, None)
+        self._sharing.pop(holder, None)
         self._granted_s.pop(holder, None)
 
     def _grant(self, now_s: float, asker: Hashable | None = None) -> list[tuple[Hashable, int]]:
         grants = []
-        while self._waiting and self.free >= self.base_threads:
+        shared = self.sharing(now_s)
+        while self._waiting:
             holder = next(iter(self._waiting))
+            if shared and holder in self._members:
+                if self._holding:  # the cores' holders finish their steps first
+                    break
+                del self._waiting[holder]
+                self._sharing[holder] = None
+                self._granted_s[holder] = now_s
+                grants.append((holder, SHARED_PASS))
+                self.num_granted += 1
+                self.num_shared += 1
+                self.num_waited += holder is not asker
+                continue
+            if self._sharing or self.free < self.base_threads:  # the shared steps finish first
+                break
             del self._waiting[holder]
-            alone = not self._holding and not self._waiting
+            # alone: nobody else computes, nor will before this step ends (members wait for the shared pass)
+            alone = not self._holding and not any(not shared or h not in self._members for h in self._waiting)
             threads = min(self.max_threads, self.free) if alone else self.base_threads
             self._holding[holder] = threads
             self._granted_s[holder] = now_s
@@ -92,4 +145,5 @@ class CoreGrants:
             self.num_granted += 1
             self.num_waited += holder is not asker
         self.most_holding = max(self.most_holding, len(self._holding))
+        self.most_sharing = max(self.most_sharing, len(self._sharing))
         return grants

@@ -1,7 +1,8 @@
 """`lorafaas up --shared-base` as a user runs it: three functions on one backbone, a burst of greedy requests to all of
-them at once, served by worker processes that send the backbone's linear layers to the backbone daemon's base pass.
-Every reply equals the one the same platform without the shared base pass gives, and the daemon's base pass did
-compute rows of several functions together."""
+them at once. With the pass taken from two functions stepping at once (`--shared-base-from 2`), the workers send the
+backbone's linear layers to the backbone daemon's base pass, which computes rows of several functions together; with
+the default (three per compute slot), three functions on two slots are too few and each computes its own pass. Every
+reply equals the one the same platform without the shared base pass gives."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
@@ -21,7 +23,7 @@ PROMPTS = ("Tell me a story about the sea.", "What is two and two?", "Name three
 
 
 def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra_args: tuple[str, ...]
-                  ) -> tuple[dict[tuple[str, str], str], PlatformProcess]:
+                  ) -> tuple[dict[tuple[str, str], str], PlatformProcess, dict[str, float]]:
     store = ModelStore(home / "models")
     store.import_dir("tiny-dense", models_dir)
     with PlatformProcess(home, extra_args=extra_args) as platform, platform.client() as admin:
@@ -43,7 +45,14 @@ def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra
 
         keys, replies = asyncio.run(burst())
         assert [r.status_code for r in replies] == [200] * len(replies), [r.text for r in replies]
-        return {key: reply.json()["text"] for key, reply in zip(keys, replies, strict=True)}, platform
+        texts = {key: reply.json()["text"] for key, reply in zip(keys, replies, strict=True)}
+        return texts, platform, gated_steps(platform)
+
+
+def gated_steps(platform: PlatformProcess) -> dict[str, float]:
+    text = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"}).text
+    return {s.labels["kind"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "lorafaas_gated_steps_total"}
 
 
 def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_own_replies(
@@ -51,10 +60,16 @@ def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_o
     adapters = {name: save_tiny_adapter(tmp_path / f"adapter-{name}", tiny_dense_dir, seed=seed,
                                         base_model_name="tiny-dense")
                 for seed, name in enumerate(FUNCTIONS, start=1)}
-    shared, platform = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters, ("--shared-base",))
-    alone, _ = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, ())
-    assert shared == alone
+    slots = ("--compute-slots", "2")
+    shared, platform, shared_steps = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters,
+                                     (*slots, "--shared-base", "--shared-base-from", "2"))
+    too_few, _, too_few_steps = burst_replies(tmp_path / "too-few", tiny_dense_dir, adapters, (*slots, "--shared-base"))
+    alone, _, _ = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, slots)
+    assert shared == alone and too_few == alone
     assert len({shared[(name, PROMPTS[0])] for name in FUNCTIONS}) == 3  # each function's own adapter answered
+    # the step gate switched the members: into the pass from two stepping at once, never with three under six
+    assert shared_steps["shared"] > 0
+    assert too_few_steps["shared"] == 0 and too_few_steps["granted"] > 0
 
     daemon_log = platform.home / "logs" / "daemon-tiny-dense.log"
     deadline = time.monotonic() + 30  # the executor logs its counts every 10 s while they change

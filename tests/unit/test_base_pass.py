@@ -9,6 +9,7 @@ import fcntl
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,35 @@ def test_one_member_alone_computes_its_pass_itself(segment, executor) -> None:
     with torch.no_grad():
         torch.testing.assert_close(out, model(ids).logits, rtol=0, atol=0)  # computed here: bit for bit
     assert c.num_alone_passes == 1 and executor.stats.rounds == 0
+
+
+def test_a_step_granted_cores_runs_here_and_no_round_waits_for_its_member(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    c = client.install(model, attachment.tensors, str(executor.path))
+    ids = torch.tensor([[2, 7, 1, 8]])
+    with torch.no_grad():
+        c.begin_step(shared=True)  # the step gate said: the shared pass
+        model(ids)
+        c.end_step(again=True)  # another step follows: a round's start would wait for this member
+        member = wait_until(lambda: next((m for m in executor._members.values() if m.active), None))
+        calls = c.num_calls + c.num_alone_passes
+        c.begin_step(shared=False)  # the next step was granted cores of its own
+        out = model(ids).logits
+        c.end_step(again=True)
+    assert c.num_calls + c.num_alone_passes == calls  # nothing went to the executor
+    wait_until(lambda: not member.active)  # and it was told not to wait for this member
+    client.uninstall(model)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids).logits, rtol=0, atol=0)  # computed here: bit for bit
+
+
+def wait_until(probe, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := probe():
+            return value
+        time.sleep(0.01)
+    raise AssertionError("the executor never got there")
 
 
 def test_a_process_without_a_lease_is_refused(segment, executor) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lorafaas.scheduler import CoreGrants
+from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
 
 def test_an_instance_computing_alone_gets_every_core_and_shares_them_once_another_asks() -> None:
@@ -90,3 +90,108 @@ def test_a_holder_stuck_past_its_lease_stops_holding_the_others_back() -> None:
 def test_nonsense_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="cores"):
         CoreGrants(cores=0)
+    with pytest.raises(ValueError, match="shared_from"):
+        CoreGrants(cores=2, shared_from=1)
+
+
+# -- the shared base pass ---------------------------------------------------------------------------------------------
+
+
+def test_members_get_cores_of_their_own_until_enough_step_at_once_then_all_go_to_the_shared_pass() -> None:
+    grants = CoreGrants(cores=2, shared_from=3)
+    for member in "abcd":
+        grants.join(member)
+    # two members stepping: each computes its own pass, on cores, as without the pass
+    assert grants.want("a", now_s=0.0) == [("a", 2)]
+    assert grants.want("b", now_s=0.0) == []
+    assert not grants.sharing(0.0)
+    # a third asks: from now on members' steps go to the shared pass, each granted as soon as the cores are free
+    assert grants.want("c", now_s=0.1) == []  # a still holds both cores
+    assert grants.sharing(0.1)
+    assert grants.done("a", again=True, now_s=0.2) == [("b", SHARED_PASS), ("c", SHARED_PASS), ("a", SHARED_PASS)]
+    assert grants.want("d", now_s=0.3) == [("d", SHARED_PASS)]  # no waiting for a core: the pass computes for all
+    assert grants.holding == 0 and grants.most_sharing == 4 and grants.num_shared == 4
+
+
+def test_the_pass_ends_when_members_stop_stepping_and_they_take_cores_again() -> None:
+    grants = CoreGrants(cores=2, shared_from=2, shared_window_s=1.0)
+    grants.join("a")
+    grants.join("b")
+    assert grants.want("a", now_s=0.0) == [("a", 2)]
+    assert grants.want("b", now_s=0.1) == []
+    assert grants.done("a", now_s=0.2) == [("b", SHARED_PASS)]  # b and a asked within the window
+    assert grants.done("b", again=True, now_s=0.3) == [("b", SHARED_PASS)]
+    assert grants.done("b", again=True, now_s=1.5) == [("b", 2)]  # a last asked 1.5 s ago: b is alone again
+
+
+def test_shared_steps_and_core_holders_never_overlap_and_neither_starves_the_other() -> None:
+    grants = CoreGrants(cores=2, shared_from=2)
+    grants.join("a")
+    grants.join("b")
+    assert grants.want("a") == [("a", 2)]
+    assert grants.want("b") == []
+    assert grants.done("a", again=True) == [("b", SHARED_PASS), ("a", SHARED_PASS)]
+    # a worker outside the pass (it could not join) waits for the shared steps, not for ever
+    assert grants.want("outsider") == []
+    assert grants.done("a", again=True) == []  # a asks behind the outsider
+    assert grants.done("b", again=True) == [("outsider", 2)]
+    assert grants.done("outsider") == [("a", SHARED_PASS), ("b", SHARED_PASS)]
+
+
+def test_a_member_that_goes_stops_counting_towards_the_pass() -> None:
+    grants = CoreGrants(cores=2, shared_from=2)
+    grants.join("a")
+    grants.join("b")
+    grants.want("a")
+    grants.want("b")
+    assert grants.sharing(0.0)
+    grants.gone("b")
+    assert not grants.sharing(0.0)
+    assert grants.done("a", again=True) == [("a", 2)]
+
+
+def test_a_worker_that_never_joined_is_never_granted_the_shared_pass() -> None:
+    grants = CoreGrants(cores=2, shared_from=2)
+    grants.join("a")
+    grants.join("b")
+    grants.want("a")
+    grants.want("b")
+    grants.want("c")  # not a member: it waits for cores however many members step
+    assert all(threads != SHARED_PASS for who, threads in grants.done("a") + grants.done("b") if who == "c")
+    assert grants.holding == 1
+
+
+@pytest.mark.parametrize("shared_from", [2, 3])
+def test_random_asks_with_the_pass_never_mix_kinds_nor_oversubscribe_and_serve_every_asker(shared_from: int) -> None:
+    rng = random.Random(shared_from)
+    grants = CoreGrants(cores=2, shared_from=shared_from, shared_window_s=0.5)
+    members = {f"m{i}" for i in range(5)}
+    for member in members:
+        grants.join(member)
+    holding: dict[str, int] = {}
+    waiting: set[str] = set()
+    now = 0.0
+    for _ in range(5000):
+        now += rng.random() * 0.05
+        holder = rng.choice([*sorted(members), "x0", "x1"])
+        action = rng.choice(["want", "done", "next"])
+        if action == "want":
+            if holder not in holding:
+                waiting.add(holder)
+            given = grants.want(holder, now_s=now)
+        else:
+            holding.pop(holder, None)
+            if action == "next":
+                waiting.add(holder)
+            given = grants.done(holder, again=action == "next", now_s=now)
+        for who, threads in given:
+            assert who in waiting and who not in holding
+            assert threads != SHARED_PASS or who in members
+            waiting.discard(who)
+            holding[who] = threads
+        kinds = {threads == SHARED_PASS for threads in holding.values()}
+        assert len(kinds) <= 1  # shared steps and core holders never at once
+        assert sum(t for t in holding.values() if t != SHARED_PASS) <= 2
+        if not holding:
+            assert not waiting  # nobody waits on an idle device
+    assert grants.num_shared > 0 and grants.most_holding <= 2

@@ -87,11 +87,13 @@ class _AgentCollector:
                                     "device now", labels=["device"])
             now.add_metric([self.agent.config.device], gate.grants.holding)
             steps = CounterMetricFamily("lorafaas_gated_steps", "Engine steps granted by the device's step gate, "
-                                        "of them the steps that waited for a core, and those whose lease ran out",
+                                        "of them the steps that waited for a core, those whose lease ran out, and "
+                                        "those granted to the shared base pass",
                                         labels=["device", "kind"])
             steps.add_metric([self.agent.config.device, "granted"], gate.grants.num_granted)
             steps.add_metric([self.agent.config.device, "waited"], gate.grants.num_waited)
             steps.add_metric([self.agent.config.device, "lapsed"], gate.grants.num_lapsed)
+            steps.add_metric([self.agent.config.device, "shared"], gate.grants.num_shared)  # in the shared base pass
             families += [computing, now, steps]
         return families
 

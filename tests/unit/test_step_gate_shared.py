@@ -1,0 +1,77 @@
+"""The step gate's wire for the shared base pass, over a real Unix socket: a worker the agent started in the pass says
+so and is granted steps in it once enough members step; a worker that says so and is not is hung up on (shared grants
+to it would take cores nobody accounts for), and then computes ungated, never in the pass."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lorafaas.function_runtime.step_gate import StepGate
+from lorafaas.platform.compute_gate import ComputeGate
+from lorafaas.scheduler import SHARED_PASS, CoreGrants
+
+
+@pytest.fixture()
+def gate_server(tmp_path: Path):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    started: list[ComputeGate] = []
+
+    async def call(fn):
+        return fn()
+
+    def start(is_member: bool, grants: CoreGrants) -> ComputeGate:
+        gate = ComputeGate(tmp_path / f"gate-{len(started)}.sock", grants, lambda pid: pid == os.getpid(),
+                           lambda pid: is_member and pid == os.getpid())
+        asyncio.run_coroutine_threadsafe(gate.start(), loop).result(timeout=10)
+        started.append(gate)
+        return gate
+
+    def on_loop(fn):  # the gate's CoreGrants belong to its event loop's thread
+        return asyncio.run_coroutine_threadsafe(call(fn), loop).result(timeout=10)
+
+    yield start, on_loop
+    for gate in started:
+        asyncio.run_coroutine_threadsafe(gate.stop(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def test_a_member_is_granted_its_steps_in_the_shared_pass_once_enough_members_step(gate_server) -> None:
+    gate_of, on_loop = gate_server
+    grants = CoreGrants(cores=2, shared_from=2)
+    gate = gate_of(True, grants)
+    worker = StepGate(str(gate.path))
+    worker.declare_member()
+    worker.acquire()  # the only member stepping: cores of its own, every core (it computes alone)
+    assert (worker.shared, worker.threads) == (False, 2)
+    worker.release(again=False)
+    deadline = time.monotonic() + 10
+    while on_loop(lambda: grants.holding) and time.monotonic() < deadline:  # the gate read its DONE
+        time.sleep(0.01)
+    on_loop(lambda: grants.join("another member"))  # another function's worker steps now: two members stepping
+    assert on_loop(lambda: grants.want("another member", time.monotonic())) == [("another member", SHARED_PASS)]
+    worker.acquire()
+    assert worker.shared and worker.threads == 1  # its own remainder on one thread; the executor has the cores
+    worker.release(again=False)
+    assert grants.num_shared == 2
+
+
+def test_a_worker_outside_the_pass_that_claims_it_is_hung_up_on_and_computes_ungated(gate_server) -> None:
+    gate_of, on_loop = gate_server
+    grants = CoreGrants(cores=2, shared_from=2)
+    gate = gate_of(False, grants)
+    worker = StepGate(str(gate.path), member=True)
+    worker.acquire()
+    assert not worker.shared and worker._broken  # the gate closed on it: it computes as the OS shares the cores
+    on_loop(lambda: grants.join("a member"))
+    on_loop(lambda: grants.want("a member", time.monotonic()))
+    assert not on_loop(lambda: grants.sharing(time.monotonic()))  # the claim counted for nothing
+    assert grants.num_shared == 0
