@@ -24,6 +24,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "max_tokens_limit": ("max-tokens-limit", "max_tokens_limit"),
     "max_request_s": ("max-request-s", "max_request_s"),
     "lora_mode": ("lora-mode", "lora_mode"),
+    "shared_base": ("shared-base", "shared_base"),
     "tenant": ("tenant",),
 }
 FIELD_OF = {spelling: field for field, spellings in SPELLINGS.items() for spelling in spellings}

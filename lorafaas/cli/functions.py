@@ -61,6 +61,11 @@ def deploy(
         None, "--lora-mode", help="MoE backbones: remote (default: the node's LoRA server runs the experts' LoRA) "
         "or local (each instance holds its expert adapter)."
     ),
+    shared_base: bool | None = typer.Option(
+        None, "--shared-base/--no-shared-base", help="Whether its steps may join the node's shared base pass (the "
+        "default, where the node runs one: `up --shared-base`); --no-shared-base keeps every backbone product in "
+        "its own process."
+    ),
     tenant: str | None = typer.Option(None, "--tenant", help="Deploy for this tenant (admin key only)."),
     file: Path | None = typer.Option(
         None, "-f", "--file", help="function.yaml: keys spelled as these flags (keep-alive: 60), see "
@@ -74,7 +79,7 @@ def deploy(
     spec = read_function_file(file) if file else {}
     flags = {"name": name, "backbone": backbone, "slo_ttft_ms": slo_ttft_ms, "keep_alive_s": keep_alive_s,
              "min_instances": min_instances, "max_instances": max_instances, "max_tokens_limit": max_tokens_limit,
-             "max_request_s": max_request_s, "lora_mode": lora_mode, "tenant": tenant}
+             "max_request_s": max_request_s, "lora_mode": lora_mode, "shared_base": shared_base, "tenant": tenant}
     spec |= {k: v for k, v in flags.items() if v is not None}
     adapter_dir = adapter or (Path(spec["adapter"]) if spec.get("adapter") is not None else None)
     spec.pop("adapter", None)
@@ -136,11 +141,13 @@ def describe(ctx: typer.Context, name: str, url: str | None = URL, as_json: bool
     console.print(f"[bold]{spec['name']}[/] (tenant {spec['tenant']}) version {spec['version']}: backbone "
                   f"{spec['backbone']}, adapter {spec['adapter_digest'][:12]}, SLO {spec['slo_ttft_ms']} ms, "
                   f"keep-alive {spec['keep_alive_s']:g} s, instances {spec['min_instances']}..{spec['max_instances']}"
-                  + (f", LoRA mode {spec['lora_mode']}" if spec.get("lora_mode") else ""))
+                  + (f", LoRA mode {spec['lora_mode']}" if spec.get("lora_mode") else "")
+                  + ("" if spec.get("shared_base", True) else ", never in a shared base pass"))
     table = Table("instance", "pid", "device", "state", "in flight", "adapter", "cold start")
     for i in info["instances"]:
         table.add_row(i["instance_id"], str(i["pid"]), i["device"], i["state"], str(i["in_flight"]),
-                      _adapter(i.get("adapter")), _breakdown(i["cold_start"]))
+                      _adapter(i.get("adapter")) + (" (shared base pass)" if i.get("shared_base") else ""),
+                      _breakdown(i["cold_start"]))
     console.print(table)
     if info.get("last_cold_start"):
         console.print(f"last cold start: {_breakdown(info['last_cold_start'])}")

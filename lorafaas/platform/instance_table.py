@@ -116,7 +116,13 @@ class Instance:
         return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
                 "version": self.version, "deployment": self.identity.uid, "in_flight": self.in_flight,
                 "started_at": self.started_at, "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start),
-                "adapter": self.adapter, **({"reason": self.reason} if self.reason else {})}
+                "adapter": self.adapter, "shared_base": self.in_shared_base,
+                **({"reason": self.reason} if self.reason else {})}
+
+    @property
+    def in_shared_base(self) -> bool:
+        """Started as a member of its daemon's shared base pass (the step gate decides each step)."""
+        return self.handle is not None and bool(self.handle.spec.base_pass)
 
 
 class InstanceTable:

@@ -65,7 +65,7 @@ GATE_LEASE_S = 5.0
 # shared base pass": three functions on two cores lost to each computing its own pass, eight gained)
 SHARED_BASE_FROM_PER_SLOT = 3
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
-WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode")  # what an instance was started with
+WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode", "shared_base")  # what an instance was started with
 
 
 # A worker's batch capacity by default. At 32 concurrent requests over three functions on two cores, 32 against 8
@@ -456,7 +456,7 @@ class NodeAgent:
         return any(i.pid == pid for i in self.table.all())
 
     def _is_base_pass_member(self, pid: int) -> bool:
-        return any(i.pid == pid and i.handle is not None and i.handle.spec.base_pass for i in self.table.all())
+        return any(i.pid == pid and i.in_shared_base for i in self.table.all())
 
     def _busy_instances(self) -> int:
         return self.table.busy_on_device(self.config.device)
@@ -487,7 +487,8 @@ class NodeAgent:
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
             if self.gate is not None:
                 worker_spec = msgspec.structs.replace(worker_spec, step_gate=str(self.gate.path))
-            if self.config.shared_base and self.config.device == "cpu" and worker_spec.daemon_socket:
+            if self.config.shared_base and spec.shared_base and self.config.device == "cpu" and \
+                    worker_spec.daemon_socket:
                 worker_spec = msgspec.structs.replace(
                     worker_spec, base_pass=str(base_pass_socket(Path(worker_spec.daemon_socket))))
             instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)

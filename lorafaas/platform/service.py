@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 INVOCATION_RETENTION_S = 3600.0
 SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s",
-               "lora_mode")
+               "lora_mode", "shared_base")
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen-MoE, DeepSeek
 
 

@@ -220,13 +220,16 @@ def test_replace_refuses_a_changed_backbone_and_changes_nothing(tmp_path, admin,
 def test_function_yaml_takes_the_flag_spellings_and_names_unknown_keys(tmp_path, admin, adapters, lorafaas) -> None:
     flags = write_yaml(tmp_path / "flags.yaml", "name: spelled\nadapter: alpha\nbackbone: tiny-dense\n"
                                                 "slo-ttft-ms: 700\nkeep-alive: 30\nmin: 0\nmax: 2\n"
-                                                "max_tokens_limit: 32\nmax-request-s: 9.5\n")
+                                                "max_tokens_limit: 32\nmax-request-s: 9.5\nshared-base: false\n")
     (tmp_path / "alpha").symlink_to(adapters["alpha"])  # `adapter:` is relative to the file
     deployed = lorafaas("deploy", "-f", str(flags), "--json")
     assert deployed.returncode == 0, deployed.stderr
     spec = admin.describe("spelled")["function"]
     assert (spec["slo_ttft_ms"], spec["keep_alive_s"], spec["min_instances"], spec["max_instances"],
-            spec["max_tokens_limit"], spec["max_request_s"]) == (700, 30.0, 0, 2, 32, 9.5)
+            spec["max_tokens_limit"], spec["max_request_s"], spec["shared_base"]) == (700, 30.0, 0, 2, 32, 9.5, False)
+    # the flag wins over the file, and says the opposite here
+    assert lorafaas("deploy", "-f", str(flags), "--replace", "--shared-base").returncode == 0
+    assert admin.describe("spelled")["function"]["shared_base"] is True
     unknown = write_yaml(tmp_path / "unknown.yaml", "name: other\nkeep-alive-s: 3\nreplicas: 2\n")
     refused = lorafaas("deploy", "-f", str(unknown))
     assert refused.returncode == 2

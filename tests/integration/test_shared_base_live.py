@@ -22,13 +22,16 @@ FUNCTIONS = ("alpha", "beta", "gamma")
 PROMPTS = ("Tell me a story about the sea.", "What is two and two?", "Name three colours.")
 
 
-def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra_args: tuple[str, ...]
-                  ) -> tuple[dict[tuple[str, str], str], PlatformProcess, dict[str, float]]:
+def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra_args: tuple[str, ...],
+                  own_pass: tuple[str, ...] = ()) -> tuple[dict[tuple[str, str], str], PlatformProcess, dict]:
+    """The burst's replies, the platform, and what it counted: gated steps by kind, and per function whether its
+    instances were started in the shared base pass. `own_pass`: functions deployed with shared_base false."""
     store = ModelStore(home / "models")
     store.import_dir("tiny-dense", models_dir)
     with PlatformProcess(home, extra_args=extra_args) as platform, platform.client() as admin:
         for name in FUNCTIONS:
-            admin.deploy({"name": name, "backbone": "tiny-dense"}, adapters[name])
+            admin.deploy({"name": name, "backbone": "tiny-dense"} | ({"shared_base": False} if name in own_pass
+                                                                      else {}), adapters[name])
 
         async def burst():
             async with httpx.AsyncClient(base_url=platform.url, timeout=300,
@@ -46,7 +49,8 @@ def burst_replies(home: Path, models_dir: Path, adapters: dict[str, Path], extra
         keys, replies = asyncio.run(burst())
         assert [r.status_code for r in replies] == [200] * len(replies), [r.text for r in replies]
         texts = {key: reply.json()["text"] for key, reply in zip(keys, replies, strict=True)}
-        return texts, platform, gated_steps(platform)
+        members = {name: {i["shared_base"] for i in admin.describe(name)["instances"]} for name in FUNCTIONS}
+        return texts, platform, {"steps": gated_steps(platform), "members": members}
 
 
 def gated_steps(platform: PlatformProcess) -> dict[str, float]:
@@ -61,15 +65,20 @@ def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_o
                                         base_model_name="tiny-dense")
                 for seed, name in enumerate(FUNCTIONS, start=1)}
     slots = ("--compute-slots", "2")
-    shared, platform, shared_steps = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters,
-                                     (*slots, "--shared-base", "--shared-base-from", "2"))
-    too_few, _, too_few_steps = burst_replies(tmp_path / "too-few", tiny_dense_dir, adapters, (*slots, "--shared-base"))
-    alone, _, _ = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, slots)
+    shared, platform, shared_seen = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters,
+                                                  (*slots, "--shared-base", "--shared-base-from", "2"),
+                                                  own_pass=("gamma",))
+    too_few, _, too_few_seen = burst_replies(tmp_path / "too-few", tiny_dense_dir, adapters, (*slots, "--shared-base"))
+    alone, _, alone_seen = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, slots)
     assert shared == alone and too_few == alone
     assert len({shared[(name, PROMPTS[0])] for name in FUNCTIONS}) == 3  # each function's own adapter answered
     # the step gate switched the members: into the pass from two stepping at once, never with three under six
-    assert shared_steps["shared"] > 0
-    assert too_few_steps["shared"] == 0 and too_few_steps["granted"] > 0
+    assert shared_seen["steps"]["shared"] > 0
+    assert too_few_seen["steps"]["shared"] == 0 and too_few_seen["steps"]["granted"] > 0
+    # a function deployed with shared_base false is never a member; the others are, where the node runs the pass
+    assert shared_seen["members"] == {"alpha": {True}, "beta": {True}, "gamma": {False}}
+    assert too_few_seen["members"] == {name: {True} for name in FUNCTIONS}
+    assert alone_seen["members"] == {name: {False} for name in FUNCTIONS}
 
     daemon_log = platform.home / "logs" / "daemon-tiny-dense.log"
     deadline = time.monotonic() + 30  # the executor logs its counts every 10 s while they change

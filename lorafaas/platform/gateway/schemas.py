@@ -133,6 +133,8 @@ class DeploySpec(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_request_s: float | None = Field(None, ge=0.1, le=MAX_REQUEST_S)
     lora_mode: str | None = Field(None, description="MoE backbones only: remote (the default) or local")
+    shared_base: bool | None = Field(None, description="Whether its steps may join the node's shared base pass "
+                                     "(true, the default, where the node runs one); false: never")
 
 
 class KeyBody(BaseModel):

@@ -69,6 +69,9 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Expert adapters on MoE backbones: "remote" (the node's LoRA server runs the experts' LoRA) or "local" (each
     # instance holds them); None: remote. Refused on dense backbones at deploy.
     lora_mode: str | None = None
+    # Whether its steps may go to the node's shared base pass (`up --shared-base`): false keeps every product of
+    # its backbone in its own process, whatever the load (its activations never leave it)
+    shared_base: bool = True
     version: int = 1  # bumped by each update
     # One deployment of the name: set at deploy, kept by updates, never reused by a redeploy under the same name, so
     # an instance, a log file or a queued request of a deleted function can never be taken for its successor's.
