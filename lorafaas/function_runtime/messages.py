@@ -241,6 +241,8 @@ class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
     text: str  # the new text this token completes (may be empty while a multi-byte character is pending)
     prefill_s: float | None = None  # on the first token: the prefill's forward time (feeds the batching model)
     prefill_batch: int | None = None  # on the first token: how many requests that prefill held
+    # on the first token: that prefill ran in the shared base pass, so its time is the round's, not this function's
+    prefill_shared: bool = False
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 

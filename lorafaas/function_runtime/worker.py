@@ -182,7 +182,7 @@ class WorkerServer:
                     await self._run(self._gate.withdraw)
                 continue
             try:
-                outputs = await self._run(self._step, engine)
+                outputs, shared = await self._run(self._step, engine)
                 self._num_steps += 1
             except Exception as exc:  # a failed forward pass must fail its requests, not the worker
                 log.exception("%s/%s: engine step failed", self.spec.function, self.spec.instance_id)
@@ -203,6 +203,7 @@ class WorkerServer:
                     route.first_token_s = route.first_token_s or now
                     self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text,
                                                      prefill_s=out.prefill_s, prefill_batch=out.prefill_batch,
+                                                     prefill_shared=shared and out.prefill_s is not None,
                                                      logprobs=out.logprobs))
                 if out.finish_reason is not None:
                     del self._routes[out.request_id]
@@ -214,19 +215,20 @@ class WorkerServer:
                         ttft_s=(route.first_token_s or now) - route.arrived_s, e2e_s=now - route.arrived_s,
                     ))
 
-    def _step(self, engine) -> list:
-        """One engine step, on the cores the device's step gate grants (compute thread). An instance in the shared
-        base pass sends the step's backbone products there when the grant says so (always, without a gate), and
-        tells the pass after each step whether another follows."""
+    def _step(self, engine) -> tuple[list, bool]:
+        """One engine step, on the cores the device's step gate grants (compute thread), and whether it ran in the
+        shared base pass: an instance in it sends the step's backbone products there when the grant says so (always,
+        without a gate), and tells the pass after each step whether another follows."""
         base_pass, gate = self.instance.base_pass, self._gate
         if gate is not None:
             if base_pass is not None and not gate.member:
                 gate.declare_member()
             gate.acquire()
+        shared = base_pass is not None and not base_pass.broken and (gate is None or gate.shared)
         if base_pass is not None:
-            base_pass.begin_step(shared=gate is None or gate.shared)
+            base_pass.begin_step(shared=shared)
         try:
-            return engine.step()
+            return engine.step(), shared
         finally:
             again = engine.has_work()
             if gate is not None:

@@ -350,9 +350,12 @@ class NodeAgent:
                          waited_s: float) -> None:
         """T(b) for the batching model: the worker prefills the requests waiting for it together and reports, on a
         request's first token, the forward time and how many the pass held (queueing excluded). An event without
-        them (a request that ended before any token) counts as its dispatch batch taking the time it waited."""
+        them (a request that ended before any token) counts as its dispatch batch taking the time it waited. A
+        prefill run in the shared base pass is not observed: its time is the round's, with other functions' rows."""
         prefill_s = getattr(first, "prefill_s", None)
         together = getattr(first, "prefill_batch", None)
+        if getattr(first, "prefill_shared", False):  # the round's time (other functions' rows), not T(b) of its own
+            return
         if prefill_s is not None and together:
             self.scheduler.observe_prefill(spec.name, spec.slo_ttft_ms / 1e3, together, prefill_s)
         else:
