@@ -138,12 +138,17 @@ def test_shared_steps_and_core_holders_never_overlap_and_neither_starves_the_oth
     assert grants.done("outsider") == [("a", SHARED_PASS), ("b", SHARED_PASS)]
 
 
-def test_a_member_that_goes_stops_counting_towards_the_pass() -> None:
+def two_members_stepping() -> CoreGrants:
+    """a holds both cores, b waits: two members asked, so the pass is on from the next grant."""
     grants = CoreGrants(cores=2, shared_from=2)
-    grants.join("a")
-    grants.join("b")
-    grants.want("a")
-    grants.want("b")
+    for member in "ab":
+        grants.join(member)
+        grants.want(member)
+    return grants
+
+
+def test_a_member_that_goes_stops_counting_towards_the_pass() -> None:
+    grants = two_members_stepping()
     assert grants.sharing(0.0)
     grants.gone("b")
     assert not grants.sharing(0.0)
@@ -151,11 +156,7 @@ def test_a_member_that_goes_stops_counting_towards_the_pass() -> None:
 
 
 def test_a_worker_that_never_joined_is_never_granted_the_shared_pass() -> None:
-    grants = CoreGrants(cores=2, shared_from=2)
-    grants.join("a")
-    grants.join("b")
-    grants.want("a")
-    grants.want("b")
+    grants = two_members_stepping()
     grants.want("c")  # not a member: it waits for cores however many members step
     assert all(threads != SHARED_PASS for who, threads in grants.done("a") + grants.done("b") if who == "c")
     assert grants.holding == 1
