@@ -52,7 +52,6 @@ class BasePassClient:
         self.alone = False  # this pass runs here (the executor said ALONE)
         self.local = False  # this step runs here (the step gate granted cores, not the shared pass)
         self._awaited = False  # the executor was told another step follows: it may hold a round for this member
-        self.next_key = 0
         self.num_calls = 0
         self.num_alone_passes = 0
         name = str(dtype).removeprefix("torch.")
@@ -120,7 +119,7 @@ class BasePassClient:
 
     def end_step(self, again: bool) -> None:
         """After each engine step: whether this instance has another step to run."""
-        self.alone, self.next_key = False, 0
+        self.alone = False
         if not self.local:
             self._end(again)
         self.local = False

@@ -54,7 +54,7 @@ class ComputeGate:
         self.path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid = peer_pid(writer)
+        pid = socket_peer_pid(writer.get_extra_info("socket"))
         if pid is None or pid in self._writers or not self.is_worker(pid):
             log.warning("step gate: refused a connection from pid %s (not a worker of this agent, or its second)", pid)
             writer.close()
@@ -94,7 +94,3 @@ class ComputeGate:
                 self._send(self.grants.gone(pid, time.monotonic()))
                 continue
             writer.write(bytes([SHARED | self.grants.base_threads if threads == SHARED_PASS else threads]))
-
-
-def peer_pid(writer: asyncio.StreamWriter) -> int | None:
-    return socket_peer_pid(writer.get_extra_info("socket"))
