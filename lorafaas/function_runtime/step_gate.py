@@ -7,6 +7,7 @@ The node agent serves the gate on a Unix socket (`lorafaas.platform.compute_gate
                      DONE   the step ended                            with SHARED set: in the shared base pass
                      NEXT   the step ended, and the next is wanted (the reply is the next grant)
                      MEMBER this instance is in the device's shared base pass (once, before its first WANT)
+                     LEAVE  it is not any more (its executor went away): cores for its steps from now on
 
 After NEXT the worker reads its grant before anything else; if it has no step to run by then it says DONE at once.
 A grant with SHARED set (`lorafaas.scheduler.core_grants`, "the shared base pass") sends this step's backbone
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-WANT, DONE, NEXT, MEMBER = b"w", b"d", b"n", b"m"
+WANT, DONE, NEXT, MEMBER, LEAVE = b"w", b"d", b"n", b"m", b"l"
 SHARED = 0x80  # the flag on a grant's byte
 
 
@@ -66,6 +67,15 @@ class StepGate:
         if self._sock is not None:
             try:
                 self._sock.sendall(MEMBER)
+            except OSError as exc:
+                self._fail(exc)
+
+    def leave_pass(self) -> None:
+        """This instance computes every step itself from now on (its base pass broke): no more SHARED grants."""
+        self.member = False
+        if self._sock is not None:
+            try:
+                self._sock.sendall(LEAVE)
             except OSError as exc:
                 self._fail(exc)
 

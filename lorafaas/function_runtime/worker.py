@@ -221,8 +221,10 @@ class WorkerServer:
         without a gate), and tells the pass after each step whether another follows."""
         base_pass, gate = self.instance.base_pass, self._gate
         if gate is not None:
-            if base_pass is not None and not gate.member:
+            if base_pass is not None and not base_pass.broken and not gate.member:
                 gate.declare_member()
+            elif base_pass is not None and base_pass.broken and gate.member:  # a SHARED grant would be unaccounted
+                gate.leave_pass()
             gate.acquire()
         shared = base_pass is not None and not base_pass.broken and (gate is None or gate.shared)
         if base_pass is not None:

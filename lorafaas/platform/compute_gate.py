@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafaas.function_runtime.step_gate import DONE, MEMBER, NEXT, SHARED, WANT
+from lorafaas.function_runtime.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
 from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
@@ -68,6 +68,8 @@ class ComputeGate:
                     self._send(self.grants.done(pid, again=byte == NEXT, now_s=time.monotonic()))
                 elif byte == MEMBER and self.is_member(pid):
                     self.grants.join(pid)
+                elif byte == LEAVE:
+                    self._send(self.grants.leave(pid, time.monotonic()))
                 elif byte == MEMBER:  # shared grants to a process outside the pass would take cores unaccounted
                     log.warning("step gate: pid %d says it is in the shared base pass, and is not; hanging up", pid)
                     break

@@ -72,6 +72,11 @@ class CoreGrants:
         """`holder` is a member of the device's base pass: its steps may be granted as SHARED_PASS."""
         self._members.setdefault(holder, -math.inf)
 
+    def leave(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
+        """`holder` is no longer a member (its pass went away): cores for its steps from now on."""
+        self._members.pop(holder, None)
+        return self._grant(now_s)
+
     def sharing(self, now_s: float) -> bool:
         """Whether members' steps go to the shared base pass now: enough of them are stepping."""
         if self.shared_from is None:

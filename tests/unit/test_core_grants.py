@@ -155,6 +155,13 @@ def test_a_member_that_goes_stops_counting_towards_the_pass() -> None:
     assert grants.done("a", again=True) == [("a", 2)]
 
 
+def test_a_member_that_leaves_the_pass_gets_cores_again_and_stops_counting() -> None:
+    grants = two_members_stepping()
+    assert grants.leave("b") == []  # b's pass broke; a still holds both cores
+    assert not grants.sharing(0.0)
+    assert grants.done("a", again=True) == [("b", 1), ("a", 1)]  # cores for both, as for any two workers
+
+
 def test_a_worker_that_never_joined_is_never_granted_the_shared_pass() -> None:
     grants = two_members_stepping()
     grants.want("c")  # not a member: it waits for cores however many members step

@@ -75,3 +75,24 @@ def test_a_worker_outside_the_pass_that_claims_it_is_hung_up_on_and_computes_ung
     on_loop(lambda: grants.want("a member", time.monotonic()))
     assert not on_loop(lambda: grants.sharing(time.monotonic()))  # the claim counted for nothing
     assert grants.num_shared == 0
+
+
+def test_a_member_whose_pass_broke_leaves_it_and_is_granted_cores(gate_server) -> None:
+    gate_of, on_loop = gate_server
+    grants = CoreGrants(cores=2, shared_from=2)
+    gate = gate_of(True, grants)
+    worker = StepGate(str(gate.path))
+    worker.declare_member()
+    worker.acquire()
+    worker.release(again=False)
+    worker.leave_pass()  # its executor went away: it computes every step itself
+    deadline = time.monotonic() + 10
+    while on_loop(lambda: os.getpid() in grants._members) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    on_loop(lambda: grants.join("another member"))
+    on_loop(lambda: grants.want("another member", time.monotonic()))  # one member stepping: cores for it too
+    assert not on_loop(lambda: grants.sharing(time.monotonic()))
+    on_loop(lambda: grants.done("another member"))
+    worker.acquire()
+    assert not worker.shared and worker.threads == 2  # cores of its own, not a SHARED grant
+    worker.release(again=False)
