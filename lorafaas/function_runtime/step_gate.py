@@ -63,19 +63,17 @@ class StepGate:
 
     def declare_member(self) -> None:
         """This instance joined the device's shared base pass: its grants may say SHARED from now on."""
-        self.member = True
-        if self._sock is not None:
-            try:
-                self._sock.sendall(MEMBER)
-            except OSError as exc:
-                self._fail(exc)
+        self._set_member(True)
 
     def leave_pass(self) -> None:
         """This instance computes every step itself from now on (its base pass broke): no more SHARED grants."""
-        self.member = False
+        self._set_member(False)
+
+    def _set_member(self, member: bool) -> None:
+        self.member = member  # a gate not connected yet hears it on connecting
         if self._sock is not None:
             try:
-                self._sock.sendall(LEAVE)
+                self._sock.sendall(MEMBER if member else LEAVE)
             except OSError as exc:
                 self._fail(exc)
 

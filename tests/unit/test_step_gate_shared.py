@@ -44,15 +44,22 @@ def gate_server(tmp_path: Path):
     thread.join(timeout=10)
 
 
-def test_a_member_is_granted_its_steps_in_the_shared_pass_once_enough_members_step(gate_server) -> None:
-    gate_of, on_loop = gate_server
+def member_that_stepped(gate_server) -> tuple[CoreGrants, StepGate]:
+    """A worker the agent started in the pass, connected, that has run one step: alone, so on every core."""
+    gate_of, _ = gate_server
     grants = CoreGrants(cores=2, shared_from=2)
     gate = gate_of(True, grants)
     worker = StepGate(str(gate.path))
     worker.declare_member()
-    worker.acquire()  # the only member stepping: cores of its own, every core (it computes alone)
+    worker.acquire()
     assert (worker.shared, worker.threads) == (False, 2)
     worker.release(again=False)
+    return grants, worker
+
+
+def test_a_member_is_granted_its_steps_in_the_shared_pass_once_enough_members_step(gate_server) -> None:
+    on_loop = gate_server[1]
+    grants, worker = member_that_stepped(gate_server)
     deadline = time.monotonic() + 10
     while on_loop(lambda: grants.holding) and time.monotonic() < deadline:  # the gate read its DONE
         time.sleep(0.01)
@@ -78,13 +85,8 @@ def test_a_worker_outside_the_pass_that_claims_it_is_hung_up_on_and_computes_ung
 
 
 def test_a_member_whose_pass_broke_leaves_it_and_is_granted_cores(gate_server) -> None:
-    gate_of, on_loop = gate_server
-    grants = CoreGrants(cores=2, shared_from=2)
-    gate = gate_of(True, grants)
-    worker = StepGate(str(gate.path))
-    worker.declare_member()
-    worker.acquire()
-    worker.release(again=False)
+    on_loop = gate_server[1]
+    grants, worker = member_that_stepped(gate_server)
     worker.leave_pass()  # its executor went away: it computes every step itself
     deadline = time.monotonic() + 10
     while on_loop(lambda: os.getpid() in grants._members) and time.monotonic() < deadline:
