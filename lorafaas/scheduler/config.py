@@ -29,9 +29,10 @@ class SchedulerConfig:
     # `preload_seeds` most valuable closures, keeping the best plan (0 turns it off)
     preload_seeded_max_functions: int = 32
     preload_seeds: int = 3
-    # the device tier takes new device memory only for functions expected within this horizon (rate x horizon >= 1):
-    # an idle device holds billed memory, the host tier does not, and a function expected less often than this
-    # pays more for its copy than a load from host memory costs it (docs/scheduler.md, "Idle cost"); 0: no limit
+    # the device tier takes new device memory only for functions whose backbone's functions are together expected
+    # within this horizon (summed rate x horizon >= 1: the copy serves them all): an idle device holds billed memory,
+    # the host tier does not, and a copy expected less often than this costs more idle than a load from host memory
+    # costs its next start (docs/scheduler.md, "Idle cost"); 0: no limit
     device_preload_horizon_s: float = 600.0
 
     # arrival rates: exponentially decaying event count with time constant `rate_window_s`

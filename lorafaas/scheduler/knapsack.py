@@ -33,8 +33,9 @@ class GreedyKnapsack:
     """One solve of one view; state in parallel lists indexed by function (sorted by name: deterministic)."""
 
     def __init__(self, view: ClusterView, device_horizon_s: float = 0.0) -> None:
-        """`device_horizon_s` > 0: a closure that takes new device memory is open only to functions expected within
-        it (rate x horizon >= 1); binding to a backbone copy already there takes none (SchedulerConfig)."""
+        """`device_horizon_s` > 0: a closure that takes new device memory is open only to functions whose backbone's
+        functions (not being invoked) are together expected within it (summed rate x horizon >= 1); binding to a
+        backbone copy already there takes none (SchedulerConfig)."""
         invoked = view.invoked
         self.pinned = tuple(r for r in view.resident if r.function in invoked)
         self.names = names = sorted(f for f in view.functions if f not in invoked)
@@ -64,7 +65,13 @@ class GreedyKnapsack:
 
         # values (-1: not pre-loadable there) and weights
         rates = [p.arrival_rate_per_s for p in profiles]
-        self.device_ok = [device_horizon_s <= 0 or r * device_horizon_s >= 1 - 1e-9 for r in rates]
+        # a backbone's copy on a device serves every function bound to it, so the horizon counts their arrivals
+        # together: four functions of one backbone, each expected every 20 minutes, keep it (and their small
+        # adapters and warm-ups beside it) on the device (docs/scheduler.md, "Idle cost")
+        backbone_rate = [0.0] * len(self.fns_of_bb)
+        for i, b in enumerate(bb_of):
+            backbone_rate[b] += rates[i]
+        self.device_ok = [device_horizon_s <= 0 or backbone_rate[b] * device_horizon_s >= 1 - 1e-9 for b in bb_of]
 
         def table(field: str) -> tuple[list[float], list[int]]:
             costs = [getattr(p.costs, field) for p in profiles]

@@ -193,9 +193,23 @@ def test_the_device_tier_takes_memory_only_for_functions_expected_within_the_hor
 
 
 def test_beyond_the_horizon_a_function_still_binds_to_a_backbone_copy_already_there() -> None:
-    # binding to a's copy of backbone x takes no device memory; b's own adapter would, so it stays in host memory
+    # a runs on d0 (its copy of x is pinned there); b, once an hour, is not expected within the horizon: binding to
+    # a's copy takes no device memory, b's own adapter would, so it stays in host memory
     fns = [fn("a", backbone="x", rate=1 / 60), fn("b", backbone="x", rate=1 / 3600)]
-    p = plan(view(fns, devices=[("d0", 100, 0)]), device_preload_horizon_s=600.0)
-    assert kinds_of(p.target, "a")["backbone"] == ("device", "d0")
+    resident = [res("a", "backbone", "device", "d0", slot="s0")]
+    p = plan(view(fns, devices=[("d0", 100, 10)], resident=resident, invoked=["a"]), device_preload_horizon_s=600.0)
     assert kinds_of(p.target, "b")["backbone"] == ("device", "d0")
     assert kinds_of(p.target, "b")["adapter"] == ("host", None)
+    assert "warmup" not in kinds_of(p.target, "b")
+
+
+def test_the_horizon_counts_the_arrivals_of_every_function_a_backbone_copy_would_serve() -> None:
+    # x's four functions, each every 20 minutes (0.5 expected within 600 s), are together expected twice: its copy
+    # and their adapters and warm-ups go to the device. y's one function at the same rate stays in host memory.
+    fns = [fn(f"x{k}", backbone="x", rate=1 / 1200) for k in range(4)] + [fn("y0", backbone="y", rate=1 / 1200)]
+    p = plan(view(fns, devices=[("d0", 100, 0)]), device_preload_horizon_s=600.0)
+    for k in range(4):
+        assert kinds_of(p.target, f"x{k}") == {"libraries": ("host", None), "backbone": ("device", "d0"),
+                                               "adapter": ("device", "d0"), "warmup": ("device", "d0")}
+    assert kinds_of(p.target, "y0") == {"libraries": ("host", None), "backbone": ("host", None),
+                                        "adapter": ("host", None)}
