@@ -44,7 +44,8 @@ def replay(
     simulate: bool = typer.Option(False, "--simulate", help="Simulate a cluster instead of driving a platform."),
     cluster: str = typer.Option("local", "--cluster", help="Simulator: `paper`, `local` or a cluster YAML path."),
     policy: list[str] = typer.Option([], "--policy", help="Simulator policy (repeatable; `all`): lorafaas, "
-                                                          "no-sharing, no-preload, no-offload, fixed-batch-1, ..."),
+                                                          "no-sharing, no-preload, no-offload, fixed-batch-1, ...; "
+                                                          "lorafaas-shared (CPU clusters: the shared base pass)"),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
 ) -> None:
     """Replay an Azure trace against a running platform (or a simulated cluster) and write a report."""

@@ -66,6 +66,18 @@ class PriceSheet:
 
 
 @dataclass(frozen=True)
+class SharedBaseSpec:
+    """The shared base pass on a CPU device (`up --shared-base`): once `from_members` instances decode at once, the
+    backbone daemon computes their base products in one pass a round, and each of them one step a round. A round
+    over n members and R rows takes round_s + per_member_s x n + per_row_s x R (calibrated by `bench serve`)."""
+
+    from_members: int  # the step gate's threshold (`up --shared-base-from`; 3 per compute slot by default)
+    round_s: float
+    per_member_s: float  # each member's own part (attention, norms, LoRA, sampling, its calls) on the shared cores
+    per_row_s: float
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     name: str
     device_kind: str
@@ -101,6 +113,7 @@ class ClusterSpec:
     strict_compute: bool = False  # the agent's --strict-compute (admission's strict compute)
     # CPU: the step gate gives an instance computing alone every core; it then runs this much faster (1.0: not modelled)
     lone_speedup: float = 1.0
+    shared_base: SharedBaseSpec | None = None  # CPU: the shared base pass's model (None: the cluster has none)
 
     @property
     def num_devices(self) -> int:
@@ -225,6 +238,10 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         price.number("per_request", 0.0),
         price.text("currency", "USD"),
     )
+    shared_base = _shared_base(dev.sub("shared_base")) if dev.has("shared_base") else None
+    if shared_base is not None and dev.get("kind", "gpu") != "cpu":
+        raise ClusterInvalid(f"{where}.device.shared_base is for a CPU device (the backbone daemon's executor); "
+                             f"this device is kind {dev.get('kind', 'gpu')!r}")
     memory = int(dev.number("memory_gb", low=1e-3) * GB)
     largest = max(b.size_bytes for b in backbones.values())
     if largest + loading.instance_overhead_bytes > memory:
@@ -262,9 +279,21 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         top.number("deploy_lead_s", 0.0, 0.0, 86_400.0),
         _flag(dev, "strict_compute", False),
         dev.number("lone_speedup", 1.0, 1.0, 64.0),
+        shared_base,
     )
     for fields in (*checked, dev, load, price):
         fields.check_known()
+    return spec
+
+
+def _shared_base(fields: _Fields) -> SharedBaseSpec:
+    spec = SharedBaseSpec(
+        fields.integer("from_members", low=2, high=100_000),
+        fields.number("round_ms", low=1e-3) / 1e3,
+        fields.number("per_member_ms") / 1e3,
+        fields.number("per_row_ms") / 1e3,
+    )
+    fields.check_known()
     return spec
 
 

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lorafaas.errors import ClusterInvalid
 from lorafaas.replay.results import RequestResult
 from lorafaas.replay.sim.admission import SimAdmission
 from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
@@ -81,6 +82,9 @@ class Simulator:
         """`background`: (time s, runnable threads of other programs) from then on, e.g. measured by
         `lorafaas.replay.cpuload` during a live run (a CPU device with `cores` shares them)."""
         self.cluster, self.policy, self.workload = cluster, policy, workload
+        if policy.shared_base and cluster.shared_base is None:
+            raise ClusterInvalid(f"policy {policy.name!r} runs the shared base pass, and cluster {cluster.name!r} has "
+                                 "no model of it (device.shared_base: a CPU cluster's, e.g. `local`)")
         samples = sorted(background)
         self.background_at_s = [t for t, _ in samples]
         self.background_threads = [max(0.0, b) for _, b in samples]

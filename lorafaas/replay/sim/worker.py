@@ -130,13 +130,19 @@ class WorkerModel:
 
     def retime(self, device: DeviceState) -> None:
         """The device's load moved: each decoding instance keeps the steps it made at the old rate and goes on at
-        the new one; its next completion event is rescheduled."""
+        the new one; its next completion event is rescheduled. With the shared base pass and at least its threshold
+        of instances decoding, every one of them makes one step a round (`CostModel.shared_round_s`)."""
         sim = self.sim
         slow = sim.slowdown(device)
+        spec = sim.cluster.shared_base
+        round_s = None
+        if sim.policy.shared_base and spec is not None and len(device.decoding) >= spec.from_members:
+            rows = sum(len(inst.rows) for inst in device.decoding)
+            round_s = sim.costs.shared_round_s(len(device.decoding), rows, sim.background_threads_now())
         for inst in device.decoding:
             self._advance(inst)
             backbone = sim.costs.backbone(sim.fns[inst.function].spec)
-            inst.step_s = sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
+            inst.step_s = round_s or sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
             sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, "done", (inst, inst.done_token))

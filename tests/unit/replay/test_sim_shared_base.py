@@ -1,0 +1,96 @@
+"""The simulator's model of the shared base pass (`up --shared-base`, `ClusterSpec.shared_base`): from the step gate's
+threshold of instances decoding on a CPU device, each makes one step per round of the pass, and a round's time
+follows the members and rows in it; below the threshold nothing changes."""
+
+from dataclasses import replace
+
+import pytest
+
+from lorafaas.errors import ClusterInvalid
+from lorafaas.replay.sim.cluster import SharedBaseSpec, load_cluster, parse_cluster
+from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.policies import POLICIES, resolve_policies
+from lorafaas.replay.sim.runner import simulate
+from lorafaas.replay.workload import Request, Workload
+
+# round 50 ms + 10 ms a member + 2 ms a row: far from the 62.6 ms one-thread step, so a step of either kind shows
+PASS = SharedBaseSpec(from_members=2, round_s=0.050, per_member_s=0.010, per_row_s=0.002)
+LOCAL = replace(load_cluster("local"), lone_speedup=1.0, shared_base=PASS)
+COSTS = CostModel(LOCAL)
+SMOL = LOCAL.backbones["smollm2-135m"]
+
+
+def _work(*items: tuple[float, str, int, int]) -> Workload:
+    reqs = tuple(Request(t, "t", fn, p, o) for t, fn, p, o in items)
+    return Workload(reqs, max(r.arrival_s for r in reqs) + 1)
+
+
+# pirate and haiku warm from their first requests; at 30 s one request each, 41 tokens: a pass each, then 40 steps
+TWO_AT_ONCE = _work((0.0, "pirate", 10, 2), (0.0, "haiku", 10, 2), (30.0, "pirate", 10, 41), (30.0, "haiku", 10, 41))
+
+
+def test_from_the_threshold_every_member_makes_one_step_a_round() -> None:
+    out, _ = simulate(TWO_AT_ONCE, LOCAL, POLICIES["lorafaas-shared"])
+    pass_s = COSTS.prefill_pass_s(SMOL, [10]) * COSTS.contention(2)
+    round_s = COSTS.shared_round_s(members=2, rows=2)
+    assert round_s == pytest.approx(0.050 + 2 * 0.010 + 2 * 0.002)
+    for res in out.results[2:]:
+        assert res.e2e_s == pytest.approx(pass_s + 40 * round_s + LOCAL.request_overhead_s)
+    # without the pass, each instance steps on its own at the one-thread step (two on two cores: no slowdown)
+    alone, _ = simulate(TWO_AT_ONCE, LOCAL, POLICIES["lorafaas"])
+    for res in alone.results[2:]:
+        assert res.e2e_s == pytest.approx(pass_s + 40 * COSTS.decode_step_s(SMOL, 1) + LOCAL.request_overhead_s)
+
+
+def test_below_the_threshold_the_pass_changes_nothing() -> None:
+    three = replace(LOCAL, shared_base=replace(PASS, from_members=3))
+    shared, _ = simulate(TWO_AT_ONCE, three, POLICIES["lorafaas-shared"])
+    plain, _ = simulate(TWO_AT_ONCE, three, POLICIES["lorafaas"])
+    assert [(r.ttft_s, r.e2e_s) for r in shared.results] == [(r.ttft_s, r.e2e_s) for r in plain.results]
+    assert shared.cost == plain.cost
+
+
+def test_other_programs_threads_slow_a_round_by_their_share_of_the_cores() -> None:
+    assert COSTS.shared_round_s(8, 8, background_threads=2.0) == pytest.approx(2 * COSTS.shared_round_s(8, 8))
+    assert COSTS.shared_round_s(8, 8, background_threads=0.0) == pytest.approx(0.050 + 8 * 0.010 + 8 * 0.002)
+
+
+def test_the_pass_is_refused_on_a_cluster_without_its_model_and_left_out_of_all() -> None:
+    with pytest.raises(ClusterInvalid, match="shared_base"):
+        simulate(TWO_AT_ONCE, load_cluster("paper"), POLICIES["lorafaas-shared"])
+    assert "lorafaas-shared" not in {p.name for p in resolve_policies(["all"])}
+    assert resolve_policies(["lorafaas-shared"]) == [POLICIES["lorafaas-shared"]]
+
+
+def test_the_shipped_cpu_cluster_models_the_pass_at_the_agents_threshold() -> None:
+    spec = load_cluster("local").shared_base
+    assert spec is not None and spec.from_members == 6  # SHARED_BASE_FROM_PER_SLOT (3) x 2 compute slots
+    assert load_cluster("paper").shared_base is None
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"from_members": 1, "round_ms": 50, "per_member_ms": 10, "per_row_ms": 2}, "from_members is 1"),
+    ({"from_members": 2, "round_ms": 50, "per_member_ms": 10}, "per_row_ms is missing"),
+    ({"from_members": 2, "round_ms": 50, "per_member_ms": 10, "per_row_ms": 2, "rows": 3}, "unknown key"),
+])
+def test_a_bad_model_of_the_pass_is_refused_by_name(block: dict, message: str) -> None:
+    data = _local_yaml()
+    data["device"]["shared_base"] = block
+    with pytest.raises(ClusterInvalid, match=message):
+        parse_cluster(data, "test.yaml")
+
+
+def test_the_pass_is_refused_on_a_gpu_device() -> None:
+    data = _local_yaml()
+    data["device"] = {"kind": "gpu", "memory_gb": 8,
+                      "shared_base": {"from_members": 2, "round_ms": 50, "per_member_ms": 10, "per_row_ms": 2}}
+    with pytest.raises(ClusterInvalid, match="for a CPU device"):
+        parse_cluster(data, "test.yaml")
+
+
+def _local_yaml() -> dict:
+    from importlib import resources
+
+    import yaml
+
+    return yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
