@@ -239,9 +239,10 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         price.text("currency", "USD"),
     )
     shared_base = _shared_base(dev.sub("shared_base")) if dev.has("shared_base") else None
-    if shared_base is not None and dev.get("kind", "gpu") != "cpu":
-        raise ClusterInvalid(f"{where}.device.shared_base is for a CPU device (the backbone daemon's executor); "
-                             f"this device is kind {dev.get('kind', 'gpu')!r}")
+    if shared_base is not None and (dev.get("kind", "gpu") != "cpu" or not dev.has("cores")):
+        raise ClusterInvalid(f"{where}.device.shared_base is for a CPU device with `cores` (the backbone daemon's "
+                             f"executor shares them); this device is kind {dev.get('kind', 'gpu')!r}"
+                             f"{'' if dev.has('cores') else ', without cores'}")
     memory = int(dev.number("memory_gb", low=1e-3) * GB)
     largest = max(b.size_bytes for b in backbones.values())
     if largest + loading.instance_overhead_bytes > memory:

@@ -80,11 +80,13 @@ def test_a_bad_model_of_the_pass_is_refused_by_name(block: dict, message: str) -
         parse_cluster(data, "test.yaml")
 
 
-def test_the_pass_is_refused_on_a_gpu_device() -> None:
+@pytest.mark.parametrize("device", [{"kind": "gpu", "memory_gb": 8}, {"kind": "cpu", "memory_gb": 8}],
+                         ids=["gpu", "cpu-without-cores"])
+def test_the_pass_is_refused_on_a_device_without_cores(device: dict) -> None:
     data = _local_yaml()
-    data["device"] = {"kind": "gpu", "memory_gb": 8,
+    data["device"] = {**device,
                       "shared_base": {"from_members": 2, "round_ms": 50, "per_member_ms": 10, "per_row_ms": 2}}
-    with pytest.raises(ClusterInvalid, match="for a CPU device"):
+    with pytest.raises(ClusterInvalid, match="for a CPU device with `cores`"):
         parse_cluster(data, "test.yaml")
 
 
