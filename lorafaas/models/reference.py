@@ -16,15 +16,16 @@ class ReferenceOutput:
     token_ids: list[int]
 
 
-def load_backbone(model_dir: Path):
-    """(model, tokenizer) in float32 and eval mode, loaded privately from a store entry or any HF directory."""
+def load_backbone(model_dir: Path, dtype: str = "float32"):
+    """(model, tokenizer) in `dtype` (float32 unless asked) and eval mode, loaded privately from a store entry or any
+    HF directory."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.eval(), tokenizer
 
 

@@ -102,3 +102,29 @@ def test_two_functions_interleaved_and_eight_concurrent_requests_equal_alone(lau
 
     alone, together = asyncio.run(scenario())
     assert together == alone
+
+
+def test_a_bf16_copy_of_the_backbone_through_the_runtime_equals_peft_in_bf16(launcher, smollm2_store) -> None:
+    """The bf16 option (`backbone convert --dtype bfloat16`): every demo adapter's greedy tokens through a real worker
+    on the copy equal PEFT's (unmerged) on the same bf16 weights."""
+    from lorafaas.formats.backbone_dtype import convert_backbone
+
+    manifest, _ = convert_backbone(smollm2_store, "smollm2-135m-bf16", "smollm2-135m", "bfloat16")
+    assert manifest.dtypes == ("BF16",)
+    references = {}
+    for adapter in DEMO_ADAPTERS:
+        model, tokenizer = load_backbone(smollm2_store.path("smollm2-135m-bf16"), dtype="bfloat16")
+        peft_model = with_adapter(model, adapter)
+        for prompt in PROMPTS:
+            references[adapter.name, prompt] = greedy_generate(peft_model, tokenizer, prompt, MAX_TOKENS).token_ids
+    instances = {a.name: launcher.launch(launcher.spec(a.name, "smollm2-135m-bf16", a)) for a in DEMO_ADAPTERS}
+
+    async def serve_all():
+        outputs = {}
+        for name, instance in instances.items():
+            async with await instance.connect() as worker:
+                for i, prompt in enumerate(PROMPTS):
+                    outputs[name, prompt] = await token_ids(worker, chat(f"{name}-bf16-{i}", prompt))
+        return outputs
+
+    assert asyncio.run(serve_all()) == references
