@@ -50,18 +50,23 @@ def test_there_are_three_demo_adapters() -> None:
     assert len(DEMO_ADAPTERS) == 3
 
 
-def test_every_demo_adapter_through_the_runtime_equals_peft_merged(launcher, merged_references) -> None:
-    instances = {a.name: launcher.launch(launcher.spec(a.name, "smollm2-135m", a)) for a in DEMO_ADAPTERS}
+def served_greedy(launcher, backbone: str) -> dict[tuple[str, str], list[int]]:
+    """Every demo adapter's greedy tokens for every prompt, each adapter in a real worker on `backbone`."""
+    instances = {a.name: launcher.launch(launcher.spec(a.name, backbone, a)) for a in DEMO_ADAPTERS}
 
     async def serve_all():
         outputs = {}
         for name, instance in instances.items():
             async with await instance.connect() as worker:
                 for i, prompt in enumerate(PROMPTS):
-                    outputs[name, prompt] = await token_ids(worker, chat(f"{name}-{i}", prompt))
+                    outputs[name, prompt] = await token_ids(worker, chat(f"{name}-{backbone}-{i}", prompt))
         return outputs
 
-    outputs = asyncio.run(serve_all())
+    return asyncio.run(serve_all())
+
+
+def test_every_demo_adapter_through_the_runtime_equals_peft_merged(launcher, merged_references) -> None:
+    outputs = served_greedy(launcher, "smollm2-135m")
     assert outputs == merged_references
     assert len({tuple(v) for v in outputs.values()}) == len(outputs), "every function answers differently"
 
@@ -117,14 +122,4 @@ def test_a_bf16_copy_of_the_backbone_through_the_runtime_equals_peft_in_bf16(lau
         peft_model = with_adapter(model, adapter)
         for prompt in PROMPTS:
             references[adapter.name, prompt] = greedy_generate(peft_model, tokenizer, prompt, MAX_TOKENS).token_ids
-    instances = {a.name: launcher.launch(launcher.spec(a.name, "smollm2-135m-bf16", a)) for a in DEMO_ADAPTERS}
-
-    async def serve_all():
-        outputs = {}
-        for name, instance in instances.items():
-            async with await instance.connect() as worker:
-                for i, prompt in enumerate(PROMPTS):
-                    outputs[name, prompt] = await token_ids(worker, chat(f"{name}-bf16-{i}", prompt))
-        return outputs
-
-    assert asyncio.run(serve_all()) == references
+    assert served_greedy(launcher, "smollm2-135m-bf16") == references
