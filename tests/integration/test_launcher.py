@@ -47,3 +47,27 @@ def test_workers_forked_by_the_zygote_die_with_it(tmp_path, tiny_dense_dir) -> N
         while any(process_alive(pid, ticks) for pid, ticks in started.items()):
             assert time.monotonic() < deadline, "a worker outlived its zygote by 30 s"
             time.sleep(0.05)
+
+
+def test_nothing_starts_once_the_launcher_is_closing(tmp_path, tiny_dense_dir) -> None:
+    """A start that reaches the launcher after `close` began (the node agent stopping while an async invocation asked
+    for an instance) is refused: before, it started a new zygote that nobody stopped."""
+    import pytest
+
+    from lorafaas.errors import PlatformUnavailable
+
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    launcher = LocalLauncher(tmp_path)
+    worker = launcher.launch(launcher.spec("fn-0", "tiny-dense", None, shared=False))
+    started = {pid: process_start_ticks(pid) for pid in (launcher.zygote_pid, worker.pid)}
+    launcher.close()
+    for fresh in (False, True):
+        with pytest.raises(PlatformUnavailable, match="closing"):
+            launcher.launch(launcher.spec("fn-1", "tiny-dense", None, shared=False), fresh=fresh)
+    with pytest.raises(PlatformUnavailable, match="closing"):
+        launcher.start_zygote()
+    assert launcher.zygote_pid is None and launcher.instances == []
+    deadline = time.monotonic() + 30
+    while any(process_alive(pid, ticks) for pid, ticks in started.items()):
+        assert time.monotonic() < deadline, "the zygote or its worker outlived close() by 30 s"
+        time.sleep(0.05)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import DaemonUnavailable, LorafaasError
+from lorafaas.errors import DaemonUnavailable, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
@@ -368,7 +368,14 @@ class LocalLauncher:
 
     def start_zygote(self) -> None:
         with self._lock:
+            self._refuse_if_closing()
             self._start_zygote()
+
+    def _refuse_if_closing(self) -> None:
+        """After `close` began, nothing starts: a zygote or worker started then would outlive the launcher (a start
+        racing the node agent's stop left an orphaned zygote behind)."""
+        if self._closing.is_set():
+            raise PlatformUnavailable("the node's launcher is closing; no instance starts")
 
     def _start_zygote(self) -> None:
         if self._zygote is None or self._zygote.poll() is not None:
@@ -412,21 +419,30 @@ class LocalLauncher:
         private_dir(self.log_dir)
         private_dir(log_path.parent)
         if fresh:
+            with self._lock:
+                self._refuse_if_closing()
             process = start_fresh_worker(spec, log_path)
             handle = InstanceHandle(spec, process.pid, log_path, process)
         else:
             self.start_zygote()
             handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
-        self.instances.append(handle)
+        with self._lock:
+            closing = self._closing.is_set()
+            if not closing:
+                self.instances.append(handle)
+        if closing:  # `close` began while it started: it would not see this worker
+            handle.kill()
+            raise PlatformUnavailable("the node's launcher closed while an instance started; it was stopped")
         self._write_record()
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
 
     def close(self) -> None:
-        self._closing.set()  # the supervisor restarts nothing from now on
-        for instance in self.instances:
+        with self._lock:
+            self._closing.set()  # nothing starts from now on, nor does the supervisor restart anything
+            instances, self.instances = list(self.instances), []
+        for instance in instances:
             instance.kill()
-        self.instances.clear()
         if self._zygote is not None:
             self._zygote.terminate()
             try:
