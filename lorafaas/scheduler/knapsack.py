@@ -68,9 +68,7 @@ class GreedyKnapsack:
         # a backbone's copy on a device serves every function bound to it, so the horizon counts their arrivals
         # together: four functions of one backbone, each expected every 20 minutes, keep it (and their small
         # adapters and warm-ups beside it) on the device (docs/scheduler.md, "Idle cost")
-        backbone_rate = [0.0] * len(self.fns_of_bb)
-        for i, b in enumerate(bb_of):
-            backbone_rate[b] += rates[i]
+        backbone_rate = [sum(rates[i] for i in fns) for fns in self.fns_of_bb]
         self.device_ok = [device_horizon_s <= 0 or backbone_rate[b] * device_horizon_s >= 1 - 1e-9 for b in bb_of]
 
         def table(field: str) -> tuple[list[float], list[int]]:
