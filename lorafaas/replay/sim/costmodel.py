@@ -49,15 +49,21 @@ class CostModel:
         """One round of the shared base pass (`ClusterSpec.shared_base`): the executor's products over every member's
         rows, then each member's own part, the cores shared; other programs' threads slow it by their share."""
         spec = self.cluster.shared_base
-        assert spec is not None and self.cluster.cores is not None
-        share = max(1.0, (self.cluster.cores + background_threads) / self.cluster.cores)
-        return (spec.round_s + spec.per_member_s * members + spec.per_row_s * rows) * share
+        assert spec is not None
+        round_s = spec.round_s + spec.per_member_s * members + spec.per_row_s * rows
+        return round_s * self._all_cores(background_threads)
+
+    def _all_cores(self, background_threads: float) -> float:
+        """How much slower work using every core of a CPU device runs beside other programs' runnable threads."""
+        cores = self.cluster.cores
+        assert cores is not None
+        return max(1.0, (cores + background_threads) / cores)
 
     def contention(self, num_running: int, background_threads: float = 0.0) -> float:
         cores = self.cluster.cores
         if cores is not None and num_running <= 1 and self.cluster.lone_speedup > 1.0:
             # the step gate grants a lone instance every core (as many threads), sharing them with other programs
-            return max(1.0, (cores + background_threads) / cores) / self.cluster.lone_speedup
+            return self._all_cores(background_threads) / self.cluster.lone_speedup
         if cores is not None:
             busy = num_running + background_threads
             interference = 1.0 + self.cluster.core_interference * max(0.0, min(busy, cores) - 1.0)

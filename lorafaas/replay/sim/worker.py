@@ -142,7 +142,7 @@ class WorkerModel:
         for inst in device.decoding:
             self._advance(inst)
             backbone = sim.costs.backbone(sim.fns[inst.function].spec)
-            inst.step_s = round_s or sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
+            inst.step_s = round_s if round_s is not None else sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
             sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, "done", (inst, inst.done_token))
