@@ -11,6 +11,10 @@ not called within `deadline_s` of the others leaves the round (its later calls a
 out the next `penalty_passes` rounds. A call outside the round's current group (a chunk, a member out of step) is
 computed at once, alone.
 
+A gated MLP group (`GroupSpec.mlp_down`) is computed whole, as the Llama family does: down(silu(gate(x)) * up(x)).
+Its call may carry 0 rows: that member computes the MLP itself (its adapter wraps one of the layers) and only keeps
+its place in the round.
+
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
 the peer's pid, `SO_PEERCRED`); each member's rows live in its own buffer, shared with this thread only, and the
 executor writes each member's output rows into that member's buffer only. Requests are checked (group index, rows,
@@ -89,6 +93,7 @@ class BasePassExecutor:
         self.stats = BasePassStats()
         self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
         self._members: dict[socket.socket, _Member] = {}
         self._round: list[_Member] | None = None
         self._round_key = 0
@@ -225,7 +230,10 @@ class BasePassExecutor:
                 if self._round is not None and member in self._round:
                     self._round.remove(member)  # its pass ended without its last groups
                 continue
-            if member.pending is not None or not 0 <= key < len(self._layers) or not 0 < rows <= member.max_rows:
+            # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
+            skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
+            if member.pending is not None or not 0 <= key < len(self._layers) or not (
+                    skip or 0 < rows <= member.max_rows):
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
             member.pending = (key, rows, flags)
@@ -264,7 +272,9 @@ class BasePassExecutor:
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
         if self._groups is None:
-            self._layers = [self._resolve(group, hello.dtype) for group in hello.groups]
+            self._layers = [self._resolve(group) for group in hello.groups]
+            self._downs = [self._resolve_down(group, layers) for group, layers in zip(hello.groups, self._layers,
+                                                                                      strict=True)]
             self._groups = hello.groups
         elif hello.groups != self._groups:
             raise ValueError("its layer groups differ from the other members' (another model?)")
@@ -272,7 +282,7 @@ class BasePassExecutor:
         if str(dtype).removeprefix("torch.") != hello.dtype:
             raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
         max_in = max((w.shape[1] for layer in self._layers for w, _ in layer), default=1)
-        max_out = max((sum(w.shape[0] for w, _ in layer) for layer in self._layers), default=1)
+        max_out = max((self._out_width(key) for key in range(len(self._layers))), default=1)
         output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
         if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
             raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
@@ -281,7 +291,23 @@ class BasePassExecutor:
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
 
-    def _resolve(self, group: bp.GroupSpec, dtype: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _out_width(self, key: int) -> int:
+        down = self._downs[key]
+        return down.shape[0] if down is not None else sum(w.shape[0] for w, _ in self._layers[key])
+
+    def _resolve_down(self, group: bp.GroupSpec,
+                      layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
+        if group.mlp_down is None:
+            return None
+        down = self.tensors.get(group.mlp_down)
+        if len(layers) != 2 or any(bias is not None for _, bias in layers):
+            raise ValueError("a gated MLP group takes two weights (gate and up) and no biases")
+        if down is None or down.dim() != 2 or down.shape[1] != layers[0][0].shape[0] \
+                or layers[1][0].shape[0] != layers[0][0].shape[0]:
+            raise ValueError(f"the backbone has no down weight {group.mlp_down!r} fitting its gate and up")
+        return down
+
+    def _resolve(self, group: bp.GroupSpec) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         if not group.weights or len(group.weights) != len(group.biases):
             raise ValueError("a group needs its weights and one bias entry per weight")
         layers = []
@@ -328,7 +354,7 @@ class BasePassExecutor:
         if member.fd is not None:
             os.close(member.fd)
         if not self._members:  # the next member may bring another model
-            self._groups, self._layers = None, []
+            self._groups, self._layers, self._downs = None, [], []
 
     # -- rounds ---------------------------------------------------------------------------------------------------
 
@@ -399,25 +425,30 @@ class BasePassExecutor:
 
     def _compute(self, members: list[_Member], key: int) -> None:
         started = time.monotonic()
-        layer = self._layers[key]
+        layer, down = self._layers[key], self._downs[key]
         width = layer[0][0].shape[1]
-        inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in members]  # type: ignore[index]
-        x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-        outputs = [F.linear(x, weight, bias) for weight, bias in layer]
-        if len(members) > 1:
-            self.stats.batched_products += len(layer)
-            self.stats.round_calls += len(members)
-        else:
-            self.stats.alone_calls += 1
-        row = 0
-        for member in members:
-            rows = member.pending[1]  # type: ignore[index]
-            offset = member.output_offset
-            for out in outputs:
-                size = rows * out.shape[1]
-                member.flat[offset:offset + size].view(rows, out.shape[1]).copy_(out[row:row + rows])  # type: ignore[index]
-                offset += size
-            row += rows
+        computing = [m for m in members if m.pending[1] > 0]  # type: ignore[index]
+        if computing:
+            inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in computing]  # type: ignore[index]
+            x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+            if down is None:
+                outputs = [F.linear(x, weight, bias) for weight, bias in layer]
+            else:  # the gated MLP, as the Llama family computes it: down(silu(gate(x)) * up(x))
+                outputs = [F.linear(F.silu(F.linear(x, layer[0][0])) * F.linear(x, layer[1][0]), down)]
+            if len(computing) > 1:
+                self.stats.batched_products += len(layer) + (down is not None)
+                self.stats.round_calls += len(computing)
+            else:
+                self.stats.alone_calls += 1
+            row = 0
+            for member in computing:
+                rows = member.pending[1]  # type: ignore[index]
+                offset = member.output_offset
+                for out in outputs:
+                    size = rows * out.shape[1]
+                    member.flat[offset:offset + size].view(rows, out.shape[1]).copy_(out[row:row + rows])  # type: ignore[index]
+                    offset += size
+                row += rows
         self.stats.compute_s += time.monotonic() - started
         for member in members:
             member.pending = None

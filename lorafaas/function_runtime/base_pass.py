@@ -1,11 +1,13 @@
 """A function instance's side of the shared base pass (`lorafaas.protocols.base_pass`): the backbone's linear layers
 computed by the device's executor together with other functions' rows.
 
-`install(model, tensors, path)` puts a `RemoteBase` in front of every backbone linear layer the model binds from the
-segment (inside `LoraLinear`, whose LoRA delta stays here, or bare, like an untargeted `lm_head`). A forward pass
-then sends each group's input (q, k and v share one; gate and up another) to the executor and reads the outputs
-back. When the executor answers ALONE at a pass's start, or cannot be reached, the pass runs here as before, from
-this process's own read-only mapping of the same weights, so the results are those of the same linear layers.
+`install(model, tensors, path)` puts a `RemoteForward` in front of every backbone linear layer the model binds from
+the segment (inside `LoraLinear`, whose LoRA delta stays here, or bare, like an untargeted `lm_head`). A forward pass
+then sends each group's input (q, k and v share one) to the executor and reads the outputs back. A gated MLP goes
+whole (`RemoteMLP`: gate, up, SiLU and down in one call) unless the adapter wraps one of its layers; then the MLP is
+computed here and its call carries 0 rows. When the executor answers ALONE at a pass's start, or cannot be reached,
+the pass runs here as before, from this process's own read-only mapping of the same weights, so the results are
+those of the same linear layers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ _welcome_decoder = msgspec.msgpack.Decoder(bp.BasePassWelcome)
 # Linear layers of one decoder layer that take the same input, by their names in the Llama family (Llama, Mistral,
 # Qwen2, SmolLM): one call each. Any other linear layer is a group of its own.
 SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): with a SiLU and no biases the executor
+# computes such an MLP whole, one call instead of two (`GroupSpec.mlp_down`)
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+SILU = ("SiLU", "SiLUActivation")
+MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_ROWS = 256
 CALL_TIMEOUT_S = 30.0
 
@@ -53,6 +60,7 @@ class BasePassClient:
         self.local = False  # this step runs here (the step gate granted cores, not the shared pass)
         self._awaited = False  # the executor was told another step follows: it may hold a round for this member
         self.num_calls = 0
+        self.num_skips = 0  # gated-MLP calls with 0 rows: this member computed the MLP itself
         self.num_alone_passes = 0
         name = str(dtype).removeprefix("torch.")
         max_in = max(w for w, _ in widths)
@@ -110,6 +118,20 @@ class BasePassClient:
         lead = x.shape[:-1]
         return self._pass_over(key, [torch.cat(r).view(*lead, r[0].shape[1]) if len(r) > 1 else r[0].view(*lead, -1)
                                      for r in results])
+
+    def skip(self, key: int) -> None:
+        """Keep this member's place in the round at gated-MLP group `key`, which it computes itself (its adapter
+        wraps a layer of it): a call with 0 rows, answered DONE."""
+        if not (self.broken or self.local or self.alone):
+            try:
+                self._sock.sendall(bp.HEADER.pack(key, 0, 0))
+                reply = self._sock.recv(1)
+                if reply != bp.DONE:
+                    raise ConnectionError(f"the executor answered {reply!r}")
+                self.num_skips += 1
+            except OSError as exc:
+                self._fail(exc)
+        self._pass_over(key, None)
 
     def begin_step(self, shared: bool) -> None:
         """Before each engine step: whether its backbone products go to the executor (else computed here)."""
@@ -198,9 +220,50 @@ class RemoteForward:
         return nn.Linear.forward(self.layer, x)
 
 
+class RemoteMLP:
+    """The forward of a gated MLP the executor computes whole (`GroupSpec.mlp_down`). While an adapter wraps one of
+    its layers, the MLP is computed here with the adapter's deltas and the call goes with 0 rows (its place in the
+    round); computed here too when the step or pass is (`BasePassClient.call` answers None)."""
+
+    def __init__(self, mlp: nn.Module, client: BasePassClient, key: int) -> None:
+        self.mlp = mlp
+        self.client = client
+        self.key = key
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        if all(type(getattr(mlp, name)) is nn.Linear for name in MLP_LAYERS):
+            outputs = self.client.call(self.key, x)
+            if outputs is not None:
+                return outputs[0]
+        else:
+            self.client.skip(self.key)
+        return type(mlp).forward(mlp, x)
+
+
+def _bare(layer: nn.Module | None) -> nn.Linear | None:
+    """The backbone's linear layer in `layer` (itself, or the `base` of a LoRA wrapper), or None."""
+    base = getattr(layer, "base", layer)
+    return base if type(base) is nn.Linear else None
+
+
+def gated_mlps(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
+    """Path of the gate layer -> its MLP, for each gated MLP (`GATED_MLPS`, a SiLU) whose three layers are bound to
+    the segment (`names`: data pointer -> the segment's name) without biases."""
+    found = {}
+    for path_of, module in model.named_modules():
+        if type(module).__name__ not in GATED_MLPS or type(getattr(module, "act_fn", None)).__name__ not in SILU:
+            continue
+        layers = [_bare(getattr(module, name, None)) for name in MLP_LAYERS]
+        if all(layer is not None and layer.bias is None and layer.weight.data_ptr() in names for layer in layers):
+            found[f"{path_of}.gate_proj"] = module
+    return found
+
+
 def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear]]]:
     """The groups of `model`'s backbone linear layers (those whose weights are `tensors`, the attached segment's), in
-    module order, each with its layers; raises BasePassUnavailable if there are none."""
+    module order, each with its layers (a gated MLP's: gate, up, down); raises BasePassUnavailable if there are
+    none."""
     names = {t.data_ptr(): name for name, t in tensors.items()}
     found: dict[str, nn.Linear] = {}  # path -> layer, in module order (LoRA wrappers looked through)
     for path_of, module in model.named_modules():
@@ -208,10 +271,18 @@ def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tup
             found[path_of.removesuffix(".base")] = module
     if not found:
         raise BasePassUnavailable("the model has no linear layer bound to the backbone's segment")
+    mlps = gated_mlps(model, names)
     groups: list[tuple[bp.GroupSpec, list[nn.Linear]]] = []
     grouped: set[str] = set()
     for p in found:
         if p in grouped:
+            continue
+        if p in mlps:
+            prefix = p.removesuffix("gate_proj")
+            layers = [found[prefix + name] for name in MLP_LAYERS]
+            grouped.update(prefix + name for name in MLP_LAYERS)
+            gate, up, down = (names[layer.weight.data_ptr()] for layer in layers)
+            groups.append((bp.GroupSpec(weights=(gate, up), biases=(None, None), mlp_down=down), layers))
             continue
         members = [p]
         for names_of_group in SHARED_INPUT:
@@ -234,9 +305,15 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`); raises
     BasePassUnavailable if it cannot be reached or refuses."""
     groups = layer_groups(model, tensors)
-    widths = [(layers[0].in_features, [layer.out_features for layer in layers]) for _, layers in groups]
+    widths = [(layers[0].in_features, [layers[-1].out_features] if spec.mlp_down else
+               [layer.out_features for layer in layers]) for spec, layers in groups]
     client = BasePassClient(path, [spec for spec, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
-    for key, (_, layers) in enumerate(groups):
+    mlps = gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()})
+    for key, (spec, layers) in enumerate(groups):
+        if spec.mlp_down:
+            gate = next(p for p, mlp in mlps.items() if _bare(mlp.gate_proj) is layers[0])
+            mlps[gate].forward = RemoteMLP(mlps[gate], client, key)
+            continue
         shared: list = [None, None]
         for index, layer in enumerate(layers):
             layer.forward = RemoteForward(layer, client, key, index, len(layers), shared)
@@ -246,5 +323,5 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
 def uninstall(model: nn.Module) -> None:
     """Every linear layer computes here again (before the backbone is unbound)."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), RemoteForward):
+        if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP)):
             del module.forward

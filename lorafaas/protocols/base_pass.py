@@ -18,6 +18,10 @@ member creates and hands over once (SCM_RIGHTS), shared with the executor and wi
                                    member has another step to run (the executor waits for it at the next pass start)
 
 Flags of a CALL: CONTINUATION, a further chunk of the group just called (rows beyond `max_rows`), served at once.
+
+A gated MLP (`GroupSpec.mlp_down`: gate and up, SiLU, down) is one group, so a decoder layer costs three calls, not
+four. A member whose adapter wraps one of its layers computes that MLP itself: it calls the group with 0 rows, which
+keeps its place in the round (a member that did not call would hold the round up to the deadline), and gets DONE.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ MAX_BUFFER_BYTES = 1 << 30
 
 class GroupSpec(msgspec.Struct, frozen=True):
     """Linear layers that take the same input (e.g. q, k and v): the segment's names of their weights ([out, in],
-    one `in`) and biases (None: no bias)."""
+    one `in`) and biases (None: no bias). With `mlp_down`, a gated MLP: weights are gate and up (no biases), and
+    the group's one output is down(silu(gate(x)) * up(x)), `mlp_down` naming down's weight."""
 
     weights: tuple[str, ...]
     biases: tuple[str | None, ...]
+    mlp_down: str | None = None
 
 
 class BasePassHello(msgspec.Struct, frozen=True, tag="hello"):

@@ -61,14 +61,27 @@ def bound_model(segment, adapter_dir: Path | None = None):
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_store: ModelStore) -> list[Path]:
     """Three adapters whose factors are drawn here, with torch.randn: PEFT's random init goes through torch.nn.init,
-    which transformers' no_init_weights patches process-wide (and leaves patched if two threads overlap in it)."""
+    which transformers' no_init_weights patches process-wide (and leaves patched if two threads overlap in it).
+    They wrap a layer of the MLP (down_proj): their members compute the MLP themselves."""
+    return _random_adapters(tmp_path_factory, tiny_store, "bp-adapters", (1, 2, 3),
+                            ("q_proj", "v_proj", "o_proj", "down_proj"))
+
+
+@pytest.fixture(scope="module")
+def attention_adapters(tmp_path_factory, tiny_store: ModelStore) -> list[Path]:
+    """Two adapters of the attention only (the demo adapters' kind): their members' MLPs go to the executor whole."""
+    return _random_adapters(tmp_path_factory, tiny_store, "bp-attention-adapters", (4, 5),
+                            ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def _random_adapters(tmp_path_factory, tiny_store: ModelStore, name: str, seeds: tuple[int, ...],
+                     targets: tuple[str, ...]) -> list[Path]:
     from safetensors.torch import load_file, save_file
 
-    out = tmp_path_factory.mktemp("bp-adapters")
+    out = tmp_path_factory.mktemp(name)
     made = []
-    for seed in (1, 2, 3):
-        path = save_tiny_adapter(out / f"a{seed}", tiny_store.path("tiny-dense"), seed=seed,
-                                 target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+    for seed in seeds:
+        path = save_tiny_adapter(out / f"a{seed}", tiny_store.path("tiny-dense"), seed=seed, target_modules=targets)
         generator = torch.Generator().manual_seed(seed)
         tensors = {name: torch.randn(t.shape, generator=generator) * 0.05
                    for name, t in load_file(path / "adapter_model.safetensors").items()}
@@ -77,7 +90,14 @@ def adapters(tmp_path_factory, tiny_store: ModelStore) -> list[Path]:
     return made
 
 
-def test_members_computing_together_get_what_each_computes_alone(segment, executor, adapters) -> None:
+@pytest.mark.parametrize("mix", ["mlp adapters", "mixed"])
+def test_members_computing_together_get_what_each_computes_alone(segment, executor, adapters, attention_adapters,
+                                                                 mix: str) -> None:
+    """"mixed": two members whose MLPs the executor computes whole beside one computing its own (its adapter wraps
+    down_proj): the round stays in step (nobody straggles) and every member gets what it computes alone."""
+    adapters_with_mlp = set(adapters)
+    if mix == "mixed":
+        adapters = [attention_adapters[0], adapters[0], attention_adapters[1]]
     prompts = [torch.tensor([[1, 5, 9, 13, 17, 21, 3, 7]]), torch.tensor([[2, 4, 6, 8]]),
                torch.tensor([[11, 12, 13, 14, 15, 16]])]
     expected = []
@@ -114,6 +134,30 @@ def test_members_computing_together_get_what_each_computes_alone(segment, execut
     assert executor.stats.batched_products > 0  # the rows of two or more members in one product
     assert sum(c.num_calls for _, c in members) > 0
     assert executor.stats.stragglers == 0
+    wraps_mlp = [adapter in adapters_with_mlp for adapter in adapters]
+    assert [c.num_skips > 0 for _, c in members] == wraps_mlp  # an MLP with the adapter's delta: computed here
+
+
+def test_a_gated_mlp_is_one_group_of_the_pass(segment) -> None:
+    model, attachment = bound_model(segment)
+    groups = client.layer_groups(model, attachment.tensors)
+    num_layers = model.config.num_hidden_layers
+    mlps = [spec for spec, _ in groups if spec.mlp_down]
+    assert len(mlps) == num_layers  # gate, up and down in one call: three calls a decoder layer, not four
+    assert all(spec.weights[0].endswith("mlp.gate_proj.weight") and spec.weights[1].endswith("mlp.up_proj.weight")
+               and spec.mlp_down.endswith("mlp.down_proj.weight") for spec in mlps)
+    assert len(groups) == 3 * num_layers + 1  # q/k/v, o, the MLP; the LM head
+
+
+def test_a_call_with_no_rows_keeps_a_place_only_at_a_gated_mlp(segment, executor) -> None:
+    groups = groups_of(segment)
+    mlp = next(key for key, spec in enumerate(groups) if spec.mlp_down)
+    sock = raw_member(executor, groups, max_rows=4)
+    assert read_welcome(sock).accepted
+    sock.sendall(bp.HEADER.pack(mlp, 0, 0))
+    assert sock.recv(1) == bp.DONE  # nothing computed, nothing written: its place kept
+    sock.sendall(bp.HEADER.pack(mlp - 1, 0, 0))
+    assert sock.recv(1) == b""  # 0 rows anywhere else is a bad call
 
 
 def test_one_member_alone_computes_its_pass_itself(segment, executor) -> None:
