@@ -321,7 +321,8 @@ class GenerationEngine:
         if seq.grammar is not None and seq.grammar.is_complete:  # the JSON value is closed: nothing may follow
             return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "stop")
         if len(seq.output_ids) >= seq.max_new_tokens:
-            return self._finished(seq, token_id, text + seq.stream.finish(seq.output_ids), "length")
+            text += seq.stream.finish(seq.output_ids)  # the final text may still reach a stop string
+            return self._finished(seq, token_id, text, "stop" if seq.stream.stopped else "length")
         return StepOutput(request_id=seq.request_id, token_id=token_id, text=text)
 
     def _finished(self, seq: _Sequence, token_id: int | None, text: str, reason: FinishReason,

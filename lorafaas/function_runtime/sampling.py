@@ -135,20 +135,31 @@ class TextStream:
 
     def push(self, output_ids: list[int]) -> str:
         full = self._decode_incrementally(output_ids)
-        for stop in self._stop:
-            at = full.find(stop, max(0, len(self.text) - len(stop) + 1))
-            if at != -1:
-                self.stopped = True
-                return self._advance(full[:at])
+        # a trailing replacement character is a character still incomplete, not text: no stop string matches it
         safe = full.rstrip(REPLACEMENT_CHAR) if full.endswith(REPLACEMENT_CHAR) else full
+        stopped = self._stopped_in(safe)
+        if stopped is not None:
+            return stopped
         held = max((_overlap(safe, stop) for stop in self._stop), default=0)
         return self._advance(safe[: len(safe) - held])
 
     def finish(self, output_ids: list[int]) -> str:
-        """Flush what was held back (the request ended without reaching a stop string)."""
+        """Flush what was held back (the request ended without a stop string in what was shown). The whole output
+        decoded once is final, bytes that never made a character included: a stop string in it still stops."""
         if self.stopped:
             return ""
-        return self._advance(self._tokenizer.decode(output_ids, skip_special_tokens=True))
+        final = self._tokenizer.decode(output_ids, skip_special_tokens=True)
+        stopped = self._stopped_in(final)
+        return self._advance(final) if stopped is None else stopped
+
+    def _stopped_in(self, text: str) -> str | None:
+        """The new text up to the first stop string (in `stop`'s order) reached in `text`, or None."""
+        for stop in self._stop:
+            at = text.find(stop, max(0, len(self.text) - len(stop) + 1))
+            if at != -1:
+                self.stopped = True
+                return self._advance(text[:at])
+        return None
 
     def _decode_incrementally(self, output_ids: list[int]) -> str:
         if self._decoder is None:

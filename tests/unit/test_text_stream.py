@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lorafaas.function_runtime.sampling import TextStream
@@ -56,6 +56,9 @@ def test_streamed_text_is_the_whole_decode(tokenizer, text: str) -> None:
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 40), stops=st.lists(st.text(min_size=1, max_size=4),
                                                                                   max_size=2))
+# the output ends in bytes that never make a character, and the stop string is the replacement character: the
+# whole decode saw it at a step where the character was still incomplete and stopped; the incremental one never did
+@example(seed=0, length=11, stops=["\ufffd"])
 def test_incremental_and_whole_decodes_show_the_same_pieces(tokenizer, seed: int, length: int, stops: list) -> None:
     rng = random.Random(seed)
     ids = [rng.randrange(len(tokenizer)) for _ in range(length)]
