@@ -94,8 +94,6 @@ class BasePassExecutor:
         self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
-        # per group: the next layer's (norm weight, eps, weights) computed with a gated MLP, else None
-        self._nexts: list[tuple[torch.Tensor, float, list[torch.Tensor]] | None] = []
         self._members: dict[socket.socket, _Member] = {}
         self._round: list[_Member] | None = None
         self._round_key = 0
@@ -277,15 +275,13 @@ class BasePassExecutor:
             self._layers = [self._resolve(group) for group in hello.groups]
             self._downs = [self._resolve_down(group, layers) for group, layers in zip(hello.groups, self._layers,
                                                                                       strict=True)]
-            self._nexts = [self._resolve_next(group, layers) for group, layers in zip(hello.groups, self._layers,
-                                                                                      strict=True)]
             self._groups = hello.groups
         elif hello.groups != self._groups:
             raise ValueError("its layer groups differ from the other members' (another model?)")
         dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
         if str(dtype).removeprefix("torch.") != hello.dtype:
             raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
-        max_in = max((self._in_width(key) for key in range(len(self._layers))), default=1)
+        max_in = max((w.shape[1] for layer in self._layers for w, _ in layer), default=1)
         max_out = max((self._out_width(key) for key in range(len(self._layers))), default=1)
         output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
         if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
@@ -295,31 +291,9 @@ class BasePassExecutor:
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
 
-    def _in_width(self, key: int) -> int:
-        width = self._layers[key][0][0].shape[1]
-        return 2 * width if self._nexts[key] is not None else width  # a gated MLP's input and the residual stream
-
     def _out_width(self, key: int) -> int:
-        down, following = self._downs[key], self._nexts[key]
-        if down is None:
-            return sum(w.shape[0] for w, _ in self._layers[key])
-        return down.shape[0] + (0 if following is None else down.shape[0] + sum(w.shape[0] for w in following[2]))
-
-    def _resolve_next(self, group: bp.GroupSpec, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
-                      ) -> tuple[torch.Tensor, float, list[torch.Tensor]] | None:
-        if group.next_norm is None:
-            if group.next_weights:
-                raise ValueError("next_weights without next_norm")
-            return None
-        hidden = layers[0][0].shape[1]
-        norm = self.tensors.get(group.next_norm)
-        if group.mlp_down is None or norm is None or norm.shape != (hidden,) or not group.next_weights \
-                or not 0 < group.norm_eps < 1:
-            raise ValueError(f"the next layer's norm {group.next_norm!r} does not fit a gated MLP group")
-        weights = [self.tensors.get(name) for name in group.next_weights]
-        if any(w is None or w.dim() != 2 or w.shape[1] != hidden for w in weights):
-            raise ValueError(f"the backbone has no next-layer weights {group.next_weights!r} of width {hidden}")
-        return norm, group.norm_eps, weights  # type: ignore[return-value]
+        down = self._downs[key]
+        return down.shape[0] if down is not None else sum(w.shape[0] for w, _ in self._layers[key])
 
     def _resolve_down(self, group: bp.GroupSpec,
                       layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
@@ -380,7 +354,7 @@ class BasePassExecutor:
         if member.fd is not None:
             os.close(member.fd)
         if not self._members:  # the next member may bring another model
-            self._groups, self._layers, self._downs, self._nexts = None, [], [], []
+            self._groups, self._layers, self._downs = None, [], []
 
     # -- rounds ---------------------------------------------------------------------------------------------------
 
@@ -451,8 +425,8 @@ class BasePassExecutor:
 
     def _compute(self, members: list[_Member], key: int) -> None:
         started = time.monotonic()
-        layer, down, following = self._layers[key], self._downs[key], self._nexts[key]
-        width = self._in_width(key)
+        layer, down = self._layers[key], self._downs[key]
+        width = layer[0][0].shape[1]
         computing = [m for m in members if m.pending[1] > 0]  # type: ignore[index]
         if computing:
             inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in computing]  # type: ignore[index]
@@ -460,17 +434,7 @@ class BasePassExecutor:
             if down is None:
                 outputs = [F.linear(x, weight, bias) for weight, bias in layer]
             else:  # the gated MLP, as the Llama family computes it: down(silu(gate(x)) * up(x))
-                hidden = layer[0][0].shape[1]
-                mlp_in = x if following is None else x[:, :hidden]
-                mlp = F.linear(F.silu(F.linear(mlp_in, layer[0][0])) * F.linear(mlp_in, layer[1][0]), down)
-                outputs = [mlp]
-                if following is not None:  # the next layer's normed input and its products (LlamaRMSNorm's steps)
-                    norm, eps, weights = following
-                    stream = x[:, hidden:] + mlp
-                    as_float = stream.to(torch.float32)
-                    as_float = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + eps)
-                    normed = norm * as_float.to(stream.dtype)
-                    outputs += [normed, *(F.linear(normed, w) for w in weights)]
+                outputs = [F.linear(F.silu(F.linear(x, layer[0][0])) * F.linear(x, layer[1][0]), down)]
             if len(computing) > 1:
                 self.stats.batched_products += len(layer) + (down is not None)
                 self.stats.round_calls += len(computing)

@@ -37,8 +37,6 @@ SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 SILU = ("SiLU", "SiLUActivation")
 MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
-# norms computed as LlamaRMSNorm does, so the executor can compute a gated MLP's next layer's input with it
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 DEFAULT_MAX_ROWS = 256
 CALL_TIMEOUT_S = 30.0
 
@@ -63,8 +61,6 @@ class BasePassClient:
         self._awaited = False  # the executor was told another step follows: it may hold a round for this member
         self.num_calls = 0
         self.num_skips = 0  # gated-MLP calls with 0 rows: this member computed the MLP itself
-        self.num_prefetched = 0  # q/k/v taken from the call of the layer before (`PrefetchedForward`)
-        self.num_prefetch_misses = 0  # computed here: the normed input was not the executor's
         self.num_alone_passes = 0
         name = str(dtype).removeprefix("torch.")
         max_in = max(w for w, _ in widths)
@@ -227,81 +223,22 @@ class RemoteForward:
 class RemoteMLP:
     """The forward of a gated MLP the executor computes whole (`GroupSpec.mlp_down`). While an adapter wraps one of
     its layers, the MLP is computed here with the adapter's deltas and the call goes with 0 rows (its place in the
-    round); computed here too when the step or pass is (`BasePassClient.call` answers None).
+    round); computed here too when the step or pass is (`BasePassClient.call` answers None)."""
 
-    With `stream` and `prefetch` (the group has `next_norm`) the call also sends the residual stream the decoder layer
-    passed to its post-attention norm (`CapturedInput`), and puts the next layer's normed input and q/k/v outputs in
-    `prefetch` for its `PrefetchedForward`s."""
-
-    def __init__(self, mlp: nn.Module, client: BasePassClient, key: int, stream: list | None = None,
-                 prefetch: list | None = None) -> None:
+    def __init__(self, mlp: nn.Module, client: BasePassClient, key: int) -> None:
         self.mlp = mlp
         self.client = client
         self.key = key
-        self.stream = stream
-        self.prefetch = prefetch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        stream = None
-        if self.stream is not None:
-            stream, self.stream[0] = self.stream[0], None
         if all(type(getattr(mlp, name)) is nn.Linear for name in MLP_LAYERS):
-            if self.stream is None:
-                outputs = self.client.call(self.key, x)
-            elif stream is not None and stream.shape == x.shape:
-                outputs = self.client.call(self.key, torch.cat([x, stream], -1))
-            else:  # no residual stream seen (not a decoder layer's call): computed here, in step with the round
-                self.client.skip(self.key)
-                outputs = None
+            outputs = self.client.call(self.key, x)
             if outputs is not None:
-                if self.prefetch is not None:
-                    self.prefetch[:] = [outputs[1], outputs[2:]]
                 return outputs[0]
         else:
             self.client.skip(self.key)
         return type(mlp).forward(mlp, x)
-
-
-class CapturedInput:
-    """The forward of a decoder layer's post-attention norm: keeps its input (the residual stream) for the layer's
-    `RemoteMLP`, which takes it."""
-
-    def __init__(self, norm: nn.Module, slot: list) -> None:
-        self.norm = norm
-        self.slot = slot
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.slot[0] = hidden
-        return type(self.norm).forward(self.norm, hidden)
-
-
-class PrefetchedForward:
-    """The forward of a q, k or v layer whose product came with the previous layer's MLP call: used only when this
-    layer's input equals, bit for bit, the normed input the executor computed; else computed here."""
-
-    def __init__(self, layer: nn.Linear, client: BasePassClient, index: int, size: int, prefetch: list) -> None:
-        self.layer = layer
-        self.client = client
-        self.index = index
-        self.size = size
-        self.prefetch = prefetch  # [normed input, outputs] until the group's last layer took its output
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        given, outputs = self.prefetch
-        if self.index == 0:
-            if outputs is not None and given.shape == x.shape and torch.equal(given, x):
-                self.prefetch[0] = x  # k and v are given the same tensor
-                self.client.num_prefetched += 1
-                return outputs[0]
-            self.prefetch[:] = [None, None]
-            self.client.num_prefetch_misses += outputs is not None
-            return nn.Linear.forward(self.layer, x)
-        if self.index == self.size - 1:
-            self.prefetch[:] = [None, None]
-        if outputs is None or given is not x:
-            return nn.Linear.forward(self.layer, x)
-        return outputs[self.index]
 
 
 def _bare(layer: nn.Module | None) -> nn.Linear | None:
@@ -323,32 +260,10 @@ def gated_mlps(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
     return found
 
 
-def _next_layer(model: nn.Module, mlp_prefix: str, found: dict[str, nn.Linear], names: dict[int, str]
-                ) -> tuple[str, nn.Module, nn.Module] | None:
-    """For the gated MLP at `mlp_prefix` ("model.layers.3.mlp."): the next decoder layer's prefix, this layer's
-    post-attention norm and the next one's input norm, if the executor can compute that layer's q/k/v with it."""
-    layer_path = mlp_prefix.removesuffix("mlp.").rstrip(".")
-    parent, _, index = layer_path.rpartition(".")
-    if not index.isdigit():
-        return None
-    next_prefix = f"{parent}.{int(index) + 1}."
-    try:
-        layer, following = model.get_submodule(layer_path), model.get_submodule(next_prefix[:-1])
-    except AttributeError:
-        return None
-    post, norm = getattr(layer, "post_attention_layernorm", None), getattr(following, "input_layernorm", None)
-    if type(post).__name__ not in RMS_NORMS or type(norm).__name__ not in RMS_NORMS \
-            or norm.weight.data_ptr() not in names:
-        return None
-    attention = [found.get(f"{next_prefix}{name}") for name in SHARED_INPUT[0]]
-    if any(layer is None or layer.bias is not None for layer in attention):
-        return None
-    return next_prefix, post, norm
-
-
-def _plan(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear], tuple]]:
-    """`layer_groups`, each with what `install` needs beyond its layers: for a gated MLP (its module, and with the
-    next layer's q/k/v: the post-attention norm)."""
+def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear]]]:
+    """The groups of `model`'s backbone linear layers (those whose weights are `tensors`, the attached segment's), in
+    module order, each with its layers (a gated MLP's: gate, up, down); raises BasePassUnavailable if there are
+    none."""
     names = {t.data_ptr(): name for name, t in tensors.items()}
     found: dict[str, nn.Linear] = {}  # path -> layer, in module order (LoRA wrappers looked through)
     for path_of, module in model.named_modules():
@@ -357,7 +272,7 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.G
     if not found:
         raise BasePassUnavailable("the model has no linear layer bound to the backbone's segment")
     mlps = gated_mlps(model, names)
-    groups: list[tuple[bp.GroupSpec, list[nn.Linear], tuple]] = []
+    groups: list[tuple[bp.GroupSpec, list[nn.Linear]]] = []
     grouped: set[str] = set()
     for p in found:
         if p in grouped:
@@ -367,18 +282,7 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.G
             layers = [found[prefix + name] for name in MLP_LAYERS]
             grouped.update(prefix + name for name in MLP_LAYERS)
             gate, up, down = (names[layer.weight.data_ptr()] for layer in layers)
-            spec = bp.GroupSpec(weights=(gate, up), biases=(None, None), mlp_down=down)
-            following = _next_layer(model, prefix, found, names)
-            if following is None:
-                groups.append((spec, layers, (mlps[p], None)))
-                continue
-            next_prefix, post, norm = following
-            attention = [next_prefix + name for name in SHARED_INPUT[0]]
-            grouped.update(attention)
-            layers += [found[path] for path in attention]
-            spec = msgspec.structs.replace(spec, next_norm=names[norm.weight.data_ptr()], norm_eps=float(
-                norm.variance_epsilon), next_weights=tuple(names[layer.weight.data_ptr()] for layer in layers[3:]))
-            groups.append((spec, layers, (mlps[p], post)))
+            groups.append((bp.GroupSpec(weights=(gate, up), biases=(None, None), mlp_down=down), layers))
             continue
         members = [p]
         for names_of_group in SHARED_INPUT:
@@ -392,45 +296,23 @@ def _plan(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.G
         if any(b is None and layer.bias is not None for b, layer in zip(biases, layers, strict=True)):
             raise BasePassUnavailable(f"a bias of {members} is not in the backbone's segment")
         groups.append((bp.GroupSpec(weights=tuple(names[layer.weight.data_ptr()] for layer in layers),
-                                    biases=biases), layers, ()))
+                                    biases=biases), layers))
     return groups
-
-
-def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear]]]:
-    """The groups of `model`'s backbone linear layers (those whose weights are `tensors`, the attached segment's), in
-    module order, each with its layers (a gated MLP's: gate, up, down, and the next layer's q, k, v when the call
-    computes them too); raises BasePassUnavailable if there are none."""
-    return [(spec, layers) for spec, layers, _ in _plan(model, tensors)]
-
-
-def _widths(spec: bp.GroupSpec, layers: list[nn.Linear]) -> tuple[int, list[int]]:
-    """(input width, output widths) of a group's call (protocol: a gated MLP's, with or without the next layer)."""
-    hidden = layers[0].in_features
-    if not spec.mlp_down:
-        return hidden, [layer.out_features for layer in layers]
-    if not spec.next_norm:
-        return hidden, [hidden]
-    return 2 * hidden, [hidden, hidden, *(layer.out_features for layer in layers[3:])]
 
 
 def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
             max_rows: int = DEFAULT_MAX_ROWS) -> BasePassClient:
     """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`); raises
     BasePassUnavailable if it cannot be reached or refuses."""
-    groups = _plan(model, tensors)
-    widths = [_widths(spec, layers) for spec, layers, _ in groups]
-    client = BasePassClient(path, [spec for spec, _, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
-    for key, (spec, layers, extra) in enumerate(groups):
+    groups = layer_groups(model, tensors)
+    widths = [(layers[0].in_features, [layers[-1].out_features] if spec.mlp_down else
+               [layer.out_features for layer in layers]) for spec, layers in groups]
+    client = BasePassClient(path, [spec for spec, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
+    mlps = gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()})
+    for key, (spec, layers) in enumerate(groups):
         if spec.mlp_down:
-            mlp, post = extra
-            if post is None:
-                mlp.forward = RemoteMLP(mlp, client, key)
-                continue
-            stream, prefetch = [None], [None, None]
-            post.forward = CapturedInput(post, stream)
-            mlp.forward = RemoteMLP(mlp, client, key, stream, prefetch)
-            for index, layer in enumerate(layers[3:]):
-                layer.forward = PrefetchedForward(layer, client, index, len(layers) - 3, prefetch)
+            gate = next(p for p, mlp in mlps.items() if _bare(mlp.gate_proj) is layers[0])
+            mlps[gate].forward = RemoteMLP(mlps[gate], client, key)
             continue
         shared: list = [None, None]
         for index, layer in enumerate(layers):
@@ -441,5 +323,5 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
 def uninstall(model: nn.Module) -> None:
     """Every linear layer computes here again (before the backbone is unbound)."""
     for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP, CapturedInput, PrefetchedForward)):
+        if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP)):
             del module.forward

@@ -22,11 +22,6 @@ Flags of a CALL: CONTINUATION, a further chunk of the group just called (rows be
 A gated MLP (`GroupSpec.mlp_down`: gate and up, SiLU, down) is one group, so a decoder layer costs three calls, not
 four. A member whose adapter wraps one of its layers computes that MLP itself: it calls the group with 0 rows, which
 keeps its place in the round (a member that did not call would hold the round up to the deadline), and gets DONE.
-
-With `next_norm` the same call also computes the start of the next decoder layer (two calls a layer): X is the MLP's
-input and the residual stream beside it, [rows, 2 x hidden]; the outputs are the MLP's, the next layer's normed input
-h + mlp (RMSNorm with `next_norm`'s weight and `norm_eps`, as the Llama family computes it) and that input's products
-with `next_weights` (its q, k and v). The member uses them only if the normed input equals its own, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,9 +49,6 @@ class GroupSpec(msgspec.Struct, frozen=True):
     weights: tuple[str, ...]
     biases: tuple[str | None, ...]
     mlp_down: str | None = None
-    next_norm: str | None = None  # with mlp_down: the next layer's input norm (protocol above)
-    next_weights: tuple[str, ...] = ()  # the next layer's linear layers on that input, no biases
-    norm_eps: float = 0.0
 
 
 class BasePassHello(msgspec.Struct, frozen=True, tag="hello"):
