@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from lorafaas.errors import LorafaasError
+from lorafaas.errors import AdapterNotFound, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.scheduler import (
     ArtifactCost,
@@ -112,7 +112,10 @@ class AgentScheduler:
     def profile(self, spec, with_instance: bool) -> FunctionProfile:
         store = self.agent.launcher.store
         backbone_bytes = store.get(spec.backbone).bytes
-        adapter_bytes = _adapter_bytes(self.agent.adapter_path(spec.adapter_digest))
+        try:
+            adapter_bytes = _adapter_bytes(self.agent.adapter_path(spec.adapter_digest))
+        except (AdapterNotFound, FileNotFoundError):  # deleted or replaced while this view was built (the store
+            adapter_bytes = 0  # drops the adapter before the agent drops the spec): never another request's error
 
         def load_s(kind: str) -> float:
             return self.measured.get((spec.name, kind), DEFAULT_LOAD_S[kind])

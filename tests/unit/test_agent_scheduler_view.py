@@ -1,0 +1,42 @@
+"""The node agent's view for the scheduler (`AgentScheduler.profile`) against a real adapter store: a function whose
+adapter was just deleted (its function deleted or replaced; the store drops the adapter before the agent drops the
+spec) must not make the view fail, since the view is built for other functions' requests too. Found by the random
+lifecycle test: another tenant's call got 404 adapter_not_found."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from lorafaas.formats.model_store import ModelStore
+from lorafaas.platform.adapter_store import AdapterStore
+from lorafaas.platform.agent_scheduler import AgentScheduler
+from lorafaas.platform.state.records import FunctionSpec
+
+
+def _scheduler(tiny_store: ModelStore, adapters: AdapterStore) -> AgentScheduler:
+    agent = SimpleNamespace(launcher=SimpleNamespace(store=tiny_store), adapter_path=adapters.path,
+                            library_import_s=None)
+    return AgentScheduler(agent)
+
+
+def _spec(digest: str) -> FunctionSpec:
+    now = time.time()
+    return FunctionSpec(name="f", tenant="t", backbone="tiny-dense", adapter_digest=digest, created_at=now,
+                        updated_at=now)
+
+
+def test_a_function_whose_adapter_was_just_deleted_does_not_fail_the_view(tiny_store: ModelStore,
+                                                                         tiny_adapter_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    adapters = AdapterStore(tmp_path / "adapters")
+    digest = adapters.put(tiny_adapter_dir, tiny_store, "tiny-dense")
+    scheduler = _scheduler(tiny_store, adapters)
+    stored = scheduler.profile(_spec(digest), with_instance=True)
+    assert stored.costs.adapter_device.memory_bytes == adapters.size_bytes(digest) - (
+        tiny_adapter_dir / "adapter_config.json").stat().st_size  # the weights' file
+    adapters.delete(digest)
+    gone = scheduler.profile(_spec(digest), with_instance=True)  # raised AdapterNotFound before
+    assert gone.costs.adapter_device.memory_bytes == 0
+    assert gone.costs.backbone_device == stored.costs.backbone_device  # the rest of its profile stands
