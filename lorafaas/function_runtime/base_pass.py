@@ -308,11 +308,12 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     widths = [(layers[0].in_features, [layers[-1].out_features] if spec.mlp_down else
                [layer.out_features for layer in layers]) for spec, layers in groups]
     client = BasePassClient(path, [spec for spec, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
-    mlps = gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()})
+    mlp_of_gate = {id(_bare(mlp.gate_proj)): mlp
+                   for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     for key, (spec, layers) in enumerate(groups):
         if spec.mlp_down:
-            gate = next(p for p, mlp in mlps.items() if _bare(mlp.gate_proj) is layers[0])
-            mlps[gate].forward = RemoteMLP(mlps[gate], client, key)
+            mlp = mlp_of_gate[id(layers[0])]
+            mlp.forward = RemoteMLP(mlp, client, key)
             continue
         shared: list = [None, None]
         for index, layer in enumerate(layers):
