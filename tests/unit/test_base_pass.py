@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lorafaas import cuda_ipc
-from lorafaas.backbone_daemon.base_pass import BasePassExecutor
+from lorafaas.backbone_daemon.base_pass import BasePassExecutor, packs_bf16
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime import base_pass as client
@@ -346,3 +347,57 @@ def test_a_member_whose_executor_goes_away_computes_alone(segment, executor) -> 
         out = model(ids).logits
     assert c.broken
     torch.testing.assert_close(out, alone, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def bf16_segment(tmp_path_factory, tiny_dense_dir: Path):
+    """The tiny backbone's bf16 copy (`backbone convert`), in a sealed segment."""
+    from lorafaas.formats.backbone_dtype import convert_backbone
+
+    store = ModelStore(tmp_path_factory.mktemp("bf16-home") / "models")
+    store.import_dir("tiny-dense", tiny_dense_dir)
+    manifest, _ = convert_backbone(store, "tiny-bf16", "tiny-dense", "bfloat16")
+    export = load_into_segment(store.path("tiny-bf16"), manifest.weight_files, "cpu", f"bp-bf16-{os.getpid()}")
+    yield export, store.path("tiny-bf16")
+    export.destroy()
+
+
+@pytest.mark.skipif(not packs_bf16(), reason="oneDNN has no native bf16 on this CPU: nothing is packed")
+def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segment, tmp_path: Path) -> None:
+    """The executor computes a bf16 backbone from a packed copy of its weights (oneDNN's layout), on one thread; a
+    member's outputs are what F.linear gives from the segment's own weights, bit for bit, whatever the rows."""
+    export, _ = bf16_segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running.start()
+    try:
+        model, member_attachment = bound_model(bf16_segment)
+        groups = client.layer_groups(model, member_attachment.tensors)
+        c = client.install(model, member_attachment.tensors, str(running.path), max_rows=8)
+        assert wait_until(lambda: running.packed)
+        weights = attachment.tensors
+        generator = torch.Generator().manual_seed(0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the plain products' reference, as the executor's thread computes
+        try:
+            for key in (1, 2, 3):  # o_proj, the gated MLP, the next layer's q/k/v: computed at once, not pass starts
+                spec, layers = groups[key]
+                for rows in (1, 3, 8):
+                    x = torch.randn(rows, layers[0].in_features, generator=generator).to(torch.bfloat16)
+                    got = c.call(key, x)
+                    if spec.mlp_down:
+                        gate, up = (weights[name] for name in spec.weights)
+                        expected = [F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), weights[spec.mlp_down])]
+                    else:
+                        expected = [F.linear(x, weights[name]) for name in spec.weights]
+                    assert got is not None and len(got) == len(expected)
+                    for mine, plain in zip(got, expected, strict=True):
+                        assert torch.equal(mine, plain), (key, rows)
+        finally:
+            torch.set_num_threads(threads)
+        c.close()
+        wait_until(lambda: not running.packed)  # the last member left: the private copy goes with it
+        assert not running._members
+    finally:
+        running.stop()
+        attachment.close()
