@@ -107,7 +107,6 @@ class BasePassExecutor:
         self.deadline_s = deadline_s
         self.penalty_passes = penalty_passes
         self.pack_bf16 = pack_bf16 and packs_bf16()
-        self.packed = False  # the current model's weights are packed (a private copy)
         self._linear: Callable[..., torch.Tensor] = F.linear
         self.stats = BasePassStats()
         self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
@@ -290,12 +289,12 @@ class BasePassExecutor:
             raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
-        if self._groups is None:
+        first = self._groups is None
+        if first:
             self._layers = [self._resolve(group) for group in hello.groups]
             self._downs = [self._resolve_down(group, layers) for group, layers in zip(hello.groups, self._layers,
                                                                                       strict=True)]
             self._groups = hello.groups
-            self._pack_if_bf16()
         elif hello.groups != self._groups:
             raise ValueError("its layer groups differ from the other members' (another model?)")
         dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
@@ -310,6 +309,13 @@ class BasePassExecutor:
         member.flat = torch.frombuffer(member.buffer, dtype=dtype)
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
+        if first:  # once the hello is accepted: a refused one costs no copy
+            self._pack_if_bf16()
+
+    @property
+    def packed(self) -> bool:
+        """The current model's products come from a packed copy of its weights (`_pack_if_bf16`)."""
+        return self._linear is packed_linear
 
     def _pack_if_bf16(self) -> None:
         """On a bf16 backbone, compute from a packed copy of its weights, on one thread (module docstring)."""
@@ -325,7 +331,7 @@ class BasePassExecutor:
             log.warning("base pass: bf16 weights not packed (%s); computing from the segment's layout", exc)
             return
         self._layers, self._downs = layers, downs
-        self._linear, self.packed = packed_linear, True
+        self._linear = packed_linear
         torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
         size = sum(w.numel() * w.element_size() for layer in self._layers for w, _ in layer)
         size += sum(d.numel() * d.element_size() for d in self._downs if d is not None)
@@ -395,7 +401,7 @@ class BasePassExecutor:
             os.close(member.fd)
         if not self._members:  # the next member may bring another model
             self._groups, self._layers, self._downs = None, [], []
-            self._linear, self.packed = F.linear, False
+            self._linear = F.linear
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
 

@@ -401,3 +401,24 @@ def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segmen
     finally:
         running.stop()
         attachment.close()
+
+
+@pytest.mark.skipif(not packs_bf16(), reason="oneDNN has no native bf16 on this CPU: nothing is packed")
+def test_a_refused_hello_makes_no_packed_copy(bf16_segment, tmp_path: Path) -> None:
+    """The copy is made once a first member is accepted: a hello the backbone does not fit (here, the wrong dtype)
+    costs the executor no copy and no packing time."""
+    export, _ = bf16_segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running.start()
+    try:
+        packings = []
+        running._pack_if_bf16 = lambda: packings.append(True)  # counts calls; nothing is packed
+        welcome = read_welcome(raw_member(running, groups_of(bf16_segment), dtype="float32"))
+        assert not welcome.accepted and "bfloat16" in welcome.message
+        assert packings == [] and not running.packed
+        assert read_welcome(raw_member(running, groups_of(bf16_segment), dtype="bfloat16")).accepted
+        assert packings == [True]
+    finally:
+        running.stop()
+        attachment.close()
