@@ -179,10 +179,10 @@ def test_keep_alive_scales_to_zero_then_cold_starts_with_a_breakdown(admin, adap
         admin.invoke("beta", chat())
         [instance] = admin.describe("beta")["instances"]
         deadline = time.monotonic() + 30
-        while Path(f"/proc/{instance['pid']}").exists():
+        # The record leaves the listing just after the process is reaped (it shows as "stopping" in between).
+        while Path(f"/proc/{instance['pid']}").exists() or admin.describe("beta")["instances"]:
             assert time.monotonic() < deadline, "the idle instance outlived its keep-alive"
             time.sleep(0.2)
-        assert admin.describe("beta")["instances"] == []
         admin.invoke("beta", chat())
         info = admin.describe("beta")
         [again] = info["instances"]
