@@ -52,7 +52,8 @@ class HostAdapter:
 def read_host_adapter(path: Path) -> HostAdapter:
     """Read and check a PEFT LoRA adapter into host memory (no model needed).
 
-    Every factor is float32 whatever its dtype in the file, as PEFT's load_state_dict copies it into float32 layers.
+    Every factor is float32 whatever its dtype in the file, as PEFT's load_state_dict copies it into float32 layers,
+    and is a copy of its own (`owned_copy`).
     """
     from safetensors.torch import load_file
 
@@ -60,15 +61,22 @@ def read_host_adapter(path: Path) -> HostAdapter:
     tensors = load_file(Path(path) / WEIGHTS_FILE)
     modules = {
         module: LoraWeights(
-            a=tensors[entry.a].float(),
-            b=tensors[entry.b].float(),
+            a=owned_copy(tensors[entry.a], torch.float32),
+            b=owned_copy(tensors[entry.b], torch.float32),
             scaling=entry.scaling,
-            bias=tensors[entry.bias].float() if entry.bias else None,
+            bias=owned_copy(tensors[entry.bias], torch.float32) if entry.bias else None,
         )
         for module, entry in info.layout.loras.items()
     }
-    saved = {key: tensors[name] for key, name in info.layout.tensor_names.items()}
+    saved = {key: owned_copy(tensors[name]) for key, name in info.layout.tensor_names.items()}
     return HostAdapter(path=Path(path), modules=modules, saved=saved, config=info.config, layout=info.layout)
+
+
+def owned_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy in memory of its own. A tensor `load_file` returns may sit at any 8-byte offset of the file's buffer,
+    and a CPU GEMM's result can depend on its operands' alignment (a float32 product on AVX-512 differs in the last
+    bit): PEFT copies the factors into fresh (64-byte aligned) parameters, so do the same to compute what it does."""
+    return tensor.to(dtype or tensor.dtype, copy=True)
 
 
 def module_table(model: nn.Module) -> ModuleTable:

@@ -32,7 +32,7 @@ from lorafaas.formats.expert_adapters import (
     load_expert_layer,
     read_expert_adapter_info,
 )
-from lorafaas.models.lora import HostAdapter, LoraWeights
+from lorafaas.models.lora import HostAdapter, LoraWeights, owned_copy
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ def read_attention_adapter(info: ExpertAdapterInfo) -> HostAdapter:
         for module in info.attention_modules:
             name = f"{PEFT_PREFIX}{module}"
             modules[module] = LoraWeights(
-                a=f.get_tensor(f"{name}.lora_A.weight"), b=f.get_tensor(f"{name}.lora_B.weight"), scaling=info.scaling
+                a=owned_copy(f.get_tensor(f"{name}.lora_A.weight"), torch.float32),
+                b=owned_copy(f.get_tensor(f"{name}.lora_B.weight"), torch.float32), scaling=info.scaling,
             )
     return HostAdapter(path=Path(info.path), modules=modules)
 

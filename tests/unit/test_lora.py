@@ -66,3 +66,21 @@ def test_shape_mismatch_is_refused(backbone, tmp_path: Path) -> None:
     with pytest.raises(AdapterIncompatible, match="shape mismatch"):
         attach_adapter(model, read_host_adapter(adapter))
     detach_adapter(model)
+
+
+DEMO_ADAPTERS = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples" / "adapters").iterdir()
+                       if (p / "adapter_config.json").is_file())
+
+
+@pytest.mark.parametrize("adapter_dir", DEMO_ADAPTERS, ids=lambda p: p.name)
+def test_factors_are_float32_copies_of_their_own_aligned_as_peft_allocates_them(adapter_dir: Path) -> None:
+    """A factor left where `load_file` put it sits at an 8-byte offset of the file's buffer; a float32 GEMM on an
+    AVX-512 CPU then rounds differently from PEFT's (64-byte aligned) copy, which turned greedy tokens of a bf16
+    reply on an AMD EPYC."""
+    adapter = read_host_adapter(adapter_dir)
+    storages = set()
+    for weights in adapter.modules.values():
+        for factor in (weights.a, weights.b):
+            assert factor.dtype == torch.float32 and factor.data_ptr() % 64 == 0
+            storages.add(factor.untyped_storage().data_ptr())
+    assert len(storages) == 2 * len(adapter.modules), "each factor in memory of its own"

@@ -19,7 +19,7 @@ from lorafaas.formats.expert_adapters import (
 from lorafaas.lora_server.cache import AdapterCache
 from lorafaas.lora_server.compute import LoraCompute, LoraWork
 from lorafaas.models.adapter_validation import validate_expert_adapter
-from lorafaas.models.moe_lora import grouped_lora_delta, open_moe_adapter
+from lorafaas.models.moe_lora import grouped_lora_delta, open_moe_adapter, read_attention_adapter
 
 
 def _factors(seed: int, experts: int = 4, rank: int = 2, d_in: int = 6, d_out: int = 5) -> ExpertFactors:
@@ -135,6 +135,16 @@ def expert_adapter(tmp_path_factory: pytest.TempPathFactory, tiny_store) -> Path
     return write_expert_adapter(
         tmp_path_factory.mktemp("expert") / "a", tiny_store.path("tiny-moe"), seed=3, base_model_name="tiny-moe"
     )
+
+
+def test_the_attention_part_is_read_as_float32_copies_of_their_own(expert_adapter) -> None:
+    """As a dense adapter's factors (`owned_copy`): aligned as PEFT allocates them, so its products round the same."""
+    from lorafaas.formats.expert_adapters import read_expert_adapter_info
+
+    attention = read_attention_adapter(read_expert_adapter_info(expert_adapter))
+    factors = [f for w in attention.modules.values() for f in (w.a, w.b)]
+    assert factors and all(f.dtype == torch.float32 and f.data_ptr() % 64 == 0 for f in factors)
+    assert len({f.untyped_storage().data_ptr() for f in factors}) == len(factors)
 
 
 def test_expert_adapter_validates_against_the_moe_backbone_and_not_the_dense_one(expert_adapter, tiny_store) -> None:
