@@ -28,6 +28,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lorafaas.errors import InvalidInput, PromptTooLong
+from lorafaas.function_runtime.decode_step import decode_step
 from lorafaas.function_runtime.grammar import GrammarCompiler, GrammarMatcher
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams, TokenLogprob, TokenLogprobs
 from lorafaas.function_runtime.sampling import (
@@ -215,16 +216,15 @@ class GenerationEngine:
     def _decode(self) -> list[StepOutput]:
         rows = len(self._running)
         mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype, device=self.device)], dim=1)
-        out = self.model(
-            input_ids=self._next_input.unsqueeze(1),
-            attention_mask=mask,
-            position_ids=self._positions.unsqueeze(1),
-            use_cache=True,
-            **{CACHE_FIELD: self._cache},
-        )
-        self._cache, self._mask = getattr(out, CACHE_FIELD), mask
+        ids, positions = self._next_input.unsqueeze(1), self._positions.unsqueeze(1)
+        logits = decode_step(self.model, ids, mask, positions, self._cache)  # the cache updated in place
+        if logits is None:  # not a plain Llama: HF's forward
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{CACHE_FIELD: self._cache})
+            self._cache, logits = getattr(out, CACHE_FIELD), out.logits
+        self._mask = mask
         self._positions = self._positions + 1
-        logits = out.logits[:, -1, :]
+        logits = logits[:, -1, :]
         outputs, done = [], set()
         for row, seq in enumerate(self._running):
             output = self._next(seq, logits[row])
