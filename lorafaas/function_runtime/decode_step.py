@@ -51,11 +51,11 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         return None
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
-    mask = create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+    mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                               position_ids=position_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     rows = hidden.shape[0]
-    for index, layer in enumerate(inner.layers):
+    for layer in inner.layers:
         attention = layer.self_attn
         normed = _rms_norm(layer.input_layernorm, hidden)
         shape = (rows, 1, -1, attention.head_dim)
@@ -63,7 +63,7 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         key = attention.k_proj(normed).view(shape).transpose(1, 2)
         value = attention.v_proj(normed).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        key, value = cache.update(key, value, index)
+        key, value = cache.update(key, value, attention.layer_idx)
         attended, _ = sdpa_attention_forward(attention, query, key, value, mask, dropout=0.0,
                                              scaling=attention.scaling)
         hidden = hidden + attention.o_proj(attended.reshape(rows, 1, -1).contiguous())
