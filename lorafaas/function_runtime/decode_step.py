@@ -3,14 +3,14 @@
 A function's step at one row is mostly Python: in the shared base pass the products are the executor's, and what is
 left of a member's step (about 18 ms of CPU on SmolLM2) is HF's decorators, keyword plumbing and module calls around
 a few small tensor operations, paid once per layer per step by every isolated function. `decode_step` runs the same
-operations in the same order: the model's own embedding, rotary, linear and MLP modules (so a LoRA wrapper, the
-base pass's remote layers or an expert MLP act as they do under HF), HF's own mask, rotary and cache functions, and
-the RMS norms inline with `LlamaRMSNorm`'s operations. Its logits equal HF's bit for bit
+operations in the same order: the model's own embedding, rotary, linear and MLP modules (so a LoRA wrapper or the
+base pass's remote layers act as they do under HF), HF's own mask, rotary and cache functions, and the RMS norms
+inline with `LlamaRMSNorm`'s operations. Its logits equal HF's bit for bit
 (`tests/unit/test_decode_step.py`).
 
-The attention is HF's own `sdpa_attention_forward`. (For one unpadded row it takes SDPA's `enable_gqa`, whose
-bfloat16 CPU kernel costs about 100 us a layer where the packed kernel HF uses for a padded batch costs 22 us; the
-two differ by a float32 rounding, which changes greedy tokens of bf16 replies against PEFT: kept as HF does it.)
+The attention is HF's own `sdpa_attention_forward`. For one unpadded row it takes SDPA's `enable_gqa`, whose bfloat16
+CPU kernel costs about 100 us a layer where the packed kernel HF uses for a padded batch costs 22 us; but their
+results differ by up to a float32 rounding, so a row would no longer get PEFT's logits bit for bit. Kept as HF does.
 
 A model of another shape, an attention other than SDPA, or a module an adapter replaced whole (a norm, the rotary
 embedding) makes `decode_step` answer None, and the engine runs HF's forward as before. Checked at each step: an
