@@ -1,12 +1,12 @@
 """One decode step of a Llama-family model (one new token a row) without Hugging Face's per-module plumbing.
 
-A function's step at one row is mostly Python: in the shared base pass the products are the executor's, and what is
-left of a member's step (about 18 ms of CPU on SmolLM2) is HF's decorators, keyword plumbing and module calls around
-a few small tensor operations, paid once per layer per step by every isolated function. `decode_step` runs the same
-operations in the same order: the model's own embedding, rotary, linear and MLP modules (so a LoRA wrapper or the
-base pass's remote layers act as they do under HF), HF's own mask, rotary and cache functions, and the RMS norms
-inline with `LlamaRMSNorm`'s operations. Its logits equal HF's bit for bit
-(`tests/unit/test_decode_step.py`).
+A function's step at one row is mostly small operations: in the shared base pass the products are the executor's,
+and what is left of a member's step (18-20 ms of CPU on SmolLM2 bf16) is a few of them a layer, wrapped in HF's
+decorators, keyword plumbing and module calls, paid once per layer per step by every isolated function.
+`decode_step` runs the same operations in the same order: the model's own embedding, rotary, linear and MLP modules
+(so a LoRA wrapper or the base pass's remote layers act as they do under HF), HF's own mask, rotary and cache
+functions, and the RMS norms inline with `LlamaRMSNorm`'s operations, without the wrapping (2-3 ms less;
+docs/performance.md). Its logits equal HF's bit for bit (`tests/unit/test_decode_step.py`).
 
 The attention is HF's own `sdpa_attention_forward`. For one unpadded row it takes SDPA's `enable_gqa`, whose bfloat16
 CPU kernel costs about 100 us a layer where the packed kernel HF uses for a padded batch costs 22 us; but their
