@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from lorafaas.cli.output import RichProgress, console, err_console, human_bytes, print_json
+from lorafaas.cli.output import RichProgress, err_console, human_bytes, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.formats.adapter_files import AdapterInfo, read_adapter
 from lorafaas.formats.model_store import ModelStore
@@ -34,7 +34,7 @@ def _show(info: AdapterInfo, as_json: bool, extra: dict | None = None) -> None:
         else:
             shown = f"{value:g}" if isinstance(value, float) else value
         table.add_row(key, str(shown))
-    console.print(table)
+    print_table(table)
 
 
 def _scaling(info: AdapterInfo) -> dict:

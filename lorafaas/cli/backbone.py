@@ -8,7 +8,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from lorafaas.cli.output import RichProgress, console, err_console, human_bytes, print_json
+from lorafaas.cli.output import RichProgress, err_console, human_bytes, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.formats.model_store import ModelStore
 
@@ -85,7 +85,7 @@ def list_backbones(ctx: typer.Context, as_json: bool = typer.Option(False, "--js
     for m in manifests:
         table.add_row(m.name, m.architecture, f"{m.num_parameters / 1e6:.1f}M", human_bytes(m.bytes),
                       ",".join(m.dtypes), m.short_hash)
-    console.print(table)
+    print_table(table)
 
 
 @app.command("serve")

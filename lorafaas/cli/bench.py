@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from lorafaas.cli import bench_serve
-from lorafaas.cli.output import RichProgress, console, human_bytes, print_json
+from lorafaas.cli.output import RichProgress, human_bytes, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dirs
 
@@ -36,7 +36,7 @@ def attach(
     table.add_row(result.backbone, human_bytes(result.bytes), f"{result.private_load_s * 1e3:.1f} ms",
                   f"{result.attach_s * 1e3:.1f} ms", f"{result.bind_s * 1e3:.2f} ms",
                   f"{result.ratio_private_over_attach:.1f}x")
-    console.print(table)
+    print_table(table)
 
 
 def _default_adapter() -> Path:
@@ -57,7 +57,7 @@ def _show(result: msgspec.Struct, as_json: bool, title: str) -> None:
                 table.add_row(f"{key}.{case}", shown)
         else:
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("coldstart")
@@ -152,7 +152,7 @@ def batching(
     for policy, row in result.policies.items():
         table.add_row(policy, f"{row.requests_per_s:.2f}", f"{row.ttft_slo_attainment:.0%}",
                       f"{row.mean_ttft_s * 1e3:.0f} ms", f"{row.p99_ttft_s * 1e3:.0f} ms", str(row.errors))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("preload")
@@ -224,7 +224,7 @@ def edge(
     table = Table("measure", "value", title="/healthz while a tenant attacks")
     for key, value in result.items():
         table.add_row(key, str(value))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("moe-transport")
@@ -246,7 +246,7 @@ def moe_transport(
     for row in result.sizes:
         table.add_row(str(row.tokens), str(row.rows), f"{row.shm_ms:.2f} ms", f"{row.tcp_ms:.2f} ms",
                       f"{row.http_json_ms:.1f} ms", f"{row.http_over_shm:.0f}x")
-    console.print(table)
+    print_table(table)
 
 
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py

@@ -8,7 +8,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from lorafaas.cli.output import RichProgress, console, print_json
+from lorafaas.cli.output import RichProgress, console, print_json, print_table
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -100,7 +100,7 @@ def _print_tables(result) -> None:
                       f"{level.output_tokens_per_s:.1f}", f"{level.requests_per_s:.2f}", _dist(level.ttft),
                       _dist(level.tpot), shown_load,
                       "-" if load.server_pss_peak_mb is None else f"{load.server_pss_peak_mb:.0f}")
-    console.print(table)
+    print_table(table)
     for level in result.levels:
         if level.short_replies and result.config.ignore_eos:
             console.print(f"[yellow]{level.target} at {level.concurrency}:[/yellow] {level.short_replies} replies "
@@ -161,7 +161,7 @@ def new_adapter(
         totals = ", ".join(f"{s.total_s:.3f}" for s in result.samples if s.kind == summary.kind)
         table.add_row(summary.kind, f"{summary.median_register_s:.3f}", f"{summary.median_ttft_s:.3f}",
                       f"{summary.median_total_s:.3f}", totals)
-    console.print(table)
+    print_table(table)
     if len(result.summaries) == 2:
         ratio = result.summaries[0].median_total_s / result.summaries[1].median_total_s
         console.print(f"lorafaas / vllm, median total: {ratio:.2f}x")
@@ -231,7 +231,7 @@ def server_start(
         table.add_row(summary.label, f"{summary.median_first_token_s:.2f}",
                       f"{summary.min_first_token_s:.2f} / {summary.max_first_token_s:.2f}",
                       ", ".join(f"{s.first_token_s:.2f}" for s in mine), ", ".join(str(s.attempts) for s in mine))
-    console.print(table)
+    print_table(table)
     if len(result.summaries) == 2:
         first, second = result.summaries
         console.print(f"{first.label} / {second.label}, median: "

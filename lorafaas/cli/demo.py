@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from lorafaas.cli.output import RichProgress, console, err_console, print_json
+from lorafaas.cli.output import RichProgress, err_console, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import SourceUnavailable
 from lorafaas.formats.model_store import ModelStore
@@ -59,5 +59,5 @@ def demo(
     table = Table("function", "answer", title=f"{prompt!r} on {DEFAULT_BACKBONE}", show_lines=True)
     for name, text in answers.items():
         table.add_row(name, text)
-    console.print(table)
+    print_table(table)
     err_console.print(f"demo adapters: {adapters_dir}; try `lorafaas adapter inspect {adapters[0]}`")

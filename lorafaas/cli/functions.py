@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lorafaas.cli.function_file import read_function_file
-from lorafaas.cli.output import console, err_console, print_json, print_json_line, print_text
+from lorafaas.cli.output import console, err_console, print_json, print_json_line, print_table, print_text
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import FunctionNotFound, InvalidInput
 from lorafaas.platform import log_lines
@@ -127,7 +127,7 @@ def list_functions(ctx: typer.Context, url: str | None = URL, as_json: bool = JS
         bounds = f"{f['min_instances']}/{f['max_instances']}"
         table.add_row(f["name"], f["tenant"], f["backbone"], f["adapter_digest"][:12], str(f["version"]),
                       f"{f['slo_ttft_ms']} ms", f"{f['keep_alive_s']:g} s", bounds)
-    console.print(table)
+    print_table(table)
 
 
 def describe(ctx: typer.Context, name: str, url: str | None = URL, as_json: bool = JSON) -> None:
@@ -148,7 +148,7 @@ def describe(ctx: typer.Context, name: str, url: str | None = URL, as_json: bool
         table.add_row(i["instance_id"], str(i["pid"]), i["device"], i["state"], str(i["in_flight"]),
                       _adapter(i.get("adapter")) + (" (shared base pass)" if i.get("shared_base") else ""),
                       _breakdown(i["cold_start"]))
-    console.print(table)
+    print_table(table)
     if info.get("last_cold_start"):
         console.print(f"last cold start: {_breakdown(info['last_cold_start'])}")
     if batching := info.get("batching"):
@@ -383,7 +383,7 @@ def list_keys(ctx: typer.Context, url: str | None = URL, as_json: bool = JSON) -
     for k in keys:
         table.add_row(k["key_id"], k["tenant"], "yes" if k["is_admin"] else "", _when(k.get("created_at")),
                       _when(k.get("last_used_at")) or "never")
-    console.print(table)
+    print_table(table)
 
 
 @keys_app.command("revoke")

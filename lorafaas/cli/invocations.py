@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from lorafaas.cli.functions import JSON, URL, client_for
-from lorafaas.cli.output import console, err_console, print_json, print_text
+from lorafaas.cli.output import err_console, print_json, print_table, print_text
 
 # `wait`'s exit codes besides 0 (succeeded), 1 (lorafaas failed) and 2 (bad input): as GNU timeout(1) on a timeout.
 EXIT_INVOCATION_FAILED = 1
@@ -54,7 +54,7 @@ def list_invocations(
     for r in records:
         table.add_row(r["invocation_id"], r["function"], r["status"], _when(r["created_at"]),
                       f"{r['prompt_tokens']}/{r['completion_tokens']}" if r["status"] == "succeeded" else "")
-    console.print(table)
+    print_table(table)
 
 
 @app.command("wait")

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from lorafaas.cli.output import console, err_console, human_bytes, print_json
+from lorafaas.cli.output import err_console, human_bytes, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import ModelStore
@@ -71,7 +71,7 @@ def provision(
     table.add_row("devices for memory", str(plan.memory_devices))
     table.add_row("devices for TPOT", str(plan.tpot_devices) if plan.tpot_devices else "infeasible")
     table.add_row("server devices", str(plan.devices) if plan.devices else "infeasible (the link alone is too slow)")
-    console.print(table)
+    print_table(table)
 
 
 @app.command("create-adapter")
@@ -132,7 +132,7 @@ def validate(
     table = Table(show_header=False)
     for key, value in summary.items():
         table.add_row(key, human_bytes(value) if key.endswith("bytes") else str(value))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("serve")

@@ -1,7 +1,8 @@
 """Terminal output shared by the CLI commands: rich tables and progress on stderr, JSON documents on stdout.
 
 Model text and log lines go to stdout verbatim (`print_text`), never through rich: rich hard-wraps at the terminal's
-width (80 columns when piped), which would put newlines into generated text and split log lines.
+width (80 columns when piped), which would put newlines into generated text and split log lines. Tables go through
+`print_table`: fitted to a terminal, whole when piped to a file (rich would cut their columns to 80).
 """
 
 from __future__ import annotations
@@ -10,11 +11,23 @@ import json
 import sys
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 console = Console()
 # Messages are never hard-wrapped: a wrapped hint, path or key cannot be copied and run (a terminal wraps them).
 err_console = Console(stderr=True, soft_wrap=True)
+
+
+def print_table(table) -> None:
+    """A rich table on stdout: fitted to a terminal's width; piped or redirected, at its natural width, so no cell is
+    cut short or wrapped in a file someone will read or parse later."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update(width=100_000), table).maximum
+    # `print(width=...)` is capped at the console's own width: a console of the table's width prints it whole
+    Console(file=console.file, width=max(console.width, natural)).print(table)
 
 
 def print_json(document: object) -> None:

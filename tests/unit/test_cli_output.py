@@ -1,0 +1,39 @@
+"""Tables printed by the CLI (`lorafaas.cli.output.print_table`): whole when piped to a file, as a benchmark's
+results usually are, where rich on its own cuts every column to fit 80."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+WIDE_TABLE = """
+from rich.table import Table
+from lorafaas.cli.output import print_table
+table = Table("target", "conc", "TTFT p50/p90/p99 (mean) ms", "TPOT p50/p90/p99 (mean) ms",
+              "load: 1m avg, busy/server/other cores", "server PSS peak MB")
+table.add_row("vllm-bf16", "32", "6316/7931/7970 (6571)", "308/336/336 (313)", "4.3->3.6, 1.99/1.81/0.04", "4493")
+table.add_row("lorafaas", "8", "463/1589/2062 (656)", "224/368/401 (247)", "5.3->4.4, 1.83/1.57/0.04", "1921")
+print_table(table)
+"""
+
+
+def test_a_table_piped_to_a_file_is_printed_whole() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    out = subprocess.run([sys.executable, "-c", WIDE_TABLE], capture_output=True, text=True, env=env, timeout=60,
+                         check=True).stdout
+    assert "…" not in out  # rich's mark of a cut cell
+    lines = out.splitlines()
+    assert max(map(len, lines)) > 80  # wider than the 80 columns rich assumes for a pipe
+    assert any("TTFT p50/p90/p99 (mean) ms" in line for line in lines)  # each header on one line, not wrapped
+    row = next(line for line in lines if "vllm-bf16" in line)
+    for cell in ("6316/7931/7970 (6571)", "308/336/336 (313)", "4.3->3.6, 1.99/1.81/0.04", "4493"):
+        assert cell in row
+    assert len([line for line in lines if "lorafaas" in line]) == 1  # one line a row
+
+
+def test_a_narrow_columns_setting_is_not_a_cut_when_piped() -> None:
+    env = {**os.environ, "COLUMNS": "40"}
+    out = subprocess.run([sys.executable, "-c", WIDE_TABLE], capture_output=True, text=True, env=env, timeout=60,
+                         check=True).stdout
+    assert "…" not in out and "4.3->3.6, 1.99/1.81/0.04" in out
