@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lorafaas.cli.output import console, err_console
+from lorafaas.cli.output import err_console, print_text
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import InvalidInput
 from lorafaas.platform.api_client import resolve_key, resolve_url
@@ -67,7 +67,7 @@ def replay(
         if as_json:
             typer.echo(json.dumps(document, indent=2, default=str))
         else:
-            console.print((out / "comparison.md").read_text())
+            print_text((out / "comparison.md").read_text(), end="")  # Markdown: verbatim, never wrapped
         return
     config: LorafaasConfig = ctx.obj
     from lorafaas.replay.live import LiveConfig, run_live
@@ -91,5 +91,5 @@ def replay(
     if as_json:
         typer.echo(json.dumps(json.loads((out / "results.json").read_text())["summary"], indent=2))
     else:
-        console.print(summary_table(summaries))
+        print_text(summary_table(summaries))  # a Markdown table: verbatim, never wrapped
         err_console.print(f"report in {out}/ (results.json, requests.csv, summary.md, plots)")

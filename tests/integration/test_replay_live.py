@@ -39,7 +39,7 @@ def platform(tmp_path_factory, tiny_dense_dir):
 
 
 def _replay(platform: PlatformProcess, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LORAFAAS_API_KEY": platform.admin_key}
+    env = {**os.environ, "LORAFAAS_API_KEY": platform.admin_key, "COLUMNS": "80"}
     return subprocess.run(
         [sys.executable, "-m", "lorafaas", "--home", str(platform.home), "replay", *args, "--url", platform.url],
         capture_output=True,
@@ -92,6 +92,10 @@ def test_replay_writes_the_report(platform: PlatformProcess, tmp_path: Path) -> 
     assert document["summary"][-1]["num_ok"] == 6
     assert document["cold_start_breakdowns"]
     assert "| all | 6 | 0 |" in (out / "summary.md").read_text()
+    # the summary table on stdout is the report's, line for line (Markdown, never wrapped at the width)
+    table = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| function |")]
+    assert table and table[0] in done.stdout.splitlines()
+    assert "| all | 6 | 0 |" in done.stdout
     # the platform's own count of instances busy at once, read from /metrics: some, and never more than the two
     # functions could have started
     meta = document["meta"]

@@ -37,3 +37,18 @@ def test_a_narrow_columns_setting_is_not_a_cut_when_piped() -> None:
     out = subprocess.run([sys.executable, "-c", WIDE_TABLE], capture_output=True, text=True, env=env, timeout=60,
                          check=True).stdout
     assert "…" not in out and "4.3->3.6, 1.99/1.81/0.04" in out
+
+
+def test_a_simulated_replay_prints_its_markdown_report_verbatim_when_piped(tmp_path, cli) -> None:
+    """The report is Markdown with lines past 80 columns (the table, the price sheet): printed through rich, they
+    were hard-wrapped at the width, which breaks a Markdown table and every line someone would paste or parse."""
+    trace = tmp_path / "llm.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00.0000000,40,4\n"
+                     "2023-11-16 18:17:00.2000000,900,3\n2023-11-16 18:17:01.0000000,30,2\n")
+    out = tmp_path / "out"
+    done = cli("--home", str(tmp_path / "home"), "replay", str(trace), "--simulate", "--map", "llm=f1", "--no-plots",
+               "--out", str(out), env={"COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    report = (out / "comparison.md").read_text()
+    assert max(map(len, report.splitlines())) > 80  # the case: lines wider than the terminal rich assumes
+    assert done.stdout == report
