@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reap-interval", type=float, default=0.5)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--adopt-fd", type=int, default=None, help="a predecessor's sealed segment (supervisor's)")
+    parser.add_argument("--cpu-linear", default=None,
+                        help="kernel of float32 products on a CPU: auto (measured at load), torch or onednn "
+                             "(default: $LORAFAAS_CPU_LINEAR, else auto)")
     parser.add_argument("--status-fd", type=int, default=None, help="report a start-up error here (msgpack)")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_ttl_s=args.lease_ttl,
             reap_interval_s=args.reap_interval,
             adopt_fd=args.adopt_fd,
+            cpu_linear=args.cpu_linear,
         )
         serve(config, on_ready=ready)
     except LorafaasError as exc:

@@ -98,7 +98,10 @@ class BasePassStats:
 class BasePassExecutor:
     def __init__(self, path: Path, tensors: dict[str, torch.Tensor], may_join: Callable[[int], bool], *,
                  threads: int | None = None, hold_s: float = 0.05, deadline_s: float = 0.05,
-                 penalty_passes: int = 10, pack_bf16: bool = True) -> None:
+                 penalty_passes: int = 10, pack_bf16: bool = True,
+                 linear: Callable[..., torch.Tensor] = F.linear) -> None:
+        """`linear`: the kernel of the products from the segment's weights (the daemon's float32 choice,
+        lorafaas/models/cpu_linear.py); packed bf16 weights have their own."""
         self.path = Path(path)
         self.tensors = tensors
         self.may_join = may_join
@@ -107,7 +110,8 @@ class BasePassExecutor:
         self.deadline_s = deadline_s
         self.penalty_passes = penalty_passes
         self.pack_bf16 = pack_bf16 and packs_bf16()
-        self._linear: Callable[..., torch.Tensor] = F.linear
+        self.linear = linear
+        self._linear: Callable[..., torch.Tensor] = linear
         self.stats = BasePassStats()
         self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
@@ -401,7 +405,7 @@ class BasePassExecutor:
             os.close(member.fd)
         if not self._members:  # the next member may bring another model
             self._groups, self._layers, self._downs = None, [], []
-            self._linear = F.linear
+            self._linear = self.linear
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
 

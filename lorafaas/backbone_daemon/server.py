@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import torch.nn.functional as F
 
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
@@ -31,8 +32,9 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.cpu_linear import choose_cpu_linear, onednn_linear
 from lorafaas.protocols import daemon_messages as m
-from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
+from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
 from lorafaas.protocols.fdpass import send_with_fds
 from lorafaas.protocols.leases import LeaseTable, process_alive, socket_peer_pid
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
@@ -78,6 +80,8 @@ class BackboneDaemon:
         """Lock, clean up after a predecessor, load the backbone. Blocking; runs before the event loop serves."""
         manifest = self.store.get(self.config.backbone)  # BackboneNotFound before anything is created
         cuda_ipc.check_transport(self.config.device)  # no GPU or driver: say so before loading anything
+        cpu_linear = self.config.cpu_linear or os.environ.get(CPU_LINEAR_ENV) or "auto"
+        check_cpu_linear(cpu_linear, f"${CPU_LINEAR_ENV}")
         self._acquire_lock()
         name = self.paths.segment_name(os.getpid())
         self._adopt(manifest)
@@ -99,10 +103,23 @@ class BackboneDaemon:
             model_dir=str(self.store.path(manifest.name)),
             architecture=manifest.architecture,
             weights_sha256=manifest.weights_sha256,
+            cpu_linear=self._choose_cpu_linear(cpu_linear),
         )
         self._save_record()
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
+
+    def _choose_cpu_linear(self, setting: str) -> str:
+        """The kernel of the float32 products of every function attached here (lorafaas/models/cpu_linear.py)."""
+        if self.config.device != "cpu":
+            return "torch"
+        attachment = cuda_ipc.attach(self.segment.manifest, self.segment.fd)  # read-only views, no copy
+        try:
+            choice = choose_cpu_linear(setting, list(attachment.tensors.values()))
+        finally:
+            attachment.close()
+        log.info("daemon %d: float32 products by %s (%s: %s)", os.getpid(), choice.kernel, setting, choice.reason)
+        return choice.kernel
 
     def _adopt(self, manifest) -> None:
         """Take over the sealed segment a killed predecessor recorded and the supervisor handed over (`adopt_fd`), if
@@ -181,8 +198,9 @@ class BackboneDaemon:
         def may_join(pid: int) -> bool:  # asked on the executor's thread; the lease table is the loop's
             return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
 
+        linear = onednn_linear if self.info.cpu_linear == "onednn" else F.linear
         self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, may_join,
-                                          threads=os.cpu_count())
+                                          threads=os.cpu_count(), linear=linear)
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping
 

@@ -23,6 +23,7 @@ import msgspec
 import torch
 from torch import nn
 
+from lorafaas.models.cpu_linear import is_bare_linear
 from lorafaas.protocols import base_pass as bp
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
@@ -217,7 +218,7 @@ class RemoteForward:
         return outputs[self.index]
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.Linear.forward(self.layer, x)
+        return type(self.layer).forward(self.layer, x)  # nn.Linear's, or the kernel chosen for it (OneDnnLinear)
 
 
 class RemoteMLP:
@@ -232,7 +233,7 @@ class RemoteMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        if all(type(getattr(mlp, name)) is nn.Linear for name in MLP_LAYERS):
+        if all(is_bare_linear(getattr(mlp, name)) for name in MLP_LAYERS):
             outputs = self.client.call(self.key, x)
             if outputs is not None:
                 return outputs[0]
@@ -244,7 +245,7 @@ class RemoteMLP:
 def _bare(layer: nn.Module | None) -> nn.Linear | None:
     """The backbone's linear layer in `layer` (itself, or the `base` of a LoRA wrapper), or None."""
     base = getattr(layer, "base", layer)
-    return base if type(base) is nn.Linear else None
+    return base if is_bare_linear(base) else None
 
 
 def gated_mlps(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
@@ -267,7 +268,7 @@ def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tup
     names = {t.data_ptr(): name for name, t in tensors.items()}
     found: dict[str, nn.Linear] = {}  # path -> layer, in module order (LoRA wrappers looked through)
     for path_of, module in model.named_modules():
-        if type(module) is nn.Linear and module.weight.data_ptr() in names:
+        if is_bare_linear(module) and module.weight.data_ptr() in names:
             found[path_of.removesuffix(".base")] = module
     if not found:
         raise BasePassUnavailable("the model has no linear layer bound to the backbone's segment")

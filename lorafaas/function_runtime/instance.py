@@ -131,6 +131,10 @@ class FunctionInstance:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
             self.model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
+            if attached.backbone.cpu_linear == "onednn":  # the daemon measured it faster here
+                from lorafaas.models.cpu_linear import use_onednn_linears
+
+                use_onednn_linears(self.model)
             if self.spec.base_pass:
                 self._join_base_pass()
         else:

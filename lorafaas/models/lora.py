@@ -21,6 +21,7 @@ from torch import nn
 from lorafaas.errors import AdapterIncompatible
 from lorafaas.formats.adapter_files import WEIGHTS_FILE, read_adapter
 from lorafaas.formats.adapter_rules import AdapterLayout, ModuleSlot, ModuleTable, check_against_model
+from lorafaas.models.cpu_linear import is_bare_linear
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def module_table(model: nn.Module) -> ModuleTable:
             base = child.base if isinstance(child, (LoraLinear, SavedModule)) else child
             children = list(base.named_children())
             modules[path] = ModuleSlot(
-                kind="Linear" if type(base) is nn.Linear else type(base).__name__,
+                kind="Linear" if is_bare_linear(base) else type(base).__name__,
                 in_features=getattr(base, "in_features", 0) if isinstance(base, nn.Linear) else 0,
                 out_features=getattr(base, "out_features", 0) if isinstance(base, nn.Linear) else 0,
                 parameters={n: tuple(p.shape) for n, p in base.named_parameters(recurse=False)},

@@ -177,6 +177,8 @@ def spawn_daemon(
     ]
     if config.lease_ttl_s is not None:
         command += ["--lease-ttl", str(config.lease_ttl_s)]
+    if config.cpu_linear is not None:
+        command += ["--cpu-linear", config.cpu_linear]
     pass_fds = [status_write]
     if adopt_fd is not None:
         command += ["--adopt-fd", str(adopt_fd)]

@@ -25,6 +25,9 @@ from lorafaas.formats.model_store import check_name
 
 SEGMENT_PREFIX = "lorafaas-"
 MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, the terminating NUL included
+# The kernel of a float32 backbone's linear products on a CPU (lorafaas/models/cpu_linear.py): measured, or set.
+CPU_LINEAR_SETTINGS = ("auto", "torch", "onednn")
+CPU_LINEAR_ENV = "LORAFAAS_CPU_LINEAR"  # the daemon's default for --cpu-linear
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,13 @@ class DaemonConfig:
     # A killed predecessor's sealed segment, handed over by the supervisor (`--adopt-fd`); adopted if the record
     # still describes it, closed otherwise.
     adopt_fd: int | None = None
+    # CPU_LINEAR_SETTINGS; None: the daemon's environment says ($LORAFAAS_CPU_LINEAR, else "auto")
+    cpu_linear: str | None = None
 
     def __post_init__(self) -> None:
         check_name(self.backbone)
         check_device(self.device)
+        check_cpu_linear(self.cpu_linear)
         if self.lease_ttl_s is not None and not 0.1 <= self.lease_ttl_s <= 86400:
             raise InvalidInput(f"lease TTL is {self.lease_ttl_s} s; it must lie between 0.1 s and one day")
         if not 0.01 <= self.reap_interval_s <= 60:
@@ -50,6 +56,11 @@ class DaemonConfig:
     @property
     def paths(self) -> DaemonPaths:
         return DaemonPaths.of(self.home, self.backbone, self.device)
+
+
+def check_cpu_linear(setting: str | None, source: str = "cpu_linear") -> None:
+    if setting is not None and setting not in CPU_LINEAR_SETTINGS:
+        raise InvalidInput(f"{source} is {setting!r}; it must be one of {', '.join(CPU_LINEAR_SETTINGS)}")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ class BackboneInfo(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str  # the store entry: config.json and tokenizer for the attaching function
     architecture: str
     weights_sha256: str
+    # the kernel of float32 linear products on a CPU, chosen by the daemon at load (lorafaas/models/cpu_linear.py)
+    cpu_linear: str = "torch"
 
 
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):

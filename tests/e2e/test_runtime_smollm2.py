@@ -71,6 +71,21 @@ def test_every_demo_adapter_through_the_runtime_equals_peft_merged(launcher, mer
     assert len({tuple(v) for v in outputs.values()}) == len(outputs), "every function answers differently"
 
 
+@pytest.mark.parametrize("kernel", ["torch", "onednn"])
+def test_either_float32_kernel_gives_peft_merged_greedy_tokens(tmp_path_factory, smollm2_store, merged_references,
+                                                              monkeypatch, kernel) -> None:
+    """The daemon's measured choice of kernel (lorafaas/models/cpu_linear.py) picks one per machine; both must answer
+    as PEFT does. Each set for a daemon of its own home (the store's models, linked)."""
+    home = tmp_path_factory.mktemp("k")  # short: the daemon's socket path must fit in sun_path
+    (home / "models").symlink_to(smollm2_store.models_dir)
+    monkeypatch.setenv("LORAFAAS_CPU_LINEAR", kernel)
+    with LocalLauncher(home) as launcher:
+        outputs = served_greedy(launcher, "smollm2-135m")
+        daemon_log = (launcher.log_dir / "daemon-smollm2-135m.log").read_text()
+    assert f"float32 products by {kernel} ({kernel}: set)" in daemon_log
+    assert outputs == merged_references
+
+
 def test_unmerged_logits_agree_with_peft_merged(smollm2_store) -> None:
     model, tokenizer = load_backbone(smollm2_store.path("smollm2-135m"))
     ids = torch.tensor([chat_input_ids(tokenizer, PROMPTS[0])])

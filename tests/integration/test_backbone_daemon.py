@@ -19,7 +19,7 @@ import torch
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon.server import BackboneDaemon
 from lorafaas.cuda_ipc.shm import list_segments
-from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, LeaseNotFound, LeasesHeld
+from lorafaas.errors import DaemonAlreadyRunning, DaemonUnavailable, InvalidInput, LeaseNotFound, LeasesHeld
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.reference import load_backbone
 from lorafaas.protocols import daemon_messages as m
@@ -45,8 +45,8 @@ class Daemons:
         ModelStore(home / "models").import_dir(BACKBONE, self._source)
         return home
 
-    def start(self, home: Path, adopt_fd: int | None = None):
-        config = DaemonConfig(home=home, backbone=BACKBONE, reap_interval_s=0.2)
+    def start(self, home: Path, adopt_fd: int | None = None, cpu_linear: str | None = None):
+        config = DaemonConfig(home=home, backbone=BACKBONE, reap_interval_s=0.2, cpu_linear=cpu_linear)
         log = (home / "daemon.log").open("ab")
         process = spawn_daemon(config, timeout_s=READY_TIMEOUT_S, stderr=log, adopt_fd=adopt_fd)
         log.close()
@@ -125,6 +125,38 @@ def test_attach_heartbeat_status_detach(running) -> None:
         assert "fn-status" not in {x.function for x in client.status().leases}
         with pytest.raises(LeaseNotFound):
             client.heartbeat(attached.lease_id)
+
+
+def _attached_kernel(config: DaemonConfig) -> str:
+    with DaemonClient.connect(config.paths.socket, client="test") as client:
+        attached = client.attach("fn-kernel")
+        attached.close_fd()
+        client.detach(attached.lease_id)
+        return attached.backbone.cpu_linear
+
+
+@pytest.mark.parametrize("setting", ["torch", "onednn"])
+def test_the_float32_kernel_set_for_the_daemon_is_handed_to_every_attacher(daemons, setting) -> None:
+    home = daemons.home()
+    config, _ = daemons.start(home, cpu_linear=setting)
+    assert _attached_kernel(config) == setting
+    assert f"float32 products by {setting} ({setting}: set)" in (home / "daemon.log").read_text()
+
+
+def test_auto_is_measured_at_load_and_said_in_the_log(running) -> None:
+    config, _ = running
+    kernel = _attached_kernel(config)
+    assert kernel in ("torch", "onednn")
+    log = (config.home / "daemon.log").read_text()
+    assert f"float32 products by {kernel} (auto: one thread" in log and "oneDNN" in log
+
+
+def test_a_bad_kernel_setting_in_the_environment_stops_the_daemon_naming_it(daemons, monkeypatch) -> None:
+    monkeypatch.setenv("LORAFAAS_CPU_LINEAR", "mkl")
+    with pytest.raises(InvalidInput, match=r"\$LORAFAAS_CPU_LINEAR is 'mkl'; it must be one of auto, torch, onednn"):
+        daemons.start(daemons.home())
+    with pytest.raises(InvalidInput, match="cpu_linear is 'fast'"):
+        DaemonConfig(home=Path("/nonexistent"), backbone=BACKBONE, cpu_linear="fast")
 
 
 def test_a_client_of_another_protocol_version_is_refused(running) -> None:
