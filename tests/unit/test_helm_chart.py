@@ -164,6 +164,17 @@ def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_
     }
 
 
+def test_the_daemons_float32_kernel_is_measured_unless_set_and_a_bad_setting_is_refused() -> None:
+    def kernels(values: dict | None) -> list[str]:
+        agent = by_kind(render(values), "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
+        return [{e["name"]: e["value"] for e in c["env"]}["LORAFAAS_CPU_LINEAR"] for c in agent["containers"]]
+
+    assert kernels(None) == ["auto"]
+    assert kernels({"nodeAgent": {"cpuLinear": "torch", "backbones": ["smollm2-135m", "tiny"]}}) == ["torch", "torch"]
+    with pytest.raises(helm.HelmError, match="cpuLinear"):
+        render({"nodeAgent": {"cpuLinear": "mkl"}})
+
+
 def test_a_home_shared_by_several_nodes_keeps_each_nodes_daemon_sockets_on_the_node() -> None:
     """home.runHostPath: agents and function pods mount the node's directory at <home>/run (the daemons' sockets and
     locks), so that each node's daemons start and its function pods reach them; prepare-home hands it to the user."""
