@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import torch.nn.functional as F
 
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
@@ -32,7 +31,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
 from lorafaas.formats.model_store import ModelStore
-from lorafaas.models.cpu_linear import choose_cpu_linear, onednn_linear
+from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
 from lorafaas.protocols.fdpass import send_with_fds
@@ -198,9 +197,8 @@ class BackboneDaemon:
         def may_join(pid: int) -> bool:  # asked on the executor's thread; the lease table is the loop's
             return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
 
-        linear = onednn_linear if self.info.cpu_linear == "onednn" else F.linear
         self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, may_join,
-                                          threads=os.cpu_count(), linear=linear)
+                                          threads=os.cpu_count(), linear=LINEAR_KERNELS[self.info.cpu_linear])
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping
 

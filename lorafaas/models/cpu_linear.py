@@ -38,6 +38,9 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+LINEAR_KERNELS = {"torch": F.linear, "onednn": onednn_linear}  # a choice's name -> F.linear's signature
+
+
 class OneDnnLinear(nn.Linear):
     """An nn.Linear (same parameters, same state dict, `isinstance` holds) whose inference forward is oneDNN's.
     With gradients wanted it computes as nn.Linear does: oneDNN's op has no backward."""
@@ -98,14 +101,13 @@ def _measure(matrices: list[torch.Tensor]) -> CpuLinearChoice:
             break
     size += sample[0].numel() * sample[0].element_size()
     inputs = {(rows, w.shape[1]): torch.ones(rows, w.shape[1]) for rows in CALIBRATION_ROWS for w in sample}
-    kernels = {"torch": F.linear, "onednn": onednn_linear}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy function's step computes on one thread (the step gate's compute slots)
     try:
         with torch.inference_mode():
-            times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+            times: dict[str, list[float]] = {kernel: [] for kernel in LINEAR_KERNELS}
             for round_ in range(CALIBRATION_ROUNDS + 1):  # the first is a warm-up (oneDNN makes its primitives)
-                for kernel, linear in kernels.items():
+                for kernel, linear in LINEAR_KERNELS.items():
                     started = time.perf_counter()
                     for rows in CALIBRATION_ROWS:
                         for weight in sample:
