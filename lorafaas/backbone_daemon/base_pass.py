@@ -20,6 +20,11 @@ A gated MLP group (`GroupSpec.mlp_down`) is computed whole, as the Llama family 
 Its call may carry 0 rows: that member computes the MLP itself (its adapter wraps one of the layers) and only keeps
 its place in the round.
 
+A round is fused when its starters' first calls say FUSED: after key 0 it goes through the layer tails
+(`GroupSpec.tail`: a layer's o_proj, MLP, residual adds and the next norm and products, `lorafaas.models.layer_tail`),
+one call a decoder layer. Starters of the two kinds at once: the more numerous kind forms the round, the others are
+told ALONE.
+
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
 the peer's pid, `SO_PEERCRED`); each member's rows live in its own buffer, shared with this thread only, and the
 executor writes each member's output rows into that member's buffer only. Requests are checked (group index, rows,
@@ -46,6 +51,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
@@ -64,6 +70,17 @@ def packs_bf16() -> bool:
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a weight packed by `torch.ops.mkldnn._reorder_linear_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """A layer tail's tensors (`bp.LayerTail`), resolved in the segment."""
+
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down
+    next_norm: torch.Tensor
+    eps: float
 
 
 @dataclass
@@ -93,6 +110,7 @@ class BasePassStats:
     refused: int = 0
     compute_s: float = 0.0  # in products and copies
     round_wait_s: float = 0.0  # from a round's group being computed to the last member's call for the next
+    fused_rounds: int = 0  # rounds through the layer tails
 
 
 class BasePassExecutor:
@@ -116,9 +134,12 @@ class BasePassExecutor:
         self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
+        self._tails: list[_Tail | None] = []  # per group: a layer tail's tensors, else None
+        self._first_tail = 0  # the first tail group (len(groups) without tails)
         self._members: dict[socket.socket, _Member] = {}
         self._round: list[_Member] | None = None
         self._round_key = 0
+        self._round_fused = False
         self._round_deadline = 0.0
         self._hold_since: float | None = None
         self._selector = selectors.DefaultSelector()
@@ -255,7 +276,8 @@ class BasePassExecutor:
             # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
             skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
             if member.pending is not None or not 0 <= key < len(self._layers) or not (
-                    skip or 0 < rows <= member.max_rows):
+                    skip or 0 < rows <= member.max_rows) or (flags & bp.FUSED and (key or self._first_tail >= len(
+                        self._layers))):
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
             member.pending = (key, rows, flags)
@@ -295,16 +317,20 @@ class BasePassExecutor:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
         first = self._groups is None
         if first:
-            self._layers = [self._resolve(group) for group in hello.groups]
-            self._downs = [self._resolve_down(group, layers) for group, layers in zip(hello.groups, self._layers,
-                                                                                      strict=True)]
+            layers = [self._resolve(group) for group in hello.groups]
+            downs = [self._resolve_down(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
+            tails = [self._resolve_tail(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
+            first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
+            if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
+                raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
+            self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
             self._groups = hello.groups
         elif hello.groups != self._groups:
             raise ValueError("its layer groups differ from the other members' (another model?)")
         dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
         if str(dtype).removeprefix("torch.") != hello.dtype:
             raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
-        max_in = max((w.shape[1] for layer in self._layers for w, _ in layer), default=1)
+        max_in = max((self._in_width(key) for key in range(len(self._layers))), default=1)
         max_out = max((self._out_width(key) for key in range(len(self._layers))), default=1)
         output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
         if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
@@ -327,23 +353,65 @@ class BasePassExecutor:
         if not self.pack_bf16 or dtype != torch.bfloat16:
             return
         started = time.monotonic()
-        reorder = torch.ops.mkldnn._reorder_linear_weight
+        packed: dict[int, torch.Tensor] = {}  # by the segment's address: a weight in two groups is packed once
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            if weight.data_ptr() not in packed:
+                packed[weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            return packed[weight.data_ptr()]
+
         try:
-            layers = [[(reorder(weight, PACK_BATCH_HINT), bias) for weight, bias in layer] for layer in self._layers]
-            downs = [None if down is None else reorder(down, PACK_BATCH_HINT) for down in self._downs]
+            layers = [[(pack(weight), bias) for weight, bias in layer] for layer in self._layers]
+            downs = [None if down is None else pack(down) for down in self._downs]
+            tails = [None if tail is None else dataclasses.replace(
+                tail, o_proj=pack(tail.o_proj), mlp=tuple(map(pack, tail.mlp))) for tail in self._tails]
         except RuntimeError as exc:  # oneDNN refused a shape: the plain layout computes the same
             log.warning("base pass: bf16 weights not packed (%s); computing from the segment's layout", exc)
             return
-        self._layers, self._downs = layers, downs
+        self._layers, self._downs, self._tails = layers, downs, tails
         self._linear = packed_linear
         torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
-        size = sum(w.numel() * w.element_size() for layer in self._layers for w, _ in layer)
-        size += sum(d.numel() * d.element_size() for d in self._downs if d is not None)
+        size = sum(w.numel() * w.element_size() for w in packed.values())
         log.info("base pass: bf16 weights packed for oneDNN (%.0f MB, %.2f s)", size / 1e6, time.monotonic() - started)
 
+    def _in_width(self, key: int) -> int:
+        tail = self._tails[key]
+        if tail is not None:  # the attention's output, the residual and the o_proj delta
+            return tail.o_proj.shape[1] + 2 * tail.o_proj.shape[0]
+        return self._layers[key][0][0].shape[1]
+
     def _out_width(self, key: int) -> int:
-        down = self._downs[key]
-        return down.shape[0] if down is not None else sum(w.shape[0] for w, _ in self._layers[key])
+        down, tail = self._downs[key], self._tails[key]
+        if down is not None:
+            return down.shape[0]
+        products = sum(w.shape[0] for w, _ in self._layers[key])
+        return products + 2 * tail.o_proj.shape[0] if tail is not None else products
+
+    def _resolve_tail(self, group: bp.GroupSpec,
+                      layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> _Tail | None:
+        spec = group.tail
+        if spec is None:
+            return None
+        if group.mlp_down is not None:
+            raise ValueError("a group is a gated MLP or a layer tail, not both")
+
+        def tensor(name: str, dim: int) -> torch.Tensor:
+            found = self.tensors.get(name)
+            if found is None or found.dim() != dim:
+                raise ValueError(f"the backbone has no {dim}-D tensor {name!r} for a layer tail")
+            return found
+
+        o_proj, gate, up, down = (tensor(n, 2) for n in (spec.o_proj, spec.gate, spec.up, spec.down))
+        post_norm, next_norm = tensor(spec.post_norm, 1), tensor(spec.next_norm, 1)
+        hidden = o_proj.shape[0]
+        if not (post_norm.shape[0] == next_norm.shape[0] == gate.shape[1] == up.shape[1] == down.shape[0] == hidden
+                and gate.shape[0] == up.shape[0] == down.shape[1]):
+            raise ValueError(f"the layer tail of {spec.o_proj!r} does not fit the backbone's shapes")
+        if any(w.shape[1] != hidden for w, _ in layers):
+            raise ValueError(f"the products after the layer tail of {spec.o_proj!r} do not take its width")
+        if not 0 < spec.eps < 1:
+            raise ValueError(f"a layer tail's eps is {spec.eps}")
+        return _Tail(o_proj=o_proj, post_norm=post_norm, mlp=(gate, up, down), next_norm=next_norm, eps=spec.eps)
 
     def _resolve_down(self, group: bp.GroupSpec,
                       layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
@@ -404,7 +472,7 @@ class BasePassExecutor:
         if member.fd is not None:
             os.close(member.fd)
         if not self._members:  # the next member may bring another model
-            self._groups, self._layers, self._downs = None, [], []
+            self._groups, self._layers, self._downs, self._tails, self._first_tail = None, [], [], [], 0
             self._linear = self.linear
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
@@ -440,9 +508,11 @@ class BasePassExecutor:
         if ready:
             self._compute(ready, self._round_key)
             now = time.monotonic()
-        self._round_key += 1
+        key = self._round_key
+        self._round_key = self._first_tail if self._round_fused and key == 0 else key + 1
         self._round_deadline = now + self.deadline_s
-        self._round = ready if ready and self._round_key < len(self._layers) else None
+        end = len(self._layers) if self._round_fused else self._first_tail
+        self._round = ready if ready and self._round_key < end else None
 
     def _start_round(self, now: float) -> None:
         starters = [m for m in self._members.values()
@@ -459,6 +529,11 @@ class BasePassExecutor:
         self._hold_since = None
         eligible = [m for m in starters if m.penalty == 0]
         alone = [m for m in starters if m.penalty > 0]
+        fused = {id(m) for m in eligible if m.pending[2] & bp.FUSED}  # type: ignore[index]
+        self._round_fused = 2 * len(fused) >= len(eligible) > 0
+        if 0 < len(fused) < len(eligible):  # one round at a time: the other kind computes this pass itself
+            alone += [m for m in eligible if (id(m) in fused) != self._round_fused]
+            eligible = [m for m in eligible if (id(m) in fused) == self._round_fused]
         if len(eligible) == 1:
             alone += eligible
             eligible = []
@@ -472,23 +547,25 @@ class BasePassExecutor:
             for member in eligible:
                 member.active = True
             self.stats.rounds += 1
+            self.stats.fused_rounds += self._round_fused
             self._round, self._round_key = eligible, 0
             self._round_deadline = now + self.deadline_s
             self._step_round(now)
 
     def _compute(self, members: list[_Member], key: int) -> None:
         started = time.monotonic()
-        layer, down = self._layers[key], self._downs[key]
-        width = layer[0][0].shape[1]
+        layer, down, tail = self._layers[key], self._downs[key], self._tails[key]
+        width = self._in_width(key)
         computing = [m for m in members if m.pending[1] > 0]  # type: ignore[index]
         if computing:
             inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in computing]  # type: ignore[index]
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-            if down is None:
+            if tail is not None:
+                outputs = self._tail(tail, layer, x)
+            elif down is None:
                 outputs = [self._linear(x, weight, bias) for weight, bias in layer]
             else:  # the gated MLP, as the Llama family computes it: down(silu(gate(x)) * up(x))
-                linear = self._linear
-                outputs = [linear(F.silu(linear(x, layer[0][0])) * linear(x, layer[1][0]), down)]
+                outputs = [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
             if len(computing) > 1:
                 self.stats.batched_products += len(layer) + (down is not None)
                 self.stats.round_calls += len(computing)
@@ -507,6 +584,15 @@ class BasePassExecutor:
         for member in members:
             member.pending = None
             self._send(member, bp.DONE)
+
+    def _tail(self, tail: _Tail, layer: list[tuple[torch.Tensor, torch.Tensor | None]],
+              x: torch.Tensor) -> list[torch.Tensor]:
+        """A layer tail's outputs for X = [attention output, residual, o_proj delta] (`bp.GroupSpec.tail`)."""
+        attended_width, hidden_width = tail.o_proj.shape[1], tail.o_proj.shape[0]
+        attended, residual, delta = x.split([attended_width, hidden_width, hidden_width], dim=1)
+        hidden = layer_tail(self._linear, attended, residual, delta, tail.o_proj, tail.post_norm, tail.eps, tail.mlp)
+        normed = rms_norm(tail.next_norm, tail.eps, hidden)
+        return [hidden, normed, *(self._linear(normed, weight, bias) for weight, bias in layer)]
 
     def _send(self, member: _Member, reply: bytes) -> None:
         try:

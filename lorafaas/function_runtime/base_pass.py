@@ -8,6 +8,12 @@ whole (`RemoteMLP`: gate, up, SiLU and down in one call) unless the adapter wrap
 computed here and its call carries 0 rows. When the executor answers ALONE at a pass's start, or cannot be reached,
 the pass runs here as before, from this process's own read-only mapping of the same weights, so the results are
 those of the same linear layers.
+
+A decode step (`decode_step`) of a Llama whose adapter wraps at most q, k, v and o_proj goes through the layer tails
+instead (`fused_pass`, `LayerTails.call`): one call a decoder layer, carrying the attention's output, the residual
+stream and the o_proj LoRA delta computed here, and bringing back the residual stream, the next layer's normed input
+and its q, k and v products (the LM head's logits after the last layer). The q, k and v layers then take those
+products (`RemoteForward`, primed) and add their LoRA deltas as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from torch import nn
 
 from lorafaas.models.cpu_linear import is_bare_linear
+from lorafaas.models.lora import LoraLinear
 from lorafaas.protocols import base_pass as bp
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
@@ -60,7 +67,12 @@ class BasePassClient:
         self.alone = False  # this pass runs here (the executor said ALONE)
         self.local = False  # this step runs here (the step gate granted cores, not the shared pass)
         self._awaited = False  # the executor was told another step follows: it may hold a round for this member
+        self.fused = False  # this pass goes through the layer tails (the executor took its FUSED start)
+        self._fuse_next = False  # the next pass start asks for the layer tails
+        self.first_tail = len(groups)  # key of the first layer tail (`install`)
         self.num_calls = 0
+        self.num_fused_passes = 0
+        self.tails: LayerTails | None = None  # set by `install` when the model has them
         self.num_skips = 0  # gated-MLP calls with 0 rows: this member computed the MLP itself
         self.num_alone_passes = 0
         name = str(dtype).removeprefix("torch.")
@@ -94,12 +106,13 @@ class BasePassClient:
         width, outs = self.widths[key]
         rows = x.reshape(-1, width)
         results: list[list[torch.Tensor]] = [[] for _ in outs]
+        fuse, self._fuse_next = key == 0 and self._fuse_next, False
         try:
             for start in range(0, max(rows.shape[0], 1), self.max_rows):
                 chunk = rows[start:start + self.max_rows]
                 n = chunk.shape[0]
                 self._flat[: n * width].view(n, width).copy_(chunk)
-                flags = bp.CONTINUATION if start else 0
+                flags = bp.CONTINUATION if start else bp.FUSED if fuse else 0
                 self._sock.sendall(bp.HEADER.pack(key, n, flags))
                 reply = self._sock.recv(1)
                 if reply == bp.ALONE and key == 0 and not start:
@@ -108,6 +121,9 @@ class BasePassClient:
                     return self._pass_over(key, None)
                 if reply != bp.DONE:
                     raise ConnectionError(f"the executor answered {reply!r}")
+                if fuse and not start:
+                    self.fused = True
+                    self.num_fused_passes += 1
                 offset = self._output_offset
                 for i, out in enumerate(outs):
                     results[i].append(self._flat[offset:offset + n * out].view(n, out).clone())
@@ -134,6 +150,10 @@ class BasePassClient:
                 self._fail(exc)
         self._pass_over(key, None)
 
+    def arm_fused(self) -> None:
+        """The next pass start asks for the layer tails (`fused_pass`)."""
+        self._fuse_next = True
+
     def begin_step(self, shared: bool) -> None:
         """Before each engine step: whether its backbone products go to the executor (else computed here)."""
         self.local = not shared
@@ -142,7 +162,9 @@ class BasePassClient:
 
     def end_step(self, again: bool) -> None:
         """After each engine step: whether this instance has another step to run."""
-        self.alone = False
+        self.alone = self.fused = self._fuse_next = False
+        if self.tails is not None:
+            self.tails.clear()
         if not self.local:
             self._end(again)
         self.local = False
@@ -164,8 +186,8 @@ class BasePassClient:
         os.close(self._fd)
 
     def _pass_over(self, key: int, outputs):
-        if key == len(self.groups) - 1:  # the pass's last group: the next call starts a pass
-            self.alone = False
+        if key in (self.first_tail - 1, len(self.groups) - 1):  # a pass's last group: the next call starts one
+            self.alone = self.fused = False
         return outputs
 
     def _read_frame(self) -> bytes:
@@ -205,7 +227,7 @@ class RemoteForward:
         self._shared = shared
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.index == 0:
+        if self.index == 0 and not (self._shared[0] is x and self._shared[1] is not None):  # else a tail's products
             outputs = self.client.call(self.key, x)
             if self.size > 1:
                 self._shared[:] = [x, outputs]
@@ -240,6 +262,65 @@ class RemoteMLP:
         else:
             self.client.skip(self.key)
         return type(mlp).forward(mlp, x)
+
+
+class LayerTails:
+    """A member's layer tails (`bp.GroupSpec.tail`): `keys[i]` is decoder layer i's, and `qkv[i]` the shared slot of
+    layer i's q/k/v group, which the tail before it fills with its products (`RemoteForward`)."""
+
+    def __init__(self, client: BasePassClient, keys: list[int], qkv: list[list]) -> None:
+        self.client = client
+        self.keys = keys
+        self.qkv = qkv
+
+    def usable(self, model: nn.Module) -> bool:
+        """Whether this step's layers are the ones the tails compute: o_proj bare or with a LoRA of the backbone's
+        dtype (its delta is sent in the buffer), MLPs and LM head bare, q/k/v through the pass."""
+        dtype = self.client.dtype
+        for layer in model.model.layers:
+            o_proj, attention = layer.self_attn.o_proj, layer.self_attn
+            if isinstance(o_proj, LoraLinear):
+                if o_proj.lora_a is not None and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}:
+                    return False
+                o_proj = o_proj.base
+            if not is_bare_linear(o_proj) or not isinstance(layer.mlp.__dict__.get("forward"), RemoteMLP) \
+                    or not all(is_bare_linear(getattr(layer.mlp, name)) for name in MLP_LAYERS):
+                return False
+            if not all(isinstance(getattr(_bare(getattr(attention, name)), "__dict__", {}).get("forward"),
+                                  RemoteForward) for name in ("q_proj", "k_proj", "v_proj")):
+                return False
+        return is_bare_linear(model.lm_head)
+
+    def call(self, index: int, o_proj: nn.Module, attended: torch.Tensor,
+             hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+        """Decoder layer `index`'s tail: (residual stream, next normed input) with the next q/k/v products primed,
+        or after the last layer the logits; None when this pass is not fused (then compute here)."""
+        if not self.client.fused:
+            return None
+        delta = o_proj.delta(attended) if isinstance(o_proj, LoraLinear) and o_proj.lora_a is not None else \
+            torch.zeros_like(hidden)
+        outputs = self.client.call(self.keys[index], torch.cat([attended, hidden, delta], dim=-1))
+        if outputs is None:
+            return None
+        if index == len(self.keys) - 1:
+            return outputs[2]
+        self.qkv[index + 1][:] = [outputs[1], outputs[2:]]
+        return outputs[0], outputs[1]
+
+    def clear(self) -> None:
+        for shared in self.qkv:
+            shared[:] = [None, None]
+
+
+def fused_pass(model: nn.Module) -> LayerTails | None:
+    """The layer tails of `model`'s decode step about to start (its first call asks for them), or None: this step
+    goes group by group (or is computed here)."""
+    client = model.__dict__.get("_lorafaas_base_pass")
+    tails = None if client is None else client.tails
+    if tails is None or client.broken or client.local or client.alone or not tails.usable(model):
+        return None
+    client.arm_fused()
+    return tails
 
 
 def _bare(layer: nn.Module | None) -> nn.Linear | None:
@@ -301,29 +382,86 @@ def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tup
     return groups
 
 
+def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
+                groups: list[tuple[bp.GroupSpec, list[nn.Linear]]]) -> list[tuple[bp.GroupSpec, int]]:
+    """A Llama's layer tails (`bp.GroupSpec.tail`), one a decoder layer, each with the key of the group whose
+    products it ends with (the next layer's q/k/v, or the LM head); [] when the model's layers are not all of that
+    shape in the segment (its decode steps then go group by group)."""
+    names = {t.data_ptr(): name for name, t in tensors.items()}
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    final_norm, lm_head = getattr(getattr(model, "model", None), "norm", None), _bare(getattr(model, "lm_head", None))
+    if not layers or final_norm is None or lm_head is None:
+        return []
+    key_of = {spec.weights[0]: key for key, (spec, _) in enumerate(groups) if not spec.mlp_down}
+    mlps = gated_mlps(model, names)
+    tails = []
+    for index, layer in enumerate(layers):
+        last = index == len(layers) - 1
+        attention, post_norm = getattr(layer, "self_attn", None), getattr(layer, "post_attention_layernorm", None)
+        next_norm = final_norm if last else getattr(layers[index + 1], "input_layernorm", None)
+        o_proj = _bare(getattr(attention, "o_proj", None))
+        gate = _bare(getattr(getattr(layer, "mlp", None), "gate_proj", None))
+        if o_proj is None or o_proj.bias is not None or gate is None or mlps.get(_path(model, gate)) is not layer.mlp:
+            return []
+        norms = [getattr(norm, "weight", None) for norm in (post_norm, next_norm)]
+        eps = {getattr(norm, "variance_epsilon", None) for norm in (post_norm, next_norm)}
+        if any(w is None or w.data_ptr() not in names for w in norms) or len(eps) != 1 or None in eps:
+            return []
+        following = lm_head if last else _bare(getattr(layers[index + 1].self_attn, "q_proj", None))
+        key = None if following is None else key_of.get(names.get(following.weight.data_ptr(), ""))
+        if key is None or (not last and len(groups[key][1]) != 3):
+            return []
+        mlp = layer.mlp
+        spec = groups[key][0]
+        tails.append((bp.GroupSpec(weights=spec.weights, biases=spec.biases, tail=bp.LayerTail(
+            o_proj=names[o_proj.weight.data_ptr()], post_norm=names[norms[0].data_ptr()],
+            gate=names[_bare(mlp.gate_proj).weight.data_ptr()], up=names[_bare(mlp.up_proj).weight.data_ptr()],
+            down=names[_bare(mlp.down_proj).weight.data_ptr()], next_norm=names[norms[1].data_ptr()],
+            eps=float(eps.pop()))), key))
+    return tails
+
+
+def _path(model: nn.Module, module: nn.Module) -> str | None:
+    """`module`'s path in `model`, LoRA wrappers looked through."""
+    return next((p.removesuffix(".base") for p, m in model.named_modules() if m is module), None)
+
+
 def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
             max_rows: int = DEFAULT_MAX_ROWS) -> BasePassClient:
-    """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`); raises
-    BasePassUnavailable if it cannot be reached or refuses."""
+    """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`, then `layer_tails`);
+    raises BasePassUnavailable if it cannot be reached or refuses."""
     groups = layer_groups(model, tensors)
+    tails = layer_tails(model, tensors, groups)
     widths = [(layers[0].in_features, [layers[-1].out_features] if spec.mlp_down else
                [layer.out_features for layer in layers]) for spec, layers in groups]
-    client = BasePassClient(path, [spec for spec, _ in groups], widths, groups[0][1][0].weight.dtype, max_rows)
+    for _, key in tails:
+        hidden = groups[key][1][0].in_features
+        widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
+    specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
+    client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
+    client.first_tail = len(groups)
     mlp_of_gate = {id(_bare(mlp.gate_proj)): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
+    shared_of: dict[int, list] = {}
     for key, (spec, layers) in enumerate(groups):
         if spec.mlp_down:
             mlp = mlp_of_gate[id(layers[0])]
             mlp.forward = RemoteMLP(mlp, client, key)
             continue
         shared: list = [None, None]
+        shared_of[key] = shared
         for index, layer in enumerate(layers):
             layer.forward = RemoteForward(layer, client, key, index, len(layers), shared)
+    if tails:
+        qkv = [[None, None]] + [shared_of[key] for _, key in tails[:-1]]  # layer 0's is never primed
+        client.tails = LayerTails(client, list(range(len(groups), len(groups) + len(tails))), qkv)
+    model._lorafaas_base_pass = client
     return client
 
 
 def uninstall(model: nn.Module) -> None:
     """Every linear layer computes here again (before the backbone is unbound)."""
+    model.__dict__.pop("_lorafaas_base_pass", None)
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP)):
             del module.forward

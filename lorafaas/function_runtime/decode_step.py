@@ -24,6 +24,9 @@ import inspect
 import torch
 from torch import nn
 
+from lorafaas.function_runtime.base_pass import fused_pass
+from lorafaas.models.layer_tail import rms_norm
+
 try:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
@@ -55,9 +58,12 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
                               position_ids=position_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     rows = hidden.shape[0]
-    for layer in inner.layers:
+    tails = fused_pass(model)  # in the shared base pass: one call a layer from its o_proj to the next q/k/v
+    normed = None
+    for index, layer in enumerate(inner.layers):
         attention = layer.self_attn
-        normed = _rms_norm(layer.input_layernorm, hidden)
+        if normed is None:
+            normed = _rms_norm(layer.input_layernorm, hidden)
         shape = (rows, 1, -1, attention.head_dim)
         query = attention.q_proj(normed).view(shape).transpose(1, 2)
         key = attention.k_proj(normed).view(shape).transpose(1, 2)
@@ -66,8 +72,18 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         key, value = cache.update(key, value, attention.layer_idx)
         attended, _ = sdpa_attention_forward(attention, query, key, value, mask, dropout=0.0,
                                              scaling=attention.scaling)
-        hidden = hidden + attention.o_proj(attended.reshape(rows, 1, -1).contiguous())
+        attended = attended.reshape(rows, 1, -1).contiguous()
+        if tails is not None:
+            tail = tails.call(index, attention.o_proj, attended, hidden)
+            if isinstance(tail, torch.Tensor):  # after the last layer: the logits
+                return tail
+            if tail is not None:
+                hidden, normed = tail
+                continue
+            tails = None  # this pass is computed here (ALONE), or the executor went away: as below from now on
+        hidden = hidden + attention.o_proj(attended)
         hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        normed = None
     return model.lm_head(_rms_norm(inner.norm, hidden))
 
 
@@ -86,9 +102,5 @@ def _plain_llama(model: nn.Module) -> bool:
 
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaRMSNorm.forward`'s operations, without a module call."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    return rms_norm(norm.weight, norm.variance_epsilon, hidden)
 

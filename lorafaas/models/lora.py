@@ -123,8 +123,11 @@ class LoraLinear(nn.Module):
             return result
         # Same operations and order as peft.tuners.lora.Linear.forward:
         # result + lora_B(lora_A(x)) * scaling, in the adapter's dtype, cast back to the result's.
-        delta = F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b, self.lora_bias) * self.scaling
-        return (result + delta).to(result.dtype)
+        return (result + self.delta(x)).to(result.dtype)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA's part of the output for x, in the adapter's dtype (an adapter must be attached)."""
+        return F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b, self.lora_bias) * self.scaling
 
 
 class SavedModule(nn.Module):

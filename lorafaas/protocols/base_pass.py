@@ -22,6 +22,13 @@ Flags of a CALL: CONTINUATION, a further chunk of the group just called (rows be
 A gated MLP (`GroupSpec.mlp_down`: gate and up, SiLU, down) is one group, so a decoder layer costs three calls, not
 four. A member whose adapter wraps one of its layers computes that MLP itself: it calls the group with 0 rows, which
 keeps its place in the round (a member that did not call would hold the round up to the deadline), and gets DONE.
+
+Layer tails (`GroupSpec.tail`, after every other group): one call a decoder layer in a decode step. A tail takes a
+layer's attention output, the residual stream and the adapter's o_proj delta, and gives the residual stream after the
+layer's o_proj and MLP, the next layer's normed input and the group's products of it (the next layer's q, k and v, or
+after the last layer the LM head's logits). A pass whose first call carries FUSED goes key 0, then the tails in order;
+any other pass goes through the groups before the first tail in order. So a decode step over 30 layers costs 31 calls
+instead of 91; the member keeps attention, KV cache, its LoRA deltas and sampling.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ HEADER = struct.Struct("<iii")  # key (the group's index, or END_KEY), rows, fla
 DONE, ALONE = b"d", b"a"
 END_KEY = -1
 CONTINUATION = 1  # CALL flag: another chunk of the group just called
+FUSED = 2  # CALL flag of a pass's first call: this pass goes through the layer tails
 AGAIN = 1  # END flag: the member has another step to run
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -41,14 +49,32 @@ MAX_ROWS = 4096
 MAX_BUFFER_BYTES = 1 << 30
 
 
+class LayerTail(msgspec.Struct, frozen=True):
+    """The segment's names of a decoder layer's o_proj, post-attention norm, gated MLP (gate, up, down; SiLU, no
+    biases) and of the norm before the next products (the next layer's input norm, or the final norm)."""
+
+    o_proj: str
+    post_norm: str
+    gate: str
+    up: str
+    down: str
+    next_norm: str
+    eps: float
+
+
 class GroupSpec(msgspec.Struct, frozen=True):
     """Linear layers that take the same input (e.g. q, k and v): the segment's names of their weights ([out, in],
     one `in`) and biases (None: no bias). With `mlp_down`, a gated MLP: weights are gate and up (no biases), and
-    the group's one output is down(silu(gate(x)) * up(x)), `mlp_down` naming down's weight."""
+    the group's one output is down(silu(gate(x)) * up(x)), `mlp_down` naming down's weight.
+
+    With `tail`, a layer tail: X is [attention output (o_proj's in), residual (hidden), o_proj's LoRA delta
+    (hidden; zeros without one)]; with o = o_proj(attention) + delta, h = residual + o, h = h + mlp(post_norm(h)),
+    n = next_norm(h), the outputs are h, n and the weights' products of n, in that order."""
 
     weights: tuple[str, ...]
     biases: tuple[str | None, ...]
     mlp_down: str | None = None
+    tail: LayerTail | None = None
 
 
 class BasePassHello(msgspec.Struct, frozen=True, tag="hello"):

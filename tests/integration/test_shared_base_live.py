@@ -87,11 +87,13 @@ def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_o
 
     daemon_log = platform.home / "logs" / "daemon-tiny-dense.log"
     deadline = time.monotonic() + 30  # the executor logs its counts every 10 s while they change
-    rounds = 0
-    while time.monotonic() < deadline and not rounds:
+    rounds = fused = 0
+    while time.monotonic() < deadline and not (rounds and fused):
         text = daemon_log.read_text() if daemon_log.exists() else ""
         counts = re.findall(r"base pass: (?:stopped with )?\d+ member\(s\); BasePassStats\(rounds=(\d+), "
-                            r"round_calls=\d+, batched_products=(\d+)", text)
-        rounds = max((int(r) for r, products in counts if int(products) > 0), default=0)
+                            r"round_calls=\d+, batched_products=(\d+).*fused_rounds=(\d+)", text)
+        rounds = max((int(r) for r, products, _ in counts if int(products) > 0), default=0)
+        fused = max((int(f) for _, _, f in counts), default=0)
         time.sleep(1)
     assert rounds > 0, "the base pass never computed two functions' rows together"
+    assert fused > 0, "no decode step went through the layer tails"  # the adapters wrap q and v only

@@ -277,7 +277,8 @@ def read_welcome(sock: socket.socket) -> bp.BasePassWelcome:
 def groups_of(segment) -> list[bp.GroupSpec]:
     """The groups a real member of this backbone sends."""
     model, attachment = bound_model(segment)
-    return [spec for spec, _ in client.layer_groups(model, attachment.tensors)]
+    groups = client.layer_groups(model, attachment.tensors)
+    return [spec for spec, _ in groups] + [spec for spec, _ in client.layer_tails(model, attachment.tensors, groups)]
 
 
 @pytest.mark.parametrize(("change", "why"), [
@@ -422,3 +423,128 @@ def test_a_refused_hello_makes_no_packed_copy(bf16_segment, tmp_path: Path) -> N
     finally:
         running.stop()
         attachment.close()
+
+
+def test_a_llamas_decoder_layers_each_get_a_layer_tail(segment) -> None:
+    """After the groups, one tail a decoder layer: its o_proj, MLP and norms, ending with the next layer's q/k/v
+    products (the LM head's after the last)."""
+    model, attachment = bound_model(segment)
+    groups = client.layer_groups(model, attachment.tensors)
+    tails = client.layer_tails(model, attachment.tensors, groups)
+    num_layers = model.config.num_hidden_layers
+    assert len(tails) == num_layers
+    for index, (spec, key) in enumerate(tails):
+        assert spec.tail.o_proj == f"model.layers.{index}.self_attn.o_proj.weight"
+        assert spec.tail.down == f"model.layers.{index}.mlp.down_proj.weight"
+        following = "model.norm.weight" if index == num_layers - 1 else \
+            f"model.layers.{index + 1}.input_layernorm.weight"
+        assert spec.tail.next_norm == following
+        assert spec.weights == groups[key][0].weights
+    assert tails[-1][1] == len(groups) - 1  # the LM head (its weight may be the embedding's, tied)
+
+
+def decode_members(segment, executor, adapters: list[Path], prompts: list[list[int]], steps: int,
+                   tails: bool = True):
+    """Each adapter's member prefills its prompt and decodes `steps` greedy tokens with `decode_step`, all in the
+    pass at once (one thread each); returns each member's logits of every step and its client."""
+    from lorafaas.function_runtime.decode_step import decode_step
+    from lorafaas.function_runtime.engine import CACHE_FIELD
+
+    members = []
+    for adapter in adapters:
+        model, attachment = bound_model(segment)
+        c = client.install(model, attachment.tensors, str(executor.path))
+        if not tails:
+            c.tails = None
+        attach_adapter(model, read_host_adapter(adapter))
+        members.append((model, c))
+    got: list[list[torch.Tensor]] = [[] for _ in adapters]
+    barrier = threading.Barrier(len(adapters))
+
+    def member(i: int) -> None:
+        model, c = members[i]
+        ids = torch.tensor([prompts[i]])
+        mask = torch.ones_like(ids)
+        barrier.wait()
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            c.end_step(again=True)
+            cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1)
+            for step in range(steps):
+                barrier.wait()  # every member at the step's start: the same rounds in every run
+                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+                logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompts[i]) + step]]), cache)
+                c.end_step(again=step < steps - 1)
+                got[i].append(logits)
+                token = logits[:, -1].argmax(-1)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(adapters))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return got, [c for _, c in members]
+
+
+def decode_alone(segment, adapter: Path, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    from lorafaas.function_runtime.decode_step import decode_step
+    from lorafaas.function_runtime.engine import CACHE_FIELD
+
+    model, _ = bound_model(segment, adapter)
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    got = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1)
+        for step in range(steps):
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache)
+            got.append(logits)
+            token = logits[:, -1].argmax(-1)
+    return got
+
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 3, 7], [2, 4, 6, 8], [11, 12, 13, 14, 15, 16]]
+
+
+def test_decode_steps_through_the_layer_tails_get_what_each_member_computes_alone(segment, executor, adapters,
+                                                                                 attention_adapters) -> None:
+    """Two members whose adapters wrap q, k, v and o_proj decode through the layer tails (one call a layer), their
+    o_proj deltas sent with the attention's output; a third, whose adapter wraps down_proj, cannot (its MLP has the
+    delta): it computes its passes itself while the two go on together. Every member gets what it computes alone."""
+    chosen = [attention_adapters[0], adapters[0], attention_adapters[1]]
+    steps = 4
+    got, clients = decode_members(segment, executor, chosen, PROMPTS, steps)
+    for adapter, prompt, mine in zip(chosen, PROMPTS, got, strict=True):
+        assert len(mine) == steps
+        for step, (logits, alone) in enumerate(zip(mine, decode_alone(segment, adapter, prompt, steps), strict=True)):
+            torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    assert [c.num_fused_passes for c in clients] == [steps, 0, steps]
+    assert executor.stats.fused_rounds == steps and executor.stats.stragglers == 0
+    num_layers = len(clients[0].tails.keys)
+    layer_calls = executor.stats.round_calls  # per member per group: each fused pass is 1 + layers calls
+    assert layer_calls >= 2 * steps * (1 + num_layers)
+
+
+def test_the_layer_tails_compute_what_the_pass_computes_group_by_group_bit_for_bit(segment, executor,
+                                                                                  attention_adapters) -> None:
+    """The same two members, the same rounds: through the tails (the residual adds, norms and MLP in the executor)
+    and group by group (them here), the logits are equal bit for bit."""
+    steps = 3
+    fused, fused_clients = decode_members(segment, executor, attention_adapters, PROMPTS[:2], steps)
+    plain, plain_clients = decode_members(segment, executor, attention_adapters, PROMPTS[:2], steps, tails=False)
+    assert [c.num_fused_passes for c in fused_clients] == [steps, steps]
+    assert [c.num_fused_passes for c in plain_clients] == [0, 0]
+    for mine, theirs in zip(fused, plain, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    groups = [spec for spec, _ in client.layer_groups(model, attachment.tensors)]  # no tails
+    sock = raw_member(executor, groups, max_rows=4)
+    assert read_welcome(sock).accepted
+    sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
+    assert sock.recv(1) == b""  # hung up on: no tails to go through
