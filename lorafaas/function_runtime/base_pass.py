@@ -393,7 +393,7 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
     if not layers or final_norm is None or lm_head is None:
         return []
     key_of = {spec.weights[0]: key for key, (spec, _) in enumerate(groups) if not spec.mlp_down}
-    mlps = gated_mlps(model, names)
+    mlps = {id(mlp) for mlp in gated_mlps(model, names).values()}
     tails = []
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
@@ -401,7 +401,7 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
         next_norm = final_norm if last else getattr(layers[index + 1], "input_layernorm", None)
         o_proj = _bare(getattr(attention, "o_proj", None))
         gate = _bare(getattr(getattr(layer, "mlp", None), "gate_proj", None))
-        if o_proj is None or o_proj.bias is not None or gate is None or mlps.get(_path(model, gate)) is not layer.mlp:
+        if o_proj is None or o_proj.bias is not None or gate is None or id(layer.mlp) not in mlps:
             return []
         norms = [getattr(norm, "weight", None) for norm in (post_norm, next_norm)]
         eps = {getattr(norm, "variance_epsilon", None) for norm in (post_norm, next_norm)}
@@ -419,11 +419,6 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
             down=names[_bare(mlp.down_proj).weight.data_ptr()], next_norm=names[norms[1].data_ptr()],
             eps=float(eps.pop()))), key))
     return tails
-
-
-def _path(model: nn.Module, module: nn.Module) -> str | None:
-    """`module`'s path in `model`, LoRA wrappers looked through."""
-    return next((p.removesuffix(".base") for p, m in model.named_modules() if m is module), None)
 
 
 def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
