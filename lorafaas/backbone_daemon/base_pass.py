@@ -275,9 +275,10 @@ class BasePassExecutor:
                 continue
             # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
             skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
+            # FUSED only starts a pass (key 0), and only where the backbone has tails
+            bad_fused = flags & bp.FUSED and (key != 0 or self._first_tail == len(self._layers))
             if member.pending is not None or not 0 <= key < len(self._layers) or not (
-                    skip or 0 < rows <= member.max_rows) or (flags & bp.FUSED and (key or self._first_tail >= len(
-                        self._layers))):
+                    skip or 0 < rows <= member.max_rows) or bad_fused:
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
             member.pending = (key, rows, flags)
@@ -567,7 +568,7 @@ class BasePassExecutor:
             else:  # the gated MLP, as the Llama family computes it: down(silu(gate(x)) * up(x))
                 outputs = [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
             if len(computing) > 1:
-                self.stats.batched_products += len(layer) + (down is not None)
+                self.stats.batched_products += len(layer) + (down is not None) + 4 * (tail is not None)  # o, MLP
                 self.stats.round_calls += len(computing)
             else:
                 self.stats.alone_calls += 1

@@ -69,7 +69,7 @@ class BasePassClient:
         self._awaited = False  # the executor was told another step follows: it may hold a round for this member
         self.fused = False  # this pass goes through the layer tails (the executor took its FUSED start)
         self._fuse_next = False  # the next pass start asks for the layer tails
-        self.first_tail = len(groups)  # key of the first layer tail (`install`)
+        self.first_tail = next((key for key, group in enumerate(groups) if group.tail), len(groups))
         self.num_calls = 0
         self.num_fused_passes = 0
         self.tails: LayerTails | None = None  # set by `install` when the model has them
@@ -434,7 +434,6 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
         widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
     client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
-    client.first_tail = len(groups)
     mlp_of_gate = {id(_bare(mlp.gate_proj)): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     shared_of: dict[int, list] = {}

@@ -443,13 +443,35 @@ def test_a_llamas_decoder_layers_each_get_a_layer_tail(segment) -> None:
     assert tails[-1][1] == len(groups) - 1  # the LM head (its weight may be the embedding's, tied)
 
 
-def decode_members(segment, executor, adapters: list[Path], prompts: list[list[int]], steps: int,
-                   tails: bool = True):
-    """Each adapter's member prefills its prompt and decodes `steps` greedy tokens with `decode_step`, all in the
-    pass at once (one thread each); returns each member's logits of every step and its client."""
+def greedy_decode(model, prompt: list[int], steps: int, before=lambda step: None,
+                  after=lambda step: None) -> list[torch.Tensor]:
+    """Prefill `prompt`, then `steps` greedy tokens with `decode_step`: the logits of each step. `before(step)` and
+    `after(step)` run around each step; the prefill is step -1."""
     from lorafaas.function_runtime.decode_step import decode_step
     from lorafaas.function_runtime.engine import CACHE_FIELD
 
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    got = []
+    with torch.inference_mode():
+        before(-1)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        after(-1)
+        cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1)
+        for step in range(steps):
+            before(step)
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache)
+            after(step)
+            got.append(logits)
+            token = logits[:, -1].argmax(-1)
+    return got
+
+
+def decode_members(segment, executor, adapters: list[Path], prompts: list[list[int]], steps: int,
+                   tails: bool = True):
+    """Each adapter's member prefills its prompt and decodes `steps` greedy tokens, all in the pass at once (one
+    thread each); returns each member's logits of every step and its client."""
     members = []
     for adapter in adapters:
         model, attachment = bound_model(segment)
@@ -463,20 +485,9 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
 
     def member(i: int) -> None:
         model, c = members[i]
-        ids = torch.tensor([prompts[i]])
-        mask = torch.ones_like(ids)
-        barrier.wait()
-        with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            c.end_step(again=True)
-            cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1)
-            for step in range(steps):
-                barrier.wait()  # every member at the step's start: the same rounds in every run
-                mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-                logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompts[i]) + step]]), cache)
-                c.end_step(again=step < steps - 1)
-                got[i].append(logits)
-                token = logits[:, -1].argmax(-1)
+        # every member at each step's start: the same rounds in every run
+        got[i] = greedy_decode(model, prompts[i], steps, before=lambda step: barrier.wait(),
+                               after=lambda step: c.end_step(again=step < steps - 1))
 
     threads = [threading.Thread(target=member, args=(i,)) for i in range(len(adapters))]
     for thread in threads:
@@ -487,22 +498,8 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
 
 
 def decode_alone(segment, adapter: Path, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    from lorafaas.function_runtime.decode_step import decode_step
-    from lorafaas.function_runtime.engine import CACHE_FIELD
-
     model, _ = bound_model(segment, adapter)
-    ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
-    got = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        cache, token = getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1)
-        for step in range(steps):
-            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache)
-            got.append(logits)
-            token = logits[:, -1].argmax(-1)
-    return got
+    return greedy_decode(model, prompt, steps)
 
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 3, 7], [2, 4, 6, 8], [11, 12, 13, 14, 15, 16]]
@@ -548,3 +545,4 @@ def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, executo
     assert read_welcome(sock).accepted
     sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
     assert sock.recv(1) == b""  # hung up on: no tails to go through
+
