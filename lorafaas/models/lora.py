@@ -149,6 +149,7 @@ def attach_adapter(model: nn.Module, adapter: HostAdapter, device: torch.device 
     (`rules.check_against_model`), so what deployed attaches; raises AdapterIncompatible if shapes disagree.
     """
     detach_adapter(model)
+    _changed(model)
     if adapter.config is not None and adapter.layout is not None:
         check_against_model(adapter.config, adapter.layout, module_table(model))
     placed = 0
@@ -186,12 +187,23 @@ def attach_adapter(model: nn.Module, adapter: HostAdapter, device: torch.device 
 
 def detach_adapter(model: nn.Module) -> None:
     """Remove the adapter from the device; the model computes the plain backbone again."""
+    _changed(model)
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.lora_a = module.lora_b = module.lora_bias = None
             module.scaling = 0.0
         elif isinstance(module, SavedModule):
             module.replacement = None
+
+
+def adapter_version(model: nn.Module) -> int:
+    """A number that changes whenever an adapter is attached to or detached from `model` (what is checked against
+    its modules, like the base pass's layer tails, can be kept until then)."""
+    return model.__dict__.get("_lorafaas_adapter_version", 0)
+
+
+def _changed(model: nn.Module) -> None:
+    model.__dict__["_lorafaas_adapter_version"] = adapter_version(model) + 1
 
 
 def _wrapped(model: nn.Module, path: str, wrapper: type[LoraLinear] | type[SavedModule]):

@@ -22,7 +22,7 @@ from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime import base_pass as client
 from lorafaas.models.binding import bind_backbone
-from lorafaas.models.lora import attach_adapter, read_host_adapter
+from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.protocols import base_pass as bp
 from lorafaas.testing.tiny_models import save_tiny_adapter
 from lorafaas.wire import encode_frame
@@ -546,3 +546,16 @@ def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, executo
     sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
     assert sock.recv(1) == b""  # hung up on: no tails to go through
 
+
+def test_the_layer_tails_are_checked_again_when_another_adapter_is_attached(segment, executor, adapters,
+                                                                             attention_adapters) -> None:
+    """Whether a decode step can go through the tails is kept between steps, until an adapter is attached or
+    detached: one that wraps down_proj (its delta in the MLP) turns them off after steps that used them."""
+    model, attachment = bound_model(segment)
+    c = client.install(model, attachment.tensors, str(executor.path))
+    attach_adapter(model, read_host_adapter(attention_adapters[0]))
+    assert c.tails.usable(model) and c.tails.usable(model)  # the second from what the first found
+    attach_adapter(model, read_host_adapter(adapters[0]))
+    assert not c.tails.usable(model)
+    detach_adapter(model)  # its wrapper stays on down_proj: the MLP is computed here, as `RemoteMLP` does
+    assert not c.tails.usable(model)
