@@ -146,7 +146,8 @@ class BatchWorker:
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        pad = tokenizer.pad_token_id
+        self.pad_id: int = pad if pad is not None else min(self.eos_ids, default=0)  # masked out: any id does
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
         self.max_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.batches = self.rows = 0
@@ -218,7 +219,7 @@ def build_app(worker: BatchWorker, adapters: Sequence[str]) -> FastAPI:
         return ModelList(data=[ModelCard(id=name) for name in adapters])
 
     @app.post("/v1/completions", response_model=Completion)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest) -> Completion | StreamingResponse:
         if body.model not in adapters:
             raise NotFound(f"model {body.model!r} is not served here; the adapters are {list(adapters)}")
         ids = _prompt_ids(worker, body)
