@@ -20,7 +20,9 @@ def up(
     ctx: typer.Context,
     port: int = typer.Option(8080, "--port", min=1, max=65535),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    devices: str = typer.Option("cpu", "--devices", help="cpu, cpu=8G (memory budget) or cuda:N."),
+    devices: str = typer.Option("cpu", "--devices",
+                                help="cpu, cpu=8G (memory budget), or GPUs: cuda:0=20G,cuda:1=20G (a backbone daemon "
+                                     "per GPU and backbone; no budget: 80% of the GPU's free memory)."),
     state_url: str | None = typer.Option(None, "--state", envvar="LORAFAAS_STATE_URL",
                                          help="redis://host:port/db for a shared store (default: SQLite in home)."),
     demo: bool = typer.Option(False, "--demo", help="Import smollm2-135m and deploy the demo functions if absent."),

@@ -9,8 +9,10 @@ How lorafaas' artifacts map onto the scheduler's model (CPU: host and device are
                    host    read but not placed (after `unstage adapter_offload`)
     warmup         device  an idle instance's warm-up pass
 
-Worker slots are the function instances (bound to their function) and, for a function with no instance, one free
-slot of the library pool, through which only its backbone can be kept resident: no instance is created to pre-load.
+Every device the agent drives is a `DeviceView` with its own budget; an instance's artifacts are resident on its own
+device, a backbone on each device whose daemon serves it. Worker slots are the function instances (bound to their
+function) and, for a function with no instance, one free slot of the library pool, through which only its backbone
+can be kept resident: no instance is created to pre-load.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lorafaas.scheduler import (
     ClusterView,
     DeviceView,
     FunctionProfile,
+    InstanceView,
     Offload,
     Preload,
     Residency,
@@ -81,33 +84,49 @@ class AgentScheduler:
 
     def view(self) -> ClusterView:
         agent = self.agent
-        device = agent.config.device
-        functions, slots, resident, instances_used = {}, [], [], 0
-        running_backbones = set(agent.launcher.running_backbones())
+        names = agent.config.device_names
+        functions, slots, resident = {}, [], []
+        used = self._kv_bytes_by_device()  # bytes besides resident artifacts: KV caches, instances' own
+        running_backbones = {d: set(agent.launcher.running_backbones(d)) for d in names}
         invoked = frozenset(i.function for i in agent.table.all() if i.in_flight)
+        instances = tuple(InstanceView(i.instance_id, i.function, i.device, frozenset(i.loaded), i.in_flight,
+                                       agent.config.max_batch_size) for i in agent.table.all() if i.state == "ready")
         for name, spec in agent.specs.items():
             pool = [i for i in agent.table.current(spec) if i.state == "ready"]
             functions[name] = self.profile(spec, with_instance=bool(pool))
             fn_slots = [f"{i.instance_id}" for i in pool] or [f"pool:{name}"]
             for instance in pool:
                 slots.append(WorkerSlot(instance.instance_id, POOL_SLOT_BYTES, function=name))
-                instances_used += INSTANCE_OVERHEAD_BYTES
+                used[instance.device] += INSTANCE_OVERHEAD_BYTES
                 resident.append(Residency(name, "libraries", "host", slot=instance.instance_id))
                 loaded = set(instance.loaded)
                 if "adapter" in loaded:
-                    resident.append(Residency(name, "adapter", "device", device, instance.instance_id))
+                    resident.append(Residency(name, "adapter", "device", instance.device, instance.instance_id))
                 if "warmup" in loaded:
-                    resident.append(Residency(name, "warmup", "device", device, instance.instance_id))
+                    resident.append(Residency(name, "warmup", "device", instance.device, instance.instance_id))
             if not pool:
                 slots.append(WorkerSlot(fn_slots[0], POOL_SLOT_BYTES, function=name))
                 if agent.launcher.zygote_pid is not None:
                     resident.append(Residency(name, "libraries", "host", slot=fn_slots[0]))
-            if spec.backbone in running_backbones:
-                resident.append(Residency(name, "backbone", "device", device, fn_slots[0]))
-        kv_bytes = sum(self.request_bytes(agent.specs[n], agent.in_flight_tokens.get(n, 0)) for n in agent.specs)
-        devices = (DeviceView(device, agent.config.device_budget_bytes, instances_used + kv_bytes),)
+            for device in names:
+                if spec.backbone in running_backbones[device]:
+                    resident.append(Residency(name, "backbone", "device", device, fn_slots[0]))
+        devices = tuple(DeviceView(d.name, d.budget_bytes, used[d.name]) for d in agent.config.devices)
         return ClusterView(functions=functions, devices=devices, slots=tuple(slots), resident=tuple(resident),
-                           invoked=invoked)
+                           invoked=invoked, instances=instances)
+
+    def _kv_bytes_by_device(self) -> dict[str, int]:
+        """The KV bytes of the requests running, on the devices of the instances that hold them (a function's
+        estimate split by their requests)."""
+        agent = self.agent
+        kv = dict.fromkeys(agent.config.device_names, 0)
+        for name, spec in agent.specs.items():
+            holders = [i for i in agent.table.of_function(name) if i.in_flight]
+            total = sum(i.in_flight for i in holders)
+            for instance in holders:
+                share = agent.in_flight_tokens.get(name, 0) * instance.in_flight // total
+                kv[instance.device] = kv.get(instance.device, 0) + self.request_bytes(spec, share)
+        return kv
 
     def profile(self, spec, with_instance: bool) -> FunctionProfile:
         store = self.agent.launcher.store
@@ -154,12 +173,12 @@ class AgentScheduler:
 
     # -- acting ----------------------------------------------------------------------------------------------------
 
-    async def make_room(self, spec, tokens: int) -> bool:
-        """Before a batch runs: free its KV bytes on the device by offloading idle functions' artifacts.
+    async def make_room(self, spec, tokens: int, device: str) -> bool:
+        """Before a batch runs on `device`: free its KV bytes there by offloading idle functions' artifacts.
         One decision at a time, each on a fresh view: concurrent requests must not evict the same things twice."""
         needed = self.request_bytes(spec, tokens)
         async with self._deciding:
-            decision = self.agent.scheduler.make_room(self.view(), self.agent.config.device, needed)
+            decision = self.agent.scheduler.make_room(self.view(), device, needed)
             if decision.actions:
                 reason = f"a batch of {spec.name} needed {needed} bytes; {decision.free_bytes} were free"
                 log.info("%s: offloading %d artifact(s): %s", spec.name, len(decision.actions), reason)
@@ -194,12 +213,13 @@ class AgentScheduler:
             spec = agent.specs.get(action.function)
             if spec is None:
                 return
-            bound = [i for i in agent.table.all() if i.backbone == spec.backbone]
+            device = action.device or agent.config.device_names[0]
+            bound = [i for i in agent.table.all() if i.backbone == spec.backbone and i.device == device]
             if any(i.in_flight or i.state not in ("ready", "draining") for i in bound):
                 return  # someone is using it after all (or an instance is starting or stopping): keep it
             for instance in bound:
                 await agent.stop_instance(instance, "its backbone was offloaded")
-            await asyncio.to_thread(agent.launcher.stop_daemon, spec.backbone)
+            await asyncio.to_thread(agent.launcher.stop_daemon, spec.backbone, device)
         else:
             return
         self.offloads.setdefault(action.function, []).append(
@@ -211,7 +231,7 @@ class AgentScheduler:
         if spec is None or action.kind == "libraries":
             return  # the pool and every instance hold the libraries already
         if action.kind == "backbone":
-            await agent.prepare_backbone(spec.backbone)
+            await agent.prepare_backbone(spec.backbone, action.device)
             return
         instance = next((i for i in agent.table.of_function(action.function)
                          if i.instance_id == action.slot and i.state == "ready" and not i.in_flight), None)

@@ -9,7 +9,8 @@ Deleting a function drains it: queued requests fail at once, nothing starts for 
 requests they hold are done.
 
 All mutations happen on the event loop, between awaits, so no locks. Instances are started by a `Backend` (local
-processes or Kubernetes pods); every call to a worker goes through its `WorkerClient`.
+processes or Kubernetes pods); every call to a worker goes through its `WorkerClient`. The agent drives the CPU or
+one or more GPUs (`AgentConfig.devices`); where an instance starts is in devices.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lorafaas.platform.agent_scheduler import AgentScheduler
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.compute_gate import ComputeGate
+from lorafaas.platform.devices import Device, backbone_device, check_devices, start_options, start_order
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
@@ -47,7 +49,6 @@ from lorafaas.scheduler import (
     InstanceLoad,
     Scheduler,
     SchedulerConfig,
-    StartOption,
     can_join,
     decide_admission,
     needs_start_options,
@@ -76,12 +77,12 @@ DEFAULT_MAX_BATCH = 32
 
 @dataclass(frozen=True)
 class AgentConfig:
-    device: str = "cpu"
+    # the CPU, or one or more GPUs, each with its memory budget; compute slots, busy counts and daemons are per device
+    devices: tuple[Device, ...] = (Device("cpu", 8 * 1024**3),)
     max_batch_size: int = DEFAULT_MAX_BATCH  # per instance: the worker's batch capacity
-    device_budget_bytes: int = 8 * 1024**3
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_batch_size=DEFAULT_MAX_BATCH))
     num_threads: int = 1
-    compute_slots: int | None = None  # instances that run at full speed at once; None: cores / num_threads on a CPU
+    compute_slots: int | None = None  # per device, run at full speed at once; None: cores / num_threads on a CPU
     # never more busy instances than compute slots, functions taking turns (AdmissionView.strict_compute). Off by
     # default: measured on this 2-core machine it lost to time-slicing on both tokens/s and first-token latency
     # (docs/performance.md, "Strict compute against time-slicing")
@@ -107,9 +108,19 @@ class AgentConfig:
     hang_after_steps_s: float = 120.0
 
     def __post_init__(self) -> None:
+        check_devices(self.device_names)
         for name in ("heartbeat_after_s", "hang_timeout_s", "hang_after_steps_s", "reconcile_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} is {getattr(self, name)}; it must be > 0")
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    @property
+    def cpu(self) -> bool:
+        """The agent drives the CPU (else GPUs: `cpu` stands alone)."""
+        return self.devices[0].name == "cpu"
 
 
 def same_worker(a: FunctionSpec, b: FunctionSpec) -> bool:
@@ -168,7 +179,7 @@ class NodeAgent:
         if self.launcher.zygote_pid is not None:  # a backend without a library pool (pods) has nothing to ask
             status = await asyncio.to_thread(zygote_status, self.launcher.zygote_socket)
             self.library_import_s = status.import_s
-            if self.config.step_gate and self.config.device == "cpu":  # local workers, on this machine's cores
+            if self.config.step_gate and self.config.cpu:  # local workers, on this machine's cores
                 threads = max(1, self.config.num_threads)
                 shared_from = None
                 if self.config.shared_base:
@@ -213,12 +224,14 @@ class NodeAgent:
                 self._spawn(self._roll(previous, spec))
         self._spawn(self._reconcile(spec.name))
 
-    async def prepare_backbone(self, backbone: str) -> None:
-        """Make the backbone resident: its daemon running and its tokenizer in the library pool, so that cold starts
-        find it loaded (a pre-load; with pre-loading on, the first function on a backbone does it too)."""
-        if backbone not in self.launcher.running_backbones():
+    async def prepare_backbone(self, backbone: str, device: str | None = None) -> None:
+        """Make the backbone resident on `device` (None: where it runs already, else the device serving fewest
+        backbones): its daemon running and its tokenizer in the library pool, so that cold starts find it loaded (a
+        pre-load; with pre-loading on, the first function on a backbone does it too)."""
+        device = device or backbone_device(self.config.device_names, self.launcher.running_backbones, backbone)
+        if backbone not in self.launcher.running_backbones(device):
             started = time.perf_counter()
-            await asyncio.to_thread(self.launcher.daemon_socket, backbone)
+            await asyncio.to_thread(self.launcher.daemon_socket, backbone, device)
             self.policy.record_daemon_start(backbone, time.perf_counter() - started)
         if self.launcher.zygote_pid is not None:
             await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
@@ -278,7 +291,7 @@ class NodeAgent:
             tokens = self.policy.request_tokens(request)
             if self.config.scheduler.offloading:
                 try:
-                    await self.policy.make_room(spec, tokens)
+                    await self.policy.make_room(spec, tokens, instance.device)
                 except BaseException:
                     self._release(instance)
                     raise
@@ -330,7 +343,7 @@ class NodeAgent:
     def _idle_bytes(self, instance: Instance) -> float:
         """What an idle instance keeps loaded for its function: its adapter and its share of the backbone copy
         (divided among the instances bound to it)."""
-        bound = sum(1 for i in self.table.all() if i.backbone == instance.backbone
+        bound = sum(1 for i in self.table.all() if i.backbone == instance.backbone and i.device == instance.device
                     and i.state in ("ready", "draining", "hung"))
         return _adapter_bytes(instance) + instance.backbone_bytes / max(1, bound)
 
@@ -389,17 +402,17 @@ class NodeAgent:
 
     def admission_view(self, spec: FunctionSpec, queue_length: int) -> AdmissionView:
         """The function as the admission policy sees it: the instances of exactly this spec's identity and, for
-        the current spec only, this device as a place to start one."""
+        the current spec only, the devices where one could start (each with its own busy count)."""
         identity = Identity.of(spec)
         instances = [i for i in self.table.of_identity(identity)
                      if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
-        busy = self.table.busy_on_device(self.config.device)
+        busy = {d: self.table.busy_on_device(d) for d in self.config.device_names}
         now = self.clock()
         waiting_others, waiting_ahead = self.compute_turns.counts(identity, now)
-        shared = any(i.function != spec.name and i.device == self.config.device
-                     and i.state in ("starting", "ready", "draining") for i in self.table.all())
+        shared = {i.device for i in self.table.all()
+                  if i.function != spec.name and i.state in ("starting", "ready", "draining")}
         loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
-                                   busy < self.compute_slots, shared) for i in instances)
+                                   busy.get(i.device, 0) < self.compute_slots, i.device in shared) for i in instances)
         steady = self.scheduler.steady(spec.name)
         current = self.specs.get(spec.name) == spec
         max_instances = spec.max_instances if current else len(loads)  # nothing starts for a superseded version
@@ -408,10 +421,10 @@ class NodeAgent:
         adaptive = self.config.scheduler.adaptive_batching
         options = ()
         if (needs_start_options(loads, slo_batch, self.config.max_batch_size, steady)
-                and worth_offering(len(loads), max_instances, busy, self.compute_slots)):
+                and any(worth_offering(len(loads), max_instances, n, self.compute_slots) for n in busy.values())):
             joinable = can_join(loads, slo_batch, self.config.max_batch_size, adaptive)
-            options = (StartOption(self.config.device, busy, self.compute_slots,
-                                   self.last_scale_out_s.get(spec.name) if joinable else None),)
+            options = start_options(self._start_order(spec), busy, self.compute_slots, len(loads), max_instances,
+                                    self.last_scale_out_s.get(spec.name) if joinable else None)
         return AdmissionView(
             function=spec.name, queue_length=queue_length, slo_ttft_s=slo_s, slo_batch=slo_batch,
             worker_capacity=self.config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
@@ -438,10 +451,10 @@ class NodeAgent:
         by_id = {i.instance_id: i for i in self.table.of_identity(identity)}
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
-                self._spawn(self._start_instance(serving, stages=REQUEST_STAGES, kind="scale_out"))
+                self._spawn(self._start_instance(serving, REQUEST_STAGES, "scale_out", decision.device))
             return by_id[decision.instance_id], decision.size
         if decision.action == "start":
-            instance = await self._start_instance(serving, stages=REQUEST_STAGES, kind="libraries_preloaded")
+            instance = await self._start_instance(serving, REQUEST_STAGES, "libraries_preloaded", decision.device)
             if instance.state != "ready":  # drained while it started (the function was deleted or updated)
                 return None
             return instance, max(1, min(view.slo_batch, view.worker_capacity) - instance.in_flight)
@@ -461,23 +474,28 @@ class NodeAgent:
     def _is_base_pass_member(self, pid: int) -> bool:
         return any(i.pid == pid and i.in_shared_base for i in self.table.all())
 
-    def _busy_instances(self) -> int:
-        return self.table.busy_on_device(self.config.device)
+    def _start_order(self, spec: FunctionSpec) -> list[str]:
+        """The devices, best first for a new instance of `spec` (devices.py; the view only with several)."""
+        return start_order(self.config.device_names, spec.name, self.policy.view, self.scheduler.placement)
 
     @property
     def compute_slots(self) -> int:
+        """Per device: instances it runs at full speed at once."""
         if self.config.compute_slots is not None:
             return self.config.compute_slots
-        if self.config.device == "cpu":
+        if self.config.cpu:
             return max(1, (os.cpu_count() or 1) // max(1, self.config.num_threads))
         return 1  # a GPU runs one instance's kernels at a time; batching, not more instances, fills it
 
     # -- instances -------------------------------------------------------------------------------------------------
 
-    async def _start_instance(self, spec: FunctionSpec, stages: tuple[m.StageName, ...], kind: str) -> Instance:
+    async def _start_instance(self, spec: FunctionSpec, stages: tuple[m.StageName, ...], kind: str,
+                              device: str | None = None) -> Instance:
+        """Start an instance of `spec` on `device` (None: the best for it, `_start_order`), bound to the daemon of
+        its backbone there."""
         now = self.clock()
-        instance = self.table.add(Instance("(starting)", Identity.of(spec), self.config.device, started_s=now,
-                                           last_used_s=now))
+        device = device or self._start_order(spec)[0]
+        instance = self.table.add(Instance("(starting)", Identity.of(spec), device, started_s=now, last_used_s=now))
         instance.backbone = spec.backbone
         scale_out = any(i.state == "ready" for i in self.table.current(spec))
         started = time.perf_counter()
@@ -485,12 +503,13 @@ class NodeAgent:
             worker_spec = await asyncio.to_thread(  # may start the backbone daemon: off the event loop
                 self.launcher.spec, spec.name, spec.backbone, self.adapter_path(spec.adapter_digest),
                 max_batch_size=self.config.max_batch_size, num_threads=self.config.num_threads, deployment=spec.uid,
+                device=device,
             )
             worker_spec = await asyncio.to_thread(  # an expert adapter's mode; may start the LoRA server
                 with_lora_mode, worker_spec, spec.backbone, spec.lora_mode, self.lora_servers)
             if self.gate is not None:
                 worker_spec = msgspec.structs.replace(worker_spec, step_gate=str(self.gate.path))
-            if self.config.shared_base and spec.shared_base and self.config.device == "cpu" and \
+            if self.config.shared_base and spec.shared_base and self.config.cpu and \
                     worker_spec.daemon_socket:
                 worker_spec = msgspec.structs.replace(
                     worker_spec, base_pass=str(base_pass_socket(Path(worker_spec.daemon_socket))))
@@ -656,10 +675,11 @@ class NodeAgent:
                 self._last_plan_s = now
                 await self.policy.apply_plan(now)
             return
-        in_use = {i.backbone for i in self.table.all()}
-        for backbone in self.launcher.running_backbones():
-            if backbone not in in_use:
-                await asyncio.to_thread(self.launcher.stop_daemon, backbone)
+        in_use = {(i.backbone, i.device) for i in self.table.all()}
+        for device in self.config.device_names:
+            for backbone in self.launcher.running_backbones(device):
+                if (backbone, device) not in in_use:
+                    await asyncio.to_thread(self.launcher.stop_daemon, backbone, device)
 
     async def _reconcile(self, name: str) -> None:
         """min_instances ready (pre-warmed, all artifacts); idle instances past keep-alive retired."""

@@ -23,6 +23,7 @@ from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.auth import ensure_admin_key
 from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
+from lorafaas.platform.devices import Device, check_devices
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.node_agent import DEFAULT_MAX_BATCH, AgentConfig, NodeAgent
@@ -33,12 +34,6 @@ from lorafaas.scheduler import SchedulerConfig, for_device_kind
 log = logging.getLogger(__name__)
 EXPIRY_INTERVAL_S = 60.0
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str  # "cpu" or "cuda:N"
-    budget_bytes: int
 
 
 @dataclass(frozen=True)
@@ -81,19 +76,18 @@ def scheduler_config(policy: str) -> SchedulerConfig:
 
 
 def parse_devices(text: str) -> tuple[Device, ...]:
-    """`cpu`, `cpu=8G`, `cuda:0` ...; a device without a budget gets 80% of its available memory (the host's for
-    `cpu`, the GPU's own for `cuda:N`)."""
-    devices = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
-        name, _, budget = item.partition("=")
+    """`cpu`, `cpu=8G`, `cuda:0`, `cuda:0=20G,cuda:1=20G` ...; a device without a budget gets 80% of its available
+    memory (the host's for `cpu`, the GPU's own for `cuda:N`). GPUs may be several, each named once; `cpu` stands
+    alone (`check_devices`)."""
+    items = [item.partition("=") for item in (part.strip() for part in text.split(",")) if item]
+    for name, _, _ in items:
         if name != "cpu" and not re.fullmatch(r"cuda:\d+", name):
             raise InvalidInput(f"device {name!r} is not 'cpu' or 'cuda:N'")
-        devices.append(Device(name, parse_size(budget) if budget else _default_budget(name)))
-    if not devices:
-        raise InvalidInput("--devices names no device; use e.g. 'cpu' or 'cpu=8G'")
-    if len(devices) > 1:
-        raise InvalidInput(f"--devices names {len(devices)} devices; a local node agent drives one device for now")
-    return tuple(devices)
+    try:
+        check_devices([name for name, _, _ in items])
+    except InvalidInput as exc:
+        raise InvalidInput(f"--devices {text!r}: {exc.message}") from exc
+    return tuple(Device(name, parse_size(budget) if budget else _default_budget(name)) for name, _, budget in items)
 
 
 def parse_size(text: str, what: str = "memory budget") -> int:
@@ -125,15 +119,19 @@ class Platform:
         self.on_ready = on_ready  # called with (platform, demo function names) once serving
         home = config.home
         home.mkdir(parents=True, exist_ok=True)
-        device = (config.devices or (Device("cpu", _default_budget()),))[0]
+        devices = config.devices or (Device("cpu", _default_budget("cpu")),)
+        if config.backend != "local" and len(devices) > 1:
+            raise InvalidInput(f"the {config.backend} backend drives one device per node agent; "
+                               f"--devices names {len(devices)}")
+        device = devices[0]  # the kind of every device (cpu, or GPUs), and where a backend of one device runs
         self.store = open_store(config.state_url or sqlite_url(home))
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")
-        self.launcher = open_backend(config.backend, home, device.name)
+        self.launcher = open_backend(config.backend, home, tuple(d.name for d in devices))
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
             scheduler = replace(scheduler, max_batch_size=config.max_batch_size)
-        agent_config = AgentConfig(device=device.name, device_budget_bytes=device.budget_bytes,
+        agent_config = AgentConfig(devices=devices,
                                    max_batch_size=config.max_batch_size,
                                    scheduler=scheduler, compute_slots=config.compute_slots,
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,

@@ -17,7 +17,7 @@ from lorafaas.protocols.leases import process_alive, process_start_ticks
 
 
 def test_the_instances_bound_to_a_dead_gpu_daemon_are_stopped_and_no_others(tmp_path) -> None:
-    launcher = LocalLauncher(tmp_path, device="cuda:0")
+    launcher = LocalLauncher(tmp_path, devices=("cuda:0",))
     config = DaemonConfig(home=tmp_path, backbone="b", device="cuda:0")
     other = DaemonConfig(home=tmp_path, backbone="c", device="cuda:0")
     handles = []

@@ -75,7 +75,7 @@ def _spec(name: str, max_instances: int) -> FunctionSpec:
 
 
 def agent_view(s: Scenario, expected_start_s: float | None):
-    config = AgentConfig(device="cpu", max_batch_size=FULL, compute_slots=s.slots, strict_compute=s.strict,
+    config = AgentConfig(max_batch_size=FULL, compute_slots=s.slots, strict_compute=s.strict,
                          scheduler=SchedulerConfig(max_batch_size=FULL))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=lambda: NOW_S)  # type: ignore[arg-type]
     spec, other = _spec("fn", s.max_instances), _spec("other", 4)

@@ -33,7 +33,7 @@ class Clock:
 
 def _agent(spec: FunctionSpec, idle_times_s=BURSTY_IDLE_S) -> tuple[NodeAgent, Clock]:
     clock = Clock()
-    config = AgentConfig(device="cpu", scheduler=SchedulerConfig(max_batch_size=8, idle_retire_step_s=STEP_S))
+    config = AgentConfig(scheduler=SchedulerConfig(max_batch_size=8, idle_retire_step_s=STEP_S))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=clock)  # type: ignore[arg-type]
     agent.specs = {spec.name: spec}
     for idle_s in idle_times_s:

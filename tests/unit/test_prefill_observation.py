@@ -13,7 +13,7 @@ from lorafaas.scheduler import SchedulerConfig
 
 
 def agent_and_spec() -> tuple[NodeAgent, FunctionSpec]:
-    config = AgentConfig(device="cpu", scheduler=SchedulerConfig())
+    config = AgentConfig(scheduler=SchedulerConfig())
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=lambda: 0.0)  # type: ignore[arg-type]
     spec = FunctionSpec(name="fn", tenant="t", backbone="b", adapter_digest="0" * 64, created_at=0.0, updated_at=0.0)
     return agent, spec

@@ -1,7 +1,8 @@
 """The operations the node agent needs from wherever its function instances run.
 
 `LocalLauncher` (processes on this machine) satisfies it as it is; `KubernetesBackend` (one pod per instance) does
-too. The node agent types against `Backend`, never against one implementation.
+too. The node agent types against `Backend`, never against one implementation. A backend may run instances on
+several devices (`LocalLauncher`: every GPU of the node); `device=None` means its first one.
 
     spec = backend.spec("pirate", "smollm2-135m", adapter_dir)    # a WorkerSpec: where it listens, what it binds
     instance = backend.launch(spec)                               # returns once the worker accepts connections
@@ -53,6 +54,7 @@ class Backend(Protocol):
         max_batch_size: int = 8,
         num_threads: int | None = 1,
         deployment: str | None = None,
+        device: str | None = None,  # where it runs, binding the daemon of its backbone there
     ) -> WorkerSpec: ...
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceRef: ...
@@ -61,11 +63,12 @@ class Backend(Protocol):
 
     # -- backbone daemons ------------------------------------------------------------------------------------------
 
-    def running_backbones(self) -> list[str]: ...
+    def running_backbones(self, device: str | None = None) -> list[str]: ...  # those with a daemon on `device`
 
-    def daemon_socket(self, backbone: str) -> Path: ...  # where workers attach; may start the daemon
+    def daemon_socket(self, backbone: str, device: str | None = None) -> Path: ...  # where workers attach; may
+    # start the daemon
 
-    def stop_daemon(self, backbone: str) -> bool: ...  # False: not ours to stop
+    def stop_daemon(self, backbone: str, device: str | None = None) -> bool: ...  # False: not ours to stop
 
     # -- the library pool: a warm process workers fork from; a backend without one reports zygote_pid None --------
 

@@ -237,10 +237,12 @@ class KubernetesBackend:
     def backbone_nodes(self, backbone: str) -> list[str]:
         return sorted(node for node, served in self.agent_nodes().items() if backbone in served)
 
-    def running_backbones(self) -> list[str]:
+    def running_backbones(self, device: str | None = None) -> list[str]:
+        self._check_device(device)
         return sorted(set().union(*self.agent_nodes().values()))
 
-    def daemon_socket(self, backbone: str) -> Path:
+    def daemon_socket(self, backbone: str, device: str | None = None) -> Path:
+        self._check_device(device)
         if not self.backbone_nodes(backbone):
             raise DaemonUnavailable(
                 f"no ready node agent serves backbone {backbone!r}; add it to the chart's "
@@ -248,8 +250,12 @@ class KubernetesBackend:
             )
         return DaemonPaths.of(self.config.home, backbone, self.config.device).socket
 
-    def stop_daemon(self, backbone: str) -> bool:
+    def stop_daemon(self, backbone: str, device: str | None = None) -> bool:
         return False  # the DaemonSet owns the daemons: they are not the controller's to stop
+
+    def _check_device(self, device: str | None) -> None:
+        if device is not None and device != self.config.device:
+            raise InvalidInput(f"device {device} is not this backend's; its pods run on {self.config.device}")
 
     # -- function pods -------------------------------------------------------------------------------------------------
 
@@ -263,7 +269,9 @@ class KubernetesBackend:
         max_batch_size: int = 8,
         num_threads: int | None = 1,
         deployment: str | None = None,
+        device: str | None = None,
     ) -> WorkerSpec:
+        self._check_device(device)
         return WorkerSpec(
             function=function,
             instance_id=f"{function}-{secrets.token_hex(3)}",

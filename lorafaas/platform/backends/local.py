@@ -5,7 +5,9 @@ the tests drive function instances through it. It holds a duplicate of each CPU 
 and a supervisor thread restarts a daemon that dies, handing it that descriptor (the new one adopts the segment and
 its leases: attached instances notice nothing, and nothing is loaded twice). On a GPU the instances bound to a dead
 daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
-start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. What it started
+start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. A launcher may
+drive several devices (the GPUs of a node): one daemon per (backbone, device), and each worker binds the daemon on
+its own device. What it started
 is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its
 zygote and instances and adopts its daemons (`recover_predecessors`).
 
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import DaemonUnavailable, LorafaasError, PlatformUnavailable
+from lorafaas.errors import DaemonUnavailable, InvalidInput, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
@@ -38,11 +40,14 @@ from lorafaas.platform.backends.local_record import (
     LauncherRecord,
     ProcessRef,
     RecordFile,
+    daemon_key,
     dead_launchers,
+    parse_daemon_key,
     terminate,
     terminate_all,
     wait_gone,
 )
+from lorafaas.platform.devices import check_devices
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.protocols.daemon_config import DaemonConfig
 
@@ -51,6 +56,7 @@ SUPERVISE_INTERVAL_S = 0.25  # how soon a dead daemon is noticed
 MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the supervisor gives up (a crash loop)
 RESTART_WINDOW_S = 60.0
 START_BACKOFF_S = (30.0, 600.0)  # after a failed start: first wait, doubling up to the second
+DaemonKey = tuple[str, str]  # (backbone, device)
 
 
 def process_alive(process: subprocess.Popen | None, pid: int) -> bool:
@@ -151,20 +157,21 @@ class DaemonProcess:
 
 
 class LocalLauncher:
-    def __init__(self, home: Path, device: str = "cpu") -> None:
+    def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",)) -> None:
+        check_devices(devices)
         self.home = Path(home)
-        self.device = device
+        self.devices = tuple(devices)
         self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
         self.run_dir = self.home / "run"
         self.log_dir = self.home / "logs"
-        self._daemons: dict[str, DaemonProcess] = {}  # started (or adopted) and stopped by us
-        self._borrowed: set[str] = set()  # backbones whose daemon someone else runs (`lorafaas backbone serve`)
+        self._daemons: dict[DaemonKey, DaemonProcess] = {}  # started (or adopted) and stopped by us
+        self._borrowed: set[DaemonKey] = set()  # daemons someone else runs (`lorafaas backbone serve`)
         self._lock = threading.RLock()
         self._zygote: subprocess.Popen | None = None
         self.instances: list[InstanceHandle] = []
-        self.num_daemon_restarts: dict[str, int] = {}
-        self._restarted_at: dict[str, list[float]] = {}
-        self._start_failures: dict[str, tuple[int, float, LorafaasError]] = {}  # backbone -> (count, retry at, error)
+        self.num_daemon_restarts: dict[DaemonKey, int] = {}
+        self._restarted_at: dict[DaemonKey, list[float]] = {}
+        self._start_failures: dict[DaemonKey, tuple[int, float, LorafaasError]] = {}  # -> (count, retry at, error)
         self._record = RecordFile(self.run_dir)
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -176,6 +183,18 @@ class LocalLauncher:
         self.close()
 
     @property
+    def device(self) -> str:
+        """The first device: where an instance runs when no device is named."""
+        return self.devices[0]
+
+    def _device(self, device: str | None) -> str:
+        if device is None:
+            return self.devices[0]
+        if device not in self.devices:
+            raise InvalidInput(f"device {device} is not driven by this launcher ({', '.join(self.devices)})")
+        return device
+
+    @property
     def zygote_socket(self) -> Path:
         return self.run_dir / "zygote.sock"
 
@@ -183,32 +202,33 @@ class LocalLauncher:
     def zygote_pid(self) -> int | None:
         return self._zygote.pid if self._zygote is not None and self._zygote.poll() is None else None
 
-    def daemon_socket(self, backbone: str) -> Path:
-        """The socket of the backbone's daemon on this launcher's device, starting the daemon if needed."""
-        config = DaemonConfig(home=self.home, backbone=backbone, device=self.device)
+    def daemon_socket(self, backbone: str, device: str | None = None) -> Path:
+        """The socket of the backbone's daemon on `device` (None: the first), starting the daemon if needed."""
+        config = DaemonConfig(home=self.home, backbone=backbone, device=self._device(device))
         with self._lock:  # callers on several threads must not start two daemons for one backbone
             return self._ensure_daemon(config)
 
     def _ensure_daemon(self, config: DaemonConfig) -> Path:
-        backbone = config.backbone
-        daemon = self._daemons.get(backbone)
+        key = (config.backbone, config.device)
+        daemon = self._daemons.get(key)
         if daemon is not None:
             if not daemon.alive():  # died a moment ago; the supervisor has not seen it yet
-                self._restart_daemon(backbone, daemon)
-            if backbone not in self._daemons:
-                raise DaemonUnavailable(f"the backbone daemon of {backbone} keeps dying; see its log")
+                self._restart_daemon(key, daemon)
+            if key not in self._daemons:
+                raise DaemonUnavailable(f"the backbone daemon of {config.backbone} on {config.device} keeps dying; "
+                                        "see its log")
             return config.paths.socket
-        if backbone in self._borrowed:  # someone else's daemon: it may have stopped since
+        if key in self._borrowed:  # someone else's daemon: it may have stopped since
             try:
                 wait_until_ready(config.paths.socket, timeout_s=0.2)
                 return config.paths.socket
             except DaemonUnavailable:
-                self._borrowed.discard(backbone)
+                self._borrowed.discard(key)
         try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
             wait_until_ready(config.paths.socket, timeout_s=0.2)
-            self._borrowed.add(backbone)
+            self._borrowed.add(key)
         except DaemonUnavailable:
-            self._daemons[backbone] = self._spawn_daemon(config)
+            self._daemons[key] = self._spawn_daemon(config)
             self._write_record()
             self._ensure_supervisor()
         return config.paths.socket
@@ -217,33 +237,34 @@ class LocalLauncher:
         """Start a daemon (handing it a predecessor's segment if given) and hold its segment. A failed start is
         raised as the daemon reported it, once: the same error is raised again without starting anything until the
         backoff has passed (a node without the memory for a backbone is not asked again every few seconds)."""
-        backbone = config.backbone
-        failure = self._start_failures.get(backbone)
+        backbone, key = config.backbone, (config.backbone, config.device)
+        failure = self._start_failures.get(key)
         if failure is not None and time.monotonic() < failure[1]:
             count, retry_at, error = failure
             raise type(error)(f"{error.message} (failed {count} time(s); next try in "
                               f"{retry_at - time.monotonic():.0f} s)")
         private_dir(self.log_dir)
         try:
-            with open(self.log_dir / f"daemon-{backbone}.log", "ab") as log_file:
+            with open(self.log_dir / daemon_log_name(backbone, config.device), "ab") as log_file:
                 process = spawn_daemon(config, stderr=log_file, adopt_fd=adopt_fd)
         except LorafaasError as exc:
             count = failure[0] + 1 if failure is not None else 1
             backoff_s = min(START_BACKOFF_S[0] * 2 ** (count - 1), START_BACKOFF_S[1])
-            self._start_failures[backbone] = (count, time.monotonic() + backoff_s, exc)
-            log.error("the backbone daemon of %s failed to start (%s); not trying again for %.0f s",
-                      backbone, exc.message, backoff_s)
+            self._start_failures[key] = (count, time.monotonic() + backoff_s, exc)
+            log.error("the backbone daemon of %s on %s failed to start (%s); not trying again for %.0f s",
+                      backbone, config.device, exc.message, backoff_s)
             raise
-        self._start_failures.pop(backbone, None)
+        self._start_failures.pop(key, None)
         daemon = DaemonProcess(config, ProcessRef.of(process.pid), process)
         daemon.hold_segment()
         return daemon
 
-    def _restart_daemon(self, backbone: str, daemon: DaemonProcess) -> None:
+    def _restart_daemon(self, key: DaemonKey, daemon: DaemonProcess) -> None:
         """Replace a daemon that died (the new one adopts its segment and leases); give up on a crash loop."""
+        backbone = key[0]
         code = daemon.process.wait() if daemon.process is not None else None
         now = time.monotonic()
-        recent = [t for t in self._restarted_at.get(backbone, []) if now - t < RESTART_WINDOW_S]
+        recent = [t for t in self._restarted_at.get(key, []) if now - t < RESTART_WINDOW_S]
         if len(recent) >= MAX_DAEMON_RESTARTS:
             log.error(
                 "backbone daemon of %s died %d times within %.0f s; not restarting it again",
@@ -252,23 +273,23 @@ class LocalLauncher:
                 RESTART_WINDOW_S,
             )
             daemon.release_segment()
-            del self._daemons[backbone]
+            del self._daemons[key]
             self._write_record()
             return
-        self._restarted_at[backbone] = [*recent, now]
+        self._restarted_at[key] = [*recent, now]
         log.warning(
             "backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid, backbone, code
         )
         if daemon.config.device != "cpu":
             self._stop_bound_instances(daemon.config)
         try:
-            self._daemons[backbone] = self._spawn_daemon(daemon.config, adopt_fd=daemon.segment_fd)
+            self._daemons[key] = self._spawn_daemon(daemon.config, adopt_fd=daemon.segment_fd)
         except (LorafaasError, OSError) as exc:
             log.error("restarting the backbone daemon of %s failed: %s", backbone, exc)
-            del self._daemons[backbone]
+            del self._daemons[key]
         else:
-            self.num_daemon_restarts[backbone] = self.num_daemon_restarts.get(backbone, 0) + 1
-            log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[backbone].ref.pid)
+            self.num_daemon_restarts[key] = self.num_daemon_restarts.get(key, 0) + 1
+            log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[key].ref.pid)
         finally:
             daemon.release_segment()  # the successor has its own duplicate (or loaded anew)
         self._write_record()
@@ -294,19 +315,22 @@ class LocalLauncher:
             with self._lock:
                 if self._closing.is_set():
                     return
-                for backbone, daemon in list(self._daemons.items()):
+                for key, daemon in list(self._daemons.items()):
                     if not daemon.alive():
-                        self._restart_daemon(backbone, daemon)
+                        self._restart_daemon(key, daemon)
 
-    def running_backbones(self) -> list[str]:
-        """Backbones whose daemon runs on this launcher's device (started here or found running)."""
-        return [b for b, daemon in self._daemons.items() if daemon.alive()] + sorted(self._borrowed)
+    def running_backbones(self, device: str | None = None) -> list[str]:
+        """Backbones whose daemon runs on `device` (None: the first; started here or found running)."""
+        device = self._device(device)
+        return ([b for (b, d), daemon in self._daemons.items() if d == device and daemon.alive()]
+                + sorted(b for b, d in self._borrowed if d == device))
 
-    def stop_daemon(self, backbone: str) -> bool:
-        """Stop the backbone's daemon if this launcher started it (its segment goes with it); False otherwise.
-        Holds the lock until it is gone, so that nobody attaches to a daemon that is stopping."""
+    def stop_daemon(self, backbone: str, device: str | None = None) -> bool:
+        """Stop the backbone's daemon on `device` (None: the first) if this launcher started it (its segment goes
+        with it); False otherwise. Holds the lock until it is gone, so that nobody attaches to a daemon that is
+        stopping."""
         with self._lock:
-            daemon = self._daemons.pop(backbone, None)
+            daemon = self._daemons.pop((backbone, self._device(device)), None)
             if daemon is None:
                 return False
             daemon.stop()
@@ -328,19 +352,18 @@ class LocalLauncher:
                 num_stopped = terminate_all(list(record.instances), "function instance")
                 if record.zygote is not None and terminate(record.zygote, "library pool (zygote)"):
                     num_stopped += 1
-                for backbone, ref in record.daemons.items():
+                for name, ref in record.daemons.items():
                     if not ref.alive():
                         continue  # the next daemon started for it adopts its segment
-                    daemon = DaemonProcess(
-                        DaemonConfig(home=self.home, backbone=backbone, device=record.device), ref, None
-                    )
-                    if record.device != self.device or backbone in self._daemons:
+                    key = parse_daemon_key(name, record.device)
+                    daemon = DaemonProcess(DaemonConfig(home=self.home, backbone=key[0], device=key[1]), ref, None)
+                    if key[1] not in self.devices or key in self._daemons:
                         daemon.stop()
                         num_stopped += 1
                         continue
-                    self._daemons[backbone] = daemon
+                    self._daemons[key] = daemon
                     daemon.hold_segment()
-                    log.info("adopted the backbone daemon %d of %s on %s", ref.pid, backbone, self.device)
+                    log.info("adopted the backbone daemon %d of %s on %s", ref.pid, key[0], key[1])
                 log.info(
                     "launcher %d: stopped %d process(es) it left; %d daemon(s) adopted",
                     record.launcher_pid,
@@ -356,7 +379,7 @@ class LocalLauncher:
         with self._lock:
             zygote = ProcessRef.of(self._zygote.pid) if self._zygote is not None else None
             instances = tuple(ref for i in list(self.instances) if (ref := ProcessRef.of(i.pid)).start_ticks)
-            daemons = {b: d.ref for b, d in self._daemons.items()}
+            daemons = {daemon_key(*key): d.ref for key, d in self._daemons.items()}
             if zygote is None and not instances and not daemons and not self._record.path.exists():
                 return  # nothing started yet: no file
             private_dir(self.run_dir)
@@ -394,10 +417,12 @@ class LocalLauncher:
         max_batch_size: int = 8,
         num_threads: int | None = 1,
         deployment: str | None = None,
+        device: str | None = None,
     ) -> WorkerSpec:
         """One intra-op thread by default: instances share the node's cores, and oversubscribed OpenMP threads
         spin-wait on each other (a forward pass ten times slower was measured with two threads on a busy 2-core
-        machine)."""
+        machine). It runs on `device` (None: the first) and binds its backbone's daemon there."""
+        device = self._device(device)
         instance_id = f"{function}-{secrets.token_hex(3)}"
         private_dir(self.run_dir)
         return WorkerSpec(
@@ -407,8 +432,8 @@ class LocalLauncher:
             socket_path=str(self.run_dir / f"{instance_id}.sock"),
             model_dir=str(self.store.path(backbone)),
             adapter_dir=str(adapter_dir) if adapter_dir else None,
-            daemon_socket=str(self.daemon_socket(backbone)) if shared else None,
-            device=self.device,
+            daemon_socket=str(self.daemon_socket(backbone, device)) if shared else None,
+            device=device,
             max_batch_size=max_batch_size,
             num_threads=num_threads,
         )
@@ -461,6 +486,11 @@ class LocalLauncher:
 
 
 DEPLOYMENT_LOGS_DIR = "functions"
+
+
+def daemon_log_name(backbone: str, device: str) -> str:
+    """`daemon-<backbone>.log` on the CPU, `daemon-<backbone>@cuda-N.log` on a GPU (one daemon per GPU)."""
+    return f"daemon-{backbone}.log" if device == "cpu" else f"daemon-{backbone}@{device.replace(':', '-')}.log"
 
 
 def deployment_log_dir(log_dir: Path, deployment: str) -> Path:

@@ -47,8 +47,20 @@ class LauncherRecord(msgspec.Struct, frozen=True, kw_only=True):
     launcher_pid: int
     device: str
     zygote: ProcessRef | None = None
-    daemons: dict[str, ProcessRef] = {}  # backbone -> the daemon this launcher started (or adopted) and stops
+    # the daemons this launcher started (or adopted) and stops, by `daemon_key`: `backbone@device`, or (as records
+    # of one device wrote it) `backbone` alone for one on `device`
+    daemons: dict[str, ProcessRef] = {}
     instances: tuple[ProcessRef, ...] = ()
+
+
+def daemon_key(backbone: str, device: str) -> str:
+    return f"{backbone}@{device}"
+
+
+def parse_daemon_key(key: str, record_device: str) -> tuple[str, str]:
+    """(backbone, device) of a record's daemon (a key without a device is one on the record's device)."""
+    backbone, _, device = key.partition("@")
+    return backbone, device or record_device
 
 
 class RecordFile:

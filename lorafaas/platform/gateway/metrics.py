@@ -72,28 +72,35 @@ class _AgentCollector:
             memory.add_metric([device], pss)
         slots = GaugeMetricFamily("lorafaas_compute_slots", "Instances the device runs at full speed at once",
                                   labels=["device"])
-        slots.add_metric([self.agent.config.device], self.agent.compute_slots)
+        busy = GaugeMetricFamily("lorafaas_busy_instances", "Instances busy on the device now (running a request "
+                                 "or starting)", labels=["device"])
+        budget = GaugeMetricFamily("lorafaas_device_budget_bytes", "The memory the scheduler may fill on the device",
+                                   labels=["device"])
+        for device in self.agent.config.devices:
+            slots.add_metric([device.name], self.agent.compute_slots)
+            busy.add_metric([device.name], self.agent.table.busy_on_device(device.name))
+            budget.add_metric([device.name], device.budget_bytes)
         peak = GaugeMetricFamily("lorafaas_busy_instances_peak", "Most instances busy at once on the device "
                                  "(running a request or starting) since the agent started", labels=["device"])
         for device, count in sorted(dict(self.agent.table.busy_peak).items()):
             peak.add_metric([device], count)
-        families = [cold, instances, failures, memory, slots, peak]
+        families = [cold, instances, failures, memory, slots, busy, budget, peak]
         gate = self.agent.gate
         if gate is not None:
             computing = GaugeMetricFamily("lorafaas_computing_instances_peak", "Most instances running an engine "
                                           "step at once on the device (the step gate's grants)", labels=["device"])
-            computing.add_metric([self.agent.config.device], gate.grants.most_holding)
+            computing.add_metric(["cpu"], gate.grants.most_holding)
             now = GaugeMetricFamily("lorafaas_computing_instances", "Instances running an engine step on the "
                                     "device now", labels=["device"])
-            now.add_metric([self.agent.config.device], gate.grants.holding)
+            now.add_metric(["cpu"], gate.grants.holding)
             steps = CounterMetricFamily("lorafaas_gated_steps", "Engine steps granted by the device's step gate, "
                                         "of them the steps that waited for a core, those whose lease ran out, and "
                                         "those granted to the shared base pass",
                                         labels=["device", "kind"])
-            steps.add_metric([self.agent.config.device, "granted"], gate.grants.num_granted)
-            steps.add_metric([self.agent.config.device, "waited"], gate.grants.num_waited)
-            steps.add_metric([self.agent.config.device, "lapsed"], gate.grants.num_lapsed)
-            steps.add_metric([self.agent.config.device, "shared"], gate.grants.num_shared)  # in the shared base pass
+            steps.add_metric(["cpu", "granted"], gate.grants.num_granted)
+            steps.add_metric(["cpu", "waited"], gate.grants.num_waited)
+            steps.add_metric(["cpu", "lapsed"], gate.grants.num_lapsed)
+            steps.add_metric(["cpu", "shared"], gate.grants.num_shared)  # in the shared base pass
             families += [computing, now, steps]
         return families
 
