@@ -48,6 +48,8 @@ class BenchSample(msgspec.Struct, frozen=True, kw_only=True):
     mode: str
     load_s: float  # private: from_pretrained; attach: lease + map + empty model + bind
     bind_s: float = 0.0
+    map_s: float = 0.0  # attach: connect + lease + map the segment (the transport's part)
+    context_s: float = 0.0  # attach on a GPU: the process's CUDA context, made before the clock starts
 
 
 def run_attach_bench(
@@ -70,9 +72,9 @@ def run_attach_bench(
         progress.stage(f"{repeats} private loads and {repeats} attaches, each in a fresh process", 2 * repeats)
         private, attached = [], []
         for _ in range(repeats):
-            private.append(_sample(["private", str(model_dir)]))
+            private.append(sample_process(["private", str(model_dir)]))
             progress.advance()
-            attached.append(_sample(["attach", str(config.paths.socket), str(model_dir)]))
+            attached.append(sample_process(["attach", str(config.paths.socket), str(model_dir)]))
             progress.advance()
     finally:
         if daemon is not None:
@@ -85,7 +87,8 @@ def run_attach_bench(
     )
 
 
-def _sample(args: list[str]) -> BenchSample:
+def sample_process(args: list[str]) -> BenchSample:
+    """Run one fresh `python -m lorafaas.bench.daemon private|attach ...` process; its report."""
     result = subprocess.run([sys.executable, "-m", "lorafaas.bench.daemon", *args], capture_output=True,
                             timeout=SAMPLE_TIMEOUT_S, stdin=subprocess.DEVNULL)
     if result.returncode != 0:
@@ -119,26 +122,42 @@ def _private(model_dir: Path) -> BenchSample:
     return BenchSample(mode="private", load_s=time.perf_counter() - started)
 
 
-def _attach(socket_path: Path, model_dir: Path) -> BenchSample:
+def _cuda_context(device: str) -> float:
+    """Make this process's CUDA context on `device` (every process that uses a GPU pays it once, whatever it maps);
+    the seconds it took."""
+    import torch
+
+    started = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def _attach(socket_path: Path, model_dir: Path, device: str = "cpu") -> BenchSample:
     from lorafaas.models.binding import bind_backbone, build_empty_model
 
+    context_s = _cuda_context(device) if device.startswith("cuda") else 0.0
     started = time.perf_counter()
     client = DaemonClient.connect(socket_path, client="bench")
     attached = client.attach(f"bench-{os.getpid()}")
     attachment = attached.map()
+    mapped = time.perf_counter()
     model = build_empty_model(model_dir)
     bind_started = time.perf_counter()
     bind_backbone(attachment, model_dir, model=model)
     done = time.perf_counter()
     client.detach(attached.lease_id)
     client.close()
-    return BenchSample(mode="attach", load_s=done - started, bind_s=done - bind_started)
+    return BenchSample(mode="attach", load_s=done - started, bind_s=done - bind_started, map_s=mapped - started,
+                       context_s=context_s)
 
 
 def main(argv: list[str]) -> None:
-    mode, *paths = argv
-    _import_libraries(Path(paths[-1]))
-    sample = _private(Path(paths[0])) if mode == "private" else _attach(Path(paths[0]), Path(paths[1]))
+    """`private MODEL_DIR` or `attach SOCKET MODEL_DIR [DEVICE]` (DEVICE cuda:N: the CUDA context is made first)."""
+    mode, *args = argv
+    _import_libraries(Path(args[0] if mode == "private" else args[1]))
+    sample = _private(Path(args[0])) if mode == "private" else _attach(Path(args[0]), Path(args[1]), *args[2:])
     sys.stdout.buffer.write(msgspec.json.encode(sample) + b"\n")
 
 
