@@ -97,6 +97,31 @@ def sample_process(args: list[str]) -> BenchSample:
     return msgspec.json.decode(result.stdout.strip().splitlines()[-1], type=BenchSample)
 
 
+def sample_processes(runs: list[list[str]]) -> list[BenchSample]:
+    """Fresh processes started together: each imports its libraries (and makes its CUDA context) at once, then waits;
+    they are released one at a time, so each timed part runs alone while the slow imports overlap. Reports in order."""
+    processes = [subprocess.Popen([sys.executable, "-m", "lorafaas.bench.daemon", "--wait", *args],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for args in runs]
+    try:
+        for process in processes:  # every one ready (libraries imported) before any is released
+            if process.stdout.readline().strip() != b"ready":
+                raise ServerError(f"bench process exited before it was ready: {process.stderr.read()[-1500:]!r}")
+        samples = []
+        for args, process in zip(runs, processes, strict=True):
+            out, err = process.communicate(b"go\n", timeout=SAMPLE_TIMEOUT_S)
+            if process.returncode != 0:
+                raise ServerError(f"bench process `{args[0]}` exited with {process.returncode}: "
+                                  f"{err.decode(errors='replace')[-1500:]}")
+            samples.append(msgspec.json.decode(out.strip().splitlines()[-1], type=BenchSample))
+        return samples
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 # --- the fresh processes
 
 
@@ -134,10 +159,12 @@ def _cuda_context(device: str) -> float:
     return time.perf_counter() - started
 
 
-def _attach(socket_path: Path, model_dir: Path, device: str = "cpu") -> BenchSample:
+def _attach(socket_path: Path, model_dir: Path, device: str = "cpu", wait: bool = False) -> BenchSample:
     from lorafaas.models.binding import bind_backbone, build_empty_model
 
     context_s = _cuda_context(device) if device.startswith("cuda") else 0.0
+    if wait:
+        _wait_for_go()
     started = time.perf_counter()
     client = DaemonClient.connect(socket_path, client="bench")
     attached = client.attach(f"bench-{os.getpid()}")
@@ -153,11 +180,24 @@ def _attach(socket_path: Path, model_dir: Path, device: str = "cpu") -> BenchSam
                        context_s=context_s)
 
 
+def _wait_for_go() -> None:
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        sys.exit("bench: released without 'go'")
+
+
 def main(argv: list[str]) -> None:
-    """`private MODEL_DIR` or `attach SOCKET MODEL_DIR [DEVICE]` (DEVICE cuda:N: the CUDA context is made first)."""
-    mode, *args = argv
+    """`[--wait] private MODEL_DIR` or `[--wait] attach SOCKET MODEL_DIR [DEVICE]` (DEVICE cuda:N: the CUDA context is
+    made first). --wait: say `ready` once the libraries are loaded, start the clock on a `go` line."""
+    wait = argv[:1] == ["--wait"]
+    mode, *args = argv[1:] if wait else argv
     _import_libraries(Path(args[0] if mode == "private" else args[1]))
-    sample = _private(Path(args[0])) if mode == "private" else _attach(Path(args[0]), Path(args[1]), *args[2:])
+    if mode == "private":
+        if wait:
+            _wait_for_go()
+        sample = _private(Path(args[0]))
+    else:
+        sample = _attach(Path(args[0]), Path(args[1]), *args[2:3], wait=wait)
     sys.stdout.buffer.write(msgspec.json.encode(sample) + b"\n")
 
 

@@ -30,7 +30,6 @@ class CheckContext:
         self.shapes: tuple[Shape, ...] = DRY_SHAPES if dry_run else FULL_SHAPES
         self.store = ModelStore(work / "home" / "models")
         self.adapters: dict[str, list[Path]] = {}  # backbone name -> adapter directories
-        self.steps: tuple[str, ...] = ()  # the steps of this run, in order
 
     @property
     def small(self) -> Shape:

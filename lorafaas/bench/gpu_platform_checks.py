@@ -37,7 +37,7 @@ MAX_NEW_TOKENS = 16
 PROMPTS = ((1, 5, 7, 9, 100, 200, 300, 42), (17, 256, 511, 3, 64, 65, 66, 67, 68, 69, 70, 71),
            (400, 401, 402, 403), (9, 8, 7, 6, 5, 4, 3, 2, 1, 300, 301, 302, 303, 304, 305, 306))
 SPEED_LEVELS = (1, 8, 32)
-SPEED_OUTPUT_TOKENS = 32  # per request, with ignore_eos; requests per level: twice the concurrency, at least 16
+SPEED_OUTPUT_TOKENS = 32  # per request, with ignore_eos; requests per level: twice the concurrency, at least 8
 SPEED_GOAL = 1.5  # lorafaas over transformers + PEFT at 8 and 32 concurrent
 MEMORY_GOAL = 1.2  # device memory of 8 functions over one backbone plus their adapters and KV
 
@@ -229,7 +229,7 @@ def _speed(ctx: CheckContext, platform: PlatformProcess, names: list[str]) -> di
         levels = []
         for n, concurrency in enumerate(SPEED_LEVELS if not ctx.dry_run else (1, 4)):
             config = ServeBenchConfig(models=tuple(names), concurrencies=(concurrency,),
-                                      requests=2 * concurrency if ctx.dry_run else max(16, 2 * concurrency),
+                                      requests=2 * concurrency if ctx.dry_run else max(8, 2 * concurrency),
                                       output_len=8 if ctx.dry_run else SPEED_OUTPUT_TOKENS, prompt_len=32,
                                       ignore_eos=True, api_key=platform.admin_key, warmup=n == 0)
             levels += run_serve_bench(targets, config).levels
@@ -389,6 +389,7 @@ def _verdicts(ctx: CheckContext, figures: dict) -> dict[str, bool]:
     verdicts["speed"] = "error" not in speed and (ctx.dry_run or all(
         speed.get(str(c), {}).get("ratio", 0) >= SPEED_GOAL for c in (8, 32)))
     verdicts["new_function"] = "error" not in figures.get("new_function", {"error": 1})
+    verdicts["attach"] = "error" not in figures.get("attach", {"error": 1})
     faults = figures.get("faults", {})
     verdicts["faults"] = "error" not in faults and faults.get("recovered_s") is not None and (
         ctx.dry_run or faults.get("copies_after", 9) < 1.5)
