@@ -3,7 +3,7 @@ other processes, and the daemon's whole path (create -> fill -> export -> import
 private load on the same GPU.
 
 Runs only where torch sees CUDA and the driver exports VMM allocations as descriptors; elsewhere every test is
-skipped with the reason. Never run here (no GPU): see docs/sharing.md.
+skipped with the reason. scripts/gpu-check.sh runs it on a GPU machine (docs/sharing.md, "The GPU check").
 """
 
 from __future__ import annotations
