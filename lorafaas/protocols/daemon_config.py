@@ -79,7 +79,8 @@ class DaemonPaths:
         stem = f"{check_name(backbone)}@{check_device(device).replace(':', '-')}"
         home_tag = hashlib.sha256(str(home).encode()).hexdigest()[:10]
         socket = run_dir / f"{stem}.sock"
-        if len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:  # a deep home: keep the socket somewhere short
+        # a deep home: keep the sockets somewhere short (the base pass's, beside the daemon's, is the longer one)
+        if len(os.fsencode(base_pass_socket(socket))) > MAX_SOCKET_PATH_BYTES:
             socket = Path(tempfile.gettempdir()) / f"lorafaas-{home_tag}" / f"{stem}.sock"
         return cls(
             run_dir=run_dir,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket as socket_module
 
 import msgspec
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from lorafaas.cuda_ipc.messages import MemfdLocation, SegmentManifest
 from lorafaas.errors import InvalidInput, InvalidName, LeaseNotFound
 from lorafaas.protocols import daemon_messages as m
-from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
+from lorafaas.protocols.daemon_config import MAX_SOCKET_PATH_BYTES, DaemonConfig, DaemonPaths
 from lorafaas.protocols.leases import LeaseTable, process_alive, process_start_ticks
 from lorafaas.wire import MAX_FRAME_BYTES, encode_frame, frame_length
 
@@ -104,6 +105,17 @@ def test_paths_keep_backbones_apart_and_recognise_their_own_segments(tmp_path) -
     assert a.segment_owner(name) is None  # 'a' never mistakes 'a-cpu''s segment for its own
     assert other_home.segment_owner(a.segment_name(5)) is None
     assert DaemonPaths.of(tmp_path, "a", "cuda:1").socket.name == "a@cuda-1.sock"
+
+
+def test_every_socket_of_a_daemon_fits_a_unix_socket_path_under_a_deep_home(tmp_path) -> None:
+    # a home 40 bytes short of the limit: the daemon's socket fits there, its base pass's (longer) would not
+    home = tmp_path / ("h" * max(1, MAX_SOCKET_PATH_BYTES - 40 - len(os.fsencode(tmp_path))))
+    paths = DaemonPaths.of(home, "llama-1b-bf16", "cpu")
+    for socket in (paths.socket, paths.base_pass):
+        assert len(os.fsencode(socket)) <= MAX_SOCKET_PATH_BYTES, socket
+    with socket_module.socket(socket_module.AF_UNIX) as listener:  # binds: the kernel agrees
+        paths.base_pass.parent.mkdir(parents=True, exist_ok=True)
+        listener.bind(str(paths.base_pass))
 
 
 def test_daemon_config_refuses_bad_values(tmp_path) -> None:
