@@ -108,8 +108,10 @@ def test_paths_keep_backbones_apart_and_recognise_their_own_segments(tmp_path) -
 
 
 def test_every_socket_of_a_daemon_fits_a_unix_socket_path_under_a_deep_home(tmp_path) -> None:
-    # a home 40 bytes short of the limit: the daemon's socket fits there, its base pass's (longer) would not
-    home = tmp_path / ("h" * max(1, MAX_SOCKET_PATH_BYTES - 40 - len(os.fsencode(tmp_path))))
+    # a home where the daemon's socket would just fit and its base pass's (5 bytes longer) would not
+    stem = "/run/llama-1b-bf16@cpu.sock"
+    home = tmp_path / ("h" * (MAX_SOCKET_PATH_BYTES - len(stem) - 2 - len(os.fsencode(tmp_path.resolve()))))
+    assert len(os.fsencode(f"{home.resolve()}{stem}")) == MAX_SOCKET_PATH_BYTES - 1
     paths = DaemonPaths.of(home, "llama-1b-bf16", "cpu")
     for socket in (paths.socket, paths.base_pass):
         assert len(os.fsencode(socket)) <= MAX_SOCKET_PATH_BYTES, socket
