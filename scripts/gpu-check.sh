@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU path on a real card, every check in one command (lorafaas/bench/gpu_check.py says what each step does).
 #
-#   on the GPU machine:  bash scripts/gpu-check.sh [--device cuda:0] [--only STEP,...] [--json FILE]
+#   on the GPU machine:  bash scripts/gpu-check.sh [--mps] [--device cuda:0] [--only STEP,...] [--json FILE]
 #   here (CI too):       bash scripts/gpu-check.sh --dry-run
+#
+# --mps runs the whole check under NVIDIA's Multi-Process Service (a control daemon started for the run and stopped
+# after it): function processes then share the GPU's compute instead of time-slicing it context by context. An A/B
+# of the same check with and without it says what MPS is worth to isolated function processes.
 #
 # First install the wheels the GPU machine lacks, offline, from .whl/ (made here by scripts/gpu-wheels.sh) into a
 # scratch site directory ahead of the machine's own packages; the repository itself is imported from the checkout.
@@ -14,7 +18,21 @@ wheels="${LORAFAAS_GPU_WHEELS:-.whl}"
 site="$(mktemp -d "${TMPDIR:-/tmp}/lorafaas-gpu-site.XXXXXX")"
 trap 'rm -rf "$site"' EXIT
 dry_run=0
-for arg in "$@"; do [[ "$arg" == "--dry-run" ]] && dry_run=1; done
+mps=0
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry_run=1; args+=("$arg") ;;
+    --mps) mps=1 ;;
+    *) args+=("$arg") ;;
+  esac
+done
+if [[ $mps -eq 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY="$site/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$site/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "gpu-check: the MPS control daemon did not start" >&2; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$site"' EXIT
+fi
 if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
   echo "gpu-check: no wheels in $wheels; run scripts/gpu-wheels.sh first (here, with network)" >&2
   exit 2
@@ -41,4 +59,4 @@ else
   export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-python3 -m lorafaas.bench.gpu_check "$@"
+python3 -m lorafaas.bench.gpu_check "${args[@]}"

@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(ctx, only)
     table = summary_table(results)
     print(table, flush=True)
-    report = {"device": device, "dry_run": args.dry_run, "seconds": round(time.perf_counter() - started, 1),
+    report = {"device": device, "dry_run": args.dry_run, "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+              "seconds": round(time.perf_counter() - started, 1),
               "commit": _commit(), "steps": [msgspec.to_builtins(r) for r in results]}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu-check: {sum(bool(r.ok) for r in results)}/{len(results)} steps passed in {report['seconds']} s; "
