@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
 from lorafaas.formats.adapter_files import WEIGHTS_FILE, AdapterInfo, read_adapter
-from lorafaas.formats.adapter_rules import ModuleTable, check_against_model, fullmatch
+from lorafaas.formats.adapter_rules import ModuleTable, check_against_model
 from lorafaas.formats.expert_adapters import (
     EXPERTS_KEY,
     ExpertAdapterInfo,
@@ -108,7 +108,7 @@ def _check_expert_fields(info: AdapterInfo) -> None:
 def _check_targets(info: AdapterInfo, layers: dict[str, tuple[int, int]], backbone: str) -> None:
     targets = info.target_modules
     if isinstance(targets, str):
-        if not any(fullmatch("target_modules", targets, path) for path in layers):
+        if not any(info.layout.patterns.fullmatch("target_modules", targets, path) for path in layers):
             raise AdapterIncompatible(f"target_modules regex {targets!r} matches no layer of backbone {backbone!r}")
         return
     leaf_names = {path.rsplit(".", 1)[-1] for path in layers}
