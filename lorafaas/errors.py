@@ -84,8 +84,14 @@ class AlreadyExists(ClientError):
 
 
 class InvalidInput(ClientError):
+    """`param`: the request field at fault, where one is (the OpenAI routes name it)."""
+
     code = "invalid_input"
     http_status = 422
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidName(InvalidInput):
