@@ -88,10 +88,12 @@ class InvalidInput(ClientError):
 
     code = "invalid_input"
     http_status = 422
+    param: str | None = None  # a subclass may name its field once for all its errors
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        if param is not None:
+            self.param = param
 
 
 class InvalidName(InvalidInput):
