@@ -84,8 +84,16 @@ class AlreadyExists(ClientError):
 
 
 class InvalidInput(ClientError):
+    """`param`: the request field at fault, where one is (the OpenAI routes name it)."""
+
     code = "invalid_input"
     http_status = 422
+    param: str | None = None  # a subclass may name its field once for all its errors
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        if param is not None:
+            self.param = param
 
 
 class InvalidName(InvalidInput):

@@ -74,6 +74,7 @@ def read_adapter(path: Path) -> AdapterInfo:
             "`model.save_pretrained(dir, safe_serialization=True)`"
         )
     config = _read_config(path / CONFIG_FILE)
+    patterns = check_config(config)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise AdapterInvalid(f"{path} has no {WEIGHTS_FILE}")
@@ -81,7 +82,7 @@ def read_adapter(path: Path) -> AdapterInfo:
         header = read_safetensors_header(weights)
     except MalformedModel as exc:
         raise AdapterInvalid(exc.message) from exc
-    layout = plan_tensors(config, header.tensors)
+    layout = plan_tensors(config, header.tensors, patterns)
     modules = [LoraModule(path=p, rank=e.rank, in_features=e.shapes[0], out_features=e.shapes[1])
                for p, e in layout.loras.items()]
     return AdapterInfo(
@@ -125,5 +126,4 @@ def _read_config(config_path: Path) -> dict:
     targets = config.get("target_modules")
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         raise AdapterInvalid(f"{config_path}: target_modules must be a list of names or a regex, got {targets!r}")
-    check_config(config)
     return config

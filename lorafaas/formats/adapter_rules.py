@@ -4,9 +4,10 @@ Each field of PEFT's `LoraConfig` is either run exactly as PEFT runs it (outputs
 by tests/unit/test_adapter_properties.py) or refused with `AdapterUnsupported` (422 `adapter_unsupported`) naming the
 field. Nothing is ignored silently: a tensor lorafaas would not use is a refusal too. Three steps, all torch-free:
 
-- `check_config(config)`: the fields' types and values (read_adapter, so `adapter inspect` refuses them too);
-- `plan_tensors(config, tensors)`: which tensor is what (LoRA factors, `lora_B` biases, `modules_to_save` copies),
-  each module's rank and scaling, from the safetensors header alone;
+- `check_config(config)`: the fields' types and values (read_adapter, so `adapter inspect` refuses them too), and
+  the config's patterns, compiled once (`adapter_patterns.py`);
+- `plan_tensors(config, tensors, patterns)`: which tensor is what (LoRA factors, `lora_B` biases, `modules_to_save`
+  copies), each module's rank and scaling, from the safetensors header alone;
 - `check_against_model(config, layout, modules)`: which modules PEFT would adapt in this backbone's module tree
   (`target_modules`, `exclude_modules`, `layers_to_transform`, `modules_to_save`), and that the weights are exactly
   those, with fitting shapes.
@@ -17,22 +18,29 @@ places the adapter, so an adapter that deploys never fails at invocation.
 PEFT's patterns (`target_modules` as a string, `exclude_modules`, the keys of `rank_pattern`/`alpha_pattern`,
 `layers_pattern`, and `modules_to_save` names, which PEFT splices into regexes) run on RE2, whose matching time is
 linear in the input, so no pattern can stall the gateway; one RE2 cannot compile (lookaround, backreferences) is
-refused with 422.
+refused with 422, and so is a config whose patterns exceed the count and compile budget of `adapter_patterns.py`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
+from lorafaas.errors import AdapterIncompatible, AdapterInvalid
+from lorafaas.formats.adapter_patterns import (
+    DEFAULT_LAYERS_REGEX,
+    AdapterPatterns,
+    check_count,
+    layers_pattern_regex,
+    rank_pattern_regex,
+    saved_module_regex,
+    unsupported,
+)
 from lorafaas.formats.weights import TensorInfo
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_B.bias": "bias"}
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # cast to float32 on load, as PEFT's load_state_dict does
-MAX_PATTERN_CHARS = 1024
 MAX_FLOAT32 = 3.4028234663852886e38
 DEFAULT_LORA_ALPHA = 8  # PEFT's LoraConfig default
 
@@ -70,51 +78,6 @@ REFUSED_FIELDS = {
 SAFE_INITS = (True, False, "gaussian", "orthogonal")
 
 
-def unsupported(field_name: str, why: str) -> AdapterUnsupported:
-    return AdapterUnsupported(f"adapter_config.json: {field_name}: {why}")
-
-
-# -- patterns ----------------------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=256)
-def compile_pattern(field_name: str, pattern: str):
-    """An RE2 pattern (linear-time matching); AdapterUnsupported naming the field if RE2 cannot run it."""
-    import re2
-
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise unsupported(field_name, f"pattern of {len(pattern)} characters; the limit is {MAX_PATTERN_CHARS}")
-    if "{," in pattern:  # Python reads `{,n}` as {0,n}, RE2 as literal text: the two would disagree
-        raise unsupported(field_name, f"pattern {pattern!r} uses '{{,n}}'; write '{{0,n}}'")
-    options = re2.Options()
-    options.log_errors = False
-    try:
-        return re2.compile(pattern, options)
-    except re2.error as exc:
-        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        raise unsupported(
-            field_name, f"{pattern!r} is not a regular expression lorafaas can run ({reason}); lookaround and "
-            "backreferences are not supported"
-        ) from exc
-
-
-def fullmatch(field_name: str, pattern: str, key: str) -> bool:
-    return compile_pattern(field_name, pattern).fullmatch(key) is not None
-
-
-def match(field_name: str, pattern: str, key: str) -> bool:
-    """re.match: anchored at the start only."""
-    return compile_pattern(field_name, pattern).match(key) is not None
-
-
-def pattern_key(field_name: str, patterns: dict, module: str) -> str | None:
-    """The first key of rank_pattern/alpha_pattern that PEFT's `get_pattern_key` picks for `module`."""
-    for key in patterns:
-        if match(field_name, rf"(.*\.)?({key})$", module):
-            return key
-    return None
-
-
 # -- config fields -----------------------------------------------------------------------------------------------
 
 
@@ -126,8 +89,10 @@ def _is_str_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def check_config(config: dict) -> None:
-    """Refuse fields of the wrong type (AdapterInvalid) and features lorafaas does not run (AdapterUnsupported)."""
+def check_config(config: dict) -> AdapterPatterns:
+    """Refuse fields of the wrong type (AdapterInvalid) and features lorafaas does not run (AdapterUnsupported);
+    return the config's patterns, each compiled once (`plan_tensors` and `check_against_model` match with them)."""
+    patterns = AdapterPatterns()
     for name, why in REFUSED_FIELDS.items():
         if config.get(name) not in (None, False, [], {}, ""):
             raise unsupported(name, why)
@@ -144,11 +109,12 @@ def check_config(config: dict) -> None:
         ("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
         ("alpha_pattern", lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
     ):
-        patterns = config.get(name) or {}
-        if not isinstance(patterns, dict):
-            raise AdapterInvalid(f"adapter_config.json: {name} must be an object, got {patterns!r}")
-        for key, value in patterns.items():
-            compile_pattern(name, key)
+        keys = config.get(name) or {}
+        if not isinstance(keys, dict):
+            raise AdapterInvalid(f"adapter_config.json: {name} must be an object, got {keys!r}")
+        check_count(name, keys)
+        for key, value in keys.items():
+            patterns.compile(name, rank_pattern_regex(key), key)
             if not check(value):
                 raise AdapterInvalid(f"adapter_config.json: {name}[{key!r}] must be {what}, got {value!r}")
     for name in ("use_rslora", "lora_bias"):
@@ -165,19 +131,20 @@ def check_config(config: dict) -> None:
                              f"true or false, got {init!r}")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() != "all-linear":
-        compile_pattern("target_modules", targets)
+        patterns.compile("target_modules", targets)
     excluded = config.get("exclude_modules")
     if excluded is not None and not (isinstance(excluded, str) or _is_str_list(excluded)):
         raise AdapterInvalid(
             f"adapter_config.json: exclude_modules must be a list of names or a regex, got {excluded!r}"
         )
     if isinstance(excluded, str):
-        compile_pattern("exclude_modules", excluded)
+        patterns.compile("exclude_modules", excluded)
     saved = config.get("modules_to_save")
     if saved is not None and not _is_str_list(saved):
         raise AdapterInvalid(f"adapter_config.json: modules_to_save must be a list of names, got {saved!r}")
+    check_count("modules_to_save", saved or [], "names")
     for name in saved or []:
-        compile_pattern("modules_to_save", rf"(^|.*\.){name}($|\..*)")
+        patterns.compile("modules_to_save", saved_module_regex(name), name)
     layers = config.get("layers_to_transform")
     if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)) and not (
         isinstance(layers, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
@@ -188,8 +155,13 @@ def check_config(config: dict) -> None:
     if layers_pattern is not None and not (isinstance(layers_pattern, str) or _is_str_list(layers_pattern)):
         raise AdapterInvalid(f"adapter_config.json: layers_pattern must be a name or a list of names, "
                              f"got {layers_pattern!r}")
+    check_count("layers_pattern", [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or [],
+                "names")
     for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern or []:
-        compile_pattern("layers_pattern", rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
+        patterns.compile("layers_pattern", layers_pattern_regex(pattern), pattern)
+    if layers is not None and layers != []:
+        patterns.compile("layers_to_transform", DEFAULT_LAYERS_REGEX)
+    return patterns
 
 
 # -- tensors -----------------------------------------------------------------------------------------------------
@@ -212,10 +184,12 @@ class AdapterLayout:
     loras: dict[str, LoraEntry]  # module path -> entry
     saved: dict[str, TensorInfo] = field(default_factory=dict)  # "<module>.<parameter>" -> tensor (modules_to_save)
     tensor_names: dict[str, str] = field(default_factory=dict)  # "<module>.<parameter>" -> name in the file
+    patterns: AdapterPatterns = field(default_factory=AdapterPatterns, compare=False)  # from check_config
 
 
-def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
-    """Classify every tensor of adapter_model.safetensors; refuse any lorafaas would not use."""
+def plan_tensors(config: dict, tensors: dict[str, TensorInfo], patterns: AdapterPatterns) -> AdapterLayout:
+    """Classify every tensor of adapter_model.safetensors; refuse any lorafaas would not use. `patterns` is what
+    `check_config(config)` returned."""
     parts: dict[str, dict[str, TensorInfo]] = {}
     saved: dict[str, TensorInfo] = {}
     names: dict[str, str] = {}
@@ -262,7 +236,7 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
         rank = a.shape[0]
         if rank == 0:
             raise AdapterInvalid(f"adapter_model.safetensors: module {module} has rank 0 (lora_A {list(a.shape)})")
-        key = pattern_key("rank_pattern", rank_pattern, module)
+        key = patterns.pattern_key("rank_pattern", rank_pattern, module)
         expected = rank_pattern[key] if key is not None else config["r"]
         if rank != expected:
             source = f"rank_pattern[{key!r}]" if key is not None else "r"
@@ -275,7 +249,7 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
         if bias is not None and bias.shape != (b.shape[0],):
             raise AdapterInvalid(f"adapter_model.safetensors: {module}.lora_B.bias is {list(bias.shape)}; expected "
                                  f"[{b.shape[0]}]")
-        key = pattern_key("alpha_pattern", alpha_pattern, module)
+        key = patterns.pattern_key("alpha_pattern", alpha_pattern, module)
         alpha = alpha_pattern[key] if key is not None else alpha_default
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         if not abs(scaling) <= MAX_FLOAT32:
@@ -285,7 +259,7 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo]) -> AdapterLayout:
                                    shapes=(a.shape[1], b.shape[0]))
     if not loras and not saved:
         raise AdapterInvalid("adapter_model.safetensors holds no LoRA weights (no '*.lora_A.weight' tensors)")
-    return AdapterLayout(loras=loras, saved=saved, tensor_names=names)
+    return AdapterLayout(loras=loras, saved=saved, tensor_names=names, patterns=patterns)
 
 
 # -- the backbone's modules --------------------------------------------------------------------------------------
@@ -308,20 +282,20 @@ class ModuleTable:
     output_layer: str | None  # the output embedding's name ("lm_head"), which all-linear leaves out
 
 
-def _peft_targets(config: dict, table: ModuleTable, key: str) -> bool:
+def _peft_targets(config: dict, table: ModuleTable, key: str, patterns: AdapterPatterns) -> bool:
     """PEFT's check_target_module_exists (peft/tuners/tuners_utils.py), on RE2."""
     excluded = config.get("exclude_modules")
-    if isinstance(excluded, str) and fullmatch("exclude_modules", excluded, key):
+    if isinstance(excluded, str) and patterns.fullmatch("exclude_modules", excluded, key):
         return False
     if isinstance(excluded, list) and (key in excluded or any(key.endswith(f".{e}") for e in excluded)):
         return False
-    if any(match("modules_to_save", rf"(^|.*\.){m}($|\..*)", key) for m in config.get("modules_to_save") or []):
+    if any(patterns.match("modules_to_save", saved_module_regex(m), key) for m in config.get("modules_to_save") or []):
         return False
     targets = config.get("target_modules") or []
     if isinstance(targets, str) and targets.lower() == "all-linear":
         targets = [n for n, s in table.modules.items() if s.kind == "Linear" and n != table.output_layer]
     if isinstance(targets, str):
-        return fullmatch("target_modules", targets, key)
+        return patterns.fullmatch("target_modules", targets, key)
     if key in targets:
         return True
     if not any(key.endswith(f".{t}") for t in targets):
@@ -332,20 +306,15 @@ def _peft_targets(config: dict, table: ModuleTable, key: str) -> bool:
     layers_pattern = config.get("layers_pattern")
     found = None
     if not layers_pattern:
-        found = _layer_index(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        found = patterns.layer_index(DEFAULT_LAYERS_REGEX, key)
     else:
         for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
-            found = _layer_index(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            found = patterns.layer_index(layers_pattern_regex(pattern), key)
             if found is not None:
                 break
     if found is None:
         return False
     return found == layers if isinstance(layers, int) else found in layers
-
-
-def _layer_index(pattern: str, key: str) -> int | None:
-    found = compile_pattern("layers_pattern", pattern).match(key)
-    return None if found is None else int(found.group("idx"))
 
 
 def saved_modules(config: dict, table: ModuleTable) -> list[str]:
@@ -357,7 +326,7 @@ def saved_modules(config: dict, table: ModuleTable) -> list[str]:
 def check_against_model(config: dict, layout: AdapterLayout, table: ModuleTable, backbone: str = "the backbone"
                         ) -> None:
     """Refuse unless the weights are exactly the modules PEFT would adapt in `table`, with fitting shapes."""
-    targeted = [key for key in table.modules if _peft_targets(config, table, key)]
+    targeted = [key for key in table.modules if _peft_targets(config, table, key, layout.patterns)]
     targets = config.get("target_modules") or []
     if not targeted and (targets or not layout.saved):
         raise AdapterIncompatible(f"target_modules {targets!r} matches no layer of backbone {backbone!r}")

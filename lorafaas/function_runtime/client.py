@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from lorafaas.errors import InstanceUnavailable, InvalidInput, ProtocolError
+from lorafaas.errors import InstanceUnavailable, InvalidInput, LorafaasError, ProtocolError
 from lorafaas.function_runtime import messages as m
 from lorafaas.wire import encode_frame, error_class, read_message
 
@@ -117,7 +117,7 @@ class WorkerClient:
         if reply is _END:
             raise InstanceUnavailable(f"function worker {self.hello.instance_id} closed the connection")
         if isinstance(reply, m.ErrorReply):
-            raise error_class(reply.code)(reply.message)
+            raise _error(reply)
         if not isinstance(reply, expected):
             raise ProtocolError(f"expected {expected.__name__}, got {type(reply).__name__}")
         return reply
@@ -139,7 +139,7 @@ class WorkerClient:
                     )
                 if isinstance(event, m.ErrorReply):
                     finished = True
-                    raise error_class(event.code)(event.message)
+                    raise _error(event)
                 finished = isinstance(event, m.Finished)  # before yielding: the caller may stop right here
                 yield event
                 if finished:
@@ -166,3 +166,10 @@ class WorkerClient:
             for queue in self._streams.values():
                 queue.put_nowait(_END)
             self._control_replies.put_nowait(_END)
+
+
+def _error(reply: m.ErrorReply) -> LorafaasError:
+    error = error_class(reply.code)(reply.message)
+    if reply.param is not None:
+        error.param = reply.param  # type: ignore[attr-defined]  # InvalidInput's (the only errors that carry one)
+    return error

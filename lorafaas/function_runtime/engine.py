@@ -131,7 +131,8 @@ class GenerationEngine:
         vocab_size = self.model.get_input_embeddings().num_embeddings
         for i, token_id in enumerate(token_ids):
             if not 0 <= token_id < vocab_size:
-                raise InvalidInput(f"prompt token {i} is {token_id}; token ids are between 0 and {vocab_size - 1}")
+                raise InvalidInput(f"prompt token {i} is {token_id}; token ids are between 0 and {vocab_size - 1}",
+                                   param="prompt")
         return list(token_ids)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:

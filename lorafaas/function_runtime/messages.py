@@ -60,7 +60,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidInput(f"seed is {self.seed}; it must be a signed 64-bit integer")
         if len(self.stop) > 8 or any(not s for s in self.stop):
-            raise InvalidInput("stop takes at most 8 non-empty strings")
+            raise InvalidInput(f"stop has {len(self.stop)} strings{' (one empty)' if '' in self.stop else ''}; "
+                               "it takes at most 8 non-empty strings", param="stop")
         if self.top_k < -1:
             raise InvalidInput(f"top_k is {self.top_k}; it must be -1 or 0 (off) or at least 1")
         if not 0 <= self.min_p <= 1:
@@ -83,7 +84,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         outside = sorted(t for t in self.logit_bias if not 0 <= t < vocab_size)
         if outside:
             raise InvalidInput(
-                f"logit_bias names token ids {outside[:5]} outside the vocabulary (0 to {vocab_size - 1})"
+                f"logit_bias names token ids {outside[:5]} outside the vocabulary (0 to {vocab_size - 1})",
+                param="logit_bias",
             )
 
 
@@ -260,6 +262,7 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     request_id: str | None
     code: str
     message: str
+    param: str | None = None  # the request field at fault (InvalidInput.param)
 
 
 class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):

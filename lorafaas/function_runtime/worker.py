@@ -148,7 +148,8 @@ class WorkerServer:
                 self._stopped.set()
         except LorafaasError as exc:
             request_id = request.request_id if isinstance(request, m.Generate) else None
-            self._send(writer, m.ErrorReply(request_id=request_id, code=exc.code, message=exc.message))
+            self._send(writer, m.ErrorReply(request_id=request_id, code=exc.code, message=exc.message,
+                                            param=getattr(exc, "param", None)))
 
     async def _generate(self, request: m.Generate, connection: _Connection) -> None:
         arrived = time.perf_counter()

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
 from lorafaas.formats.adapter_files import WEIGHTS_FILE, AdapterInfo, read_adapter
-from lorafaas.formats.adapter_rules import ModuleTable, check_against_model, fullmatch
+from lorafaas.formats.adapter_rules import ModuleTable, check_against_model
 from lorafaas.formats.expert_adapters import (
     EXPERTS_KEY,
     ExpertAdapterInfo,
     check_expert_adapter,
     read_expert_adapter_info,
 )
-from lorafaas.formats.model_store import BackboneManifest, ModelStore
+from lorafaas.formats.model_store import NAME_PATTERN, BackboneManifest, ModelStore
 from lorafaas.formats.weights import read_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,13 @@ def backbone_linear_layers(store: ModelStore, manifest: BackboneManifest) -> dic
 
 
 def known_names(manifest: BackboneManifest, store: ModelStore) -> set[str]:
-    return {n.lower() for n in (manifest.name, str(store.path(manifest.name)), *manifest.base_model_ids)}
+    """The names an adapter's base_model_name_or_path may give: the backbone's, its store path, the ids it is known
+    by, and the store path of each stored backbone among them (a converted copy, `backbone convert`, keeps its
+    source's name: an adapter trained on the source's store path is for the copy too)."""
+    sources = [n for n in manifest.base_model_ids if NAME_PATTERN.fullmatch(n) and store.exists(n)]
+    names = (manifest.name, str(store.path(manifest.name)), *manifest.base_model_ids,
+             *(str(store.path(n)) for n in sources))
+    return {n.lower() for n in names}
 
 
 def validate_adapter(path: Path, store: ModelStore, backbone: str) -> AdapterInfo:
@@ -108,7 +114,7 @@ def _check_expert_fields(info: AdapterInfo) -> None:
 def _check_targets(info: AdapterInfo, layers: dict[str, tuple[int, int]], backbone: str) -> None:
     targets = info.target_modules
     if isinstance(targets, str):
-        if not any(fullmatch("target_modules", targets, path) for path in layers):
+        if not any(info.layout.patterns.fullmatch("target_modules", targets, path) for path in layers):
             raise AdapterIncompatible(f"target_modules regex {targets!r} matches no layer of backbone {backbone!r}")
         return
     leaf_names = {path.rsplit(".", 1)[-1] for path in layers}

@@ -95,7 +95,8 @@ class AdapterStore:
         """
         adapter_dir = Path(adapter_dir).expanduser()
         validate_adapter(adapter_dir, store, backbone)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)  # a store made by an older version was world-readable
         self._remove_stale_staging()
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
         try:
@@ -121,9 +122,9 @@ class AdapterStore:
         if entry.exists():  # files removed from an entry by hand: replace it whole
             logger.warning("adapter %s at %s is incomplete; replacing it", digest[:12], entry)
             self._remove(entry)
-        for name in ADAPTER_FILES:  # shared read-only with every function process
-            (staging / name).chmod(0o644)
-        staging.chmod(0o755)
+        for name in ADAPTER_FILES:  # the platform's own user only (its function processes run as it)
+            (staging / name).chmod(0o600)
+        staging.chmod(0o700)
         try:
             os.rename(staging, entry)
         except OSError as exc:

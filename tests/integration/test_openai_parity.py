@@ -181,6 +181,55 @@ def test_unsupported_parameters_at_their_off_value_and_echo_are_handled(client) 
         model="alpha", messages=USER, stream_options={"include_usage": True}))["param"] == "stream_options"
 
 
+# -- issue 36 finding 12: strict booleans, every 400 names its param, chat echo, native message fields --------------
+
+@pytest.mark.parametrize(("path", "field", "value"), [
+    ("/v1/chat/completions", "stream", "yes"), ("/v1/chat/completions", "logprobs", "true"),
+    ("/v1/chat/completions", "ignore_eos", 1), ("/v1/completions", "echo", "yes"),
+    ("/v1/completions", "stream", 0),
+])
+def test_a_non_boolean_flag_is_a_400_naming_it(platform, path, field, value) -> None:
+    """`"stream": "yes"` was read as true."""
+    body = {"model": "alpha", "max_tokens": 2, field: value}
+    body |= {"messages": USER} if "chat" in path else {"prompt": PROMPT}
+    reply = post(platform, path, body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field and "boolean" in reply.json()["error"]["message"]
+    native = post(platform, "/v1/functions/alpha/invoke", {"prompt": PROMPT, "max_tokens": 2, "stream": "yes"})
+    assert native.status_code == 422 and native.json()["error"]["message"].startswith("stream: "), native.text
+
+
+def test_refusals_from_the_function_name_their_param(client) -> None:
+    """These four 400s came back from the worker with param null."""
+    assert bad_request(lambda: client.chat.completions.create(
+        model="alpha", messages=USER, max_tokens=2, logit_bias={"99999": 5}))["param"] == "logit_bias"
+    nine = bad_request(lambda: client.completions.create(model="alpha", prompt=PROMPT, max_tokens=2,
+                                                          stop=[f"s{i}" for i in range(9)]))
+    assert nine["param"] == "stop" and "stop has 9 strings" in nine["message"]
+    assert bad_request(lambda: client.completions.create(model="alpha", prompt=PROMPT, max_tokens=2,
+                                                         stop=[""]))["param"] == "stop"
+    assert bad_request(lambda: client.completions.create(model="alpha", prompt=[1, 99999],
+                                                         max_tokens=2))["param"] == "prompt"
+
+
+def test_chat_echo_is_refused_as_not_supported_and_its_off_value_served(client) -> None:
+    """vLLM defines `echo` for chat; lorafaas said it was "not a parameter of this endpoint"."""
+    error = bad_request(lambda: client.chat.completions.create(model="alpha", messages=USER, max_tokens=2,
+                                                               extra_body={"echo": True}))
+    assert error["param"] == "echo" and error["message"] == "echo is not supported by lorafaas; leave it out (or " \
+        "send null)"
+    reply = client.chat.completions.create(model="alpha", messages=USER, max_tokens=2, extra_body={"echo": False})
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_the_native_api_refuses_unknown_message_fields_naming_them(platform) -> None:
+    """They were dropped silently (extra="ignore")."""
+    reply = post(platform, "/v1/functions/alpha/invoke", {
+        "messages": [{"role": "user", "content": PROMPT, "tool_calls": []}], "max_tokens": 2})
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["message"].startswith("messages.0.tool_calls: Extra inputs are not permitted")
+
+
 # -- item 5: null means the default; text parts; developer; tool turns ----------------------------------------------
 
 def test_null_fields_mean_their_defaults(platform) -> None:

@@ -52,10 +52,23 @@ def test_put_stores_exactly_the_two_files_under_their_sha256(
     assert sorted(p.name for p in entry.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         assert (entry / name).read_bytes() == (adapter_copy / name).read_bytes()
-        assert (entry / name).stat().st_mode & 0o777 == 0o644
     assert adapters.exists(digest)
     assert adapters.list_digests() == [digest]
     assert root_entries(adapters) == [digest], "staging directory left behind"
+
+
+def test_stored_adapters_are_readable_by_the_platforms_user_only(
+    adapters: AdapterStore, adapter_copy: Path, tiny_store: ModelStore
+) -> None:
+    """Issue 36 finding 12: stored adapters were world-readable (0644 files in 0755 directories)."""
+    adapters.root.mkdir(mode=0o755)  # as an older version left it
+    digest = adapters.put(adapter_copy, tiny_store, "tiny-dense")
+    assert adapters.root.stat().st_mode & 0o777 == 0o700
+    assert adapters.path(digest).stat().st_mode & 0o777 == 0o700
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        assert (adapters.path(digest) / name).stat().st_mode & 0o777 == 0o600
+    adapters.delete(digest)
+    assert not adapters.exists(digest) and root_entries(adapters) == []
 
 
 def test_putting_the_same_bytes_again_is_a_no_op(

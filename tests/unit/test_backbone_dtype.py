@@ -8,10 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorafaas.errors import AlreadyExists, BackboneNotFound, InvalidInput
+from lorafaas.errors import AdapterIncompatible, AlreadyExists, BackboneNotFound, InvalidInput
 from lorafaas.formats.backbone_dtype import convert_backbone
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.adapter_validation import validate_adapter
 from lorafaas.models.reference import load_backbone
+from lorafaas.testing.tiny_models import save_tiny_adapter
 
 
 @pytest.fixture
@@ -57,3 +59,15 @@ def test_bad_input_is_refused_by_name_and_nothing_is_left_behind(store: ModelSto
         convert_backbone(store, "copy", "absent", "bfloat16")
     assert [m.name for m in store.list()] == ["tiny"]
     assert not [p for p in store.models_dir.iterdir() if p.name.startswith(".")], "staging dir left behind"
+
+
+def test_an_adapter_naming_the_sources_store_path_deploys_on_its_copy(store: ModelStore, tmp_path: Path) -> None:
+    """Issue 36 finding 12: PEFT records the path it loaded the backbone from; an adapter trained on the float32
+    entry's store path was refused on its bf16 copy ("... is a different model")."""
+    convert_backbone(store, "tiny-bf16", "tiny", "bfloat16")
+    adapter = save_tiny_adapter(tmp_path / "adapter", store.path("tiny"), base_model_name=str(store.path("tiny")))
+    assert validate_adapter(adapter, store, "tiny-bf16").base_model == str(store.path("tiny"))
+    store.import_dir("other", store.path("tiny"))  # another entry's path is still another model
+    foreign = save_tiny_adapter(tmp_path / "foreign", store.path("tiny"), base_model_name=str(store.path("other")))
+    with pytest.raises(AdapterIncompatible, match="is a different model"):
+        validate_adapter(foreign, store, "tiny-bf16")

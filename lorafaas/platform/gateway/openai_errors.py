@@ -17,8 +17,7 @@ class InvalidParameter(InvalidInput):
     """A request field out of bounds or not supported: `param` names it (as `messages[0].content`)."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 def is_openai_path(path: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from lorafaas.function_runtime.messages import MAX_LOGPROBS, ToolCall, ToolCallFunction
 from lorafaas.platform.gateway.logprobs import MAX_COMPLETION_LOGPROBS
@@ -64,7 +64,7 @@ _CHECKED_EXTRAS = ConfigDict(extra="allow", json_schema_extra={"additionalProper
 
 class StreamOptions(BaseModel):
     model_config = _CHECKED_EXTRAS
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
 
 
 class FunctionCallIn(BaseModel):
@@ -130,18 +130,20 @@ class OpenAIBody(SamplerFields):
     stop: list[str] | str | None = None
     seed: int | None = seed_field()
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt")
-    stream: bool | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = Field(None, description="vLLM's extension: generate max_tokens, past the EOS token")
+    ignore_eos: StrictBool | None = Field(None, description="vLLM's extension: generate max_tokens, past the EOS token")
     user: str | None = Field(None, description="an end-user label for the caller's own tracking; no effect on output")
-    return_tokens_as_token_ids: bool | None = Field(
+    return_tokens_as_token_ids: StrictBool | None = Field(
         None, description="vLLM's: show logprobs tokens as 'token_id:ID' (tokens that are not text on their own)")
 
     # vLLM tokenizes a chat prompt without special tokens (the template has them) and a completion prompt with them.
     special_tokens_added: ClassVar[bool]
+    # Defined by vLLM for this endpoint, not implemented by lorafaas: their off values.
+    endpoint_off_values: ClassVar[dict[str, tuple]] = {}
 
     def check(self, num_prompts: int = 1) -> None:
-        off_values = _OFF_VALUES | {"add_special_tokens": (self.special_tokens_added,)}
+        off_values = _OFF_VALUES | self.endpoint_off_values | {"add_special_tokens": (self.special_tokens_added,)}
         refuse_unsupported(self.model_extra, off_values=off_values)
         if self.stream_options is not None:
             if not self.stream:
@@ -161,12 +163,14 @@ class OpenAIBody(SamplerFields):
 
 class ChatBody(OpenAIBody):
     special_tokens_added: ClassVar[bool] = False
+    # vLLM's chat `echo` prepends the last message's content when it is the reply's role (assistant)
+    endpoint_off_values: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict] | None = Field(None, description="rendered by a chat template that reads them, with "
                                      'tool_choice "none"; otherwise a 400 naming tools (docs/platform.md)')
     tool_choice: str | dict | None = Field(None, description='"none" (or absent without tools)')
-    logprobs: bool | None = Field(None, description="return each token's log-probability")
+    logprobs: StrictBool | None = Field(None, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
 
@@ -198,7 +202,7 @@ class CompletionBody(OpenAIBody):
         description="a prompt, a list of prompts, a prompt of token ids, or a list of them")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="each token's log-probability and this many most likely alternatives")
-    echo: bool | None = Field(None, description="return the prompt (text prompts) before the completion")
+    echo: StrictBool | None = Field(None, description="return the prompt (text prompts) before the completion")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lorafaas.errors import LorafaasError, ServerError
 from lorafaas.function_runtime import messages as m
@@ -79,7 +79,7 @@ class ResponsesBody(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool | None = None
+    stream: StrictBool | None = None
     user: str | None = Field(None, description="the caller's own end-user label; no effect on output")
 
     def messages(self) -> list[ChatMessage]:

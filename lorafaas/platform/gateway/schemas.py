@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import NAME_PATTERN
@@ -40,7 +40,8 @@ class JsonSchemaIn(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="the schema's name (OpenAI requires one)")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema")
-    strict: bool | None = Field(None, description="accepted either way: lorafaas always enforces the schema exactly")
+    strict: StrictBool | None = Field(None, description="accepted either way: lorafaas always enforces the schema "
+                                      "exactly")
 
 
 class ResponseFormatIn(BaseModel):
@@ -92,7 +93,7 @@ class SamplerFields(BaseModel):
 
 
 class MessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: str = Field(pattern="^(system|user|assistant)$")
     content: str
 
@@ -111,7 +112,7 @@ class InvokeBody(SamplerFields):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: list[str] | str | None = None
     seed: int | None = seed_field()
-    stream: bool = False
+    stream: StrictBool = False
 
     def to_request(self, max_tokens: int) -> InvocationRequest:
         """The request, generating `max_tokens` (this body's, checked against the function, or its default)."""
@@ -133,7 +134,7 @@ class DeploySpec(BaseModel):
     max_tokens_limit: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_request_s: float | None = Field(None, ge=0.1, le=MAX_REQUEST_S)
     lora_mode: str | None = Field(None, description="MoE backbones only: remote (the default) or local")
-    shared_base: bool | None = Field(None, description="Whether its steps may join the node's shared base pass "
+    shared_base: StrictBool | None = Field(None, description="Whether its steps may join the node's shared base pass "
                                      "(true, the default, where the node runs one); false: never")
 
 
