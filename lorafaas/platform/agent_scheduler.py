@@ -60,6 +60,12 @@ class OffloadEvent:
                 "reason": self.reason}
 
 
+def compute_dtype_bytes(weight_dtypes: tuple[str, ...]) -> int:
+    """Bytes of one element of the activations and KV cache of a backbone with weights of `weight_dtypes` (safetensors
+    names): a 16-bit float where its matrices are (norms kept in float32 beside them do not change that), else 4."""
+    return 2 if {"BF16", "F16"} & set(weight_dtypes) else 4
+
+
 class AgentScheduler:
     """Builds views of the agent's state and applies plans; owned by the NodeAgent, used on its event loop."""
 
@@ -152,13 +158,15 @@ class AgentScheduler:
                                slo_ttft_s=spec.slo_ttft_ms / 1e3, kv_bytes_per_token=self.kv_bytes_per_token(spec))
 
     def kv_bytes_per_token(self, spec) -> int:
-        """K and V of every layer for one token, in the backbone's dtype (float32 here)."""
+        """K and V of every layer for one token, in the dtype the bound backbone computes in (its weights')."""
         if spec.backbone not in self._kv_bytes:
-            config = json.loads((self.agent.launcher.store.path(spec.backbone) / "config.json").read_text())
+            store = self.agent.launcher.store
+            config = json.loads((store.path(spec.backbone) / "config.json").read_text())
             heads = config.get("num_attention_heads", 1)
             head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
             kv_heads = config.get("num_key_value_heads") or heads
-            self._kv_bytes[spec.backbone] = 2 * config.get("num_hidden_layers", 1) * kv_heads * head_dim * 4
+            element = compute_dtype_bytes(store.get(spec.backbone).dtypes)
+            self._kv_bytes[spec.backbone] = 2 * config.get("num_hidden_layers", 1) * kv_heads * head_dim * element
         return self._kv_bytes[spec.backbone]
 
     def request_bytes(self, spec, tokens: int) -> int:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
+
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.agent_scheduler import AgentScheduler
@@ -40,3 +42,20 @@ def test_a_function_whose_adapter_was_just_deleted_does_not_fail_the_view(tiny_s
     gone = scheduler.profile(_spec(digest), with_instance=True)  # raised AdapterNotFound before
     assert gone.costs.adapter_device.memory_bytes == 0
     assert gone.costs.backbone_device == stored.costs.backbone_device  # the rest of its profile stands
+
+
+def test_kv_bytes_per_token_follow_the_backbones_dtype(tiny_store: ModelStore, tmp_path: Path) -> None:
+    """A bf16 backbone's KV cache is half a float32 one's (the figure make_room evicts on was 2x too high for bf16)."""
+    import json
+
+    from lorafaas.formats.backbone_dtype import convert_backbone
+
+    convert_backbone(tiny_store, "tiny-dense-bf16-kv", "tiny-dense", "bfloat16")
+    scheduler = _scheduler(tiny_store, AdapterStore(tmp_path / "adapters"))
+    config = json.loads((tiny_store.path("tiny-dense") / "config.json").read_text())
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_layer_token = 2 * kv_heads * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    float32 = scheduler.kv_bytes_per_token(_spec("x"))
+    bf16 = scheduler.kv_bytes_per_token(msgspec.structs.replace(_spec("x"), backbone="tiny-dense-bf16-kv"))
+    assert float32 == per_layer_token * config["num_hidden_layers"] * 4
+    assert bf16 == float32 // 2
