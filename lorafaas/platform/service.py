@@ -64,7 +64,7 @@ class FunctionService:
         self._private_roots = sorted({str(p) for root in (models.models_dir.parent, adapters.root)
                                       for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: set[asyncio.Task] = set()
-        self.usage = UsageRecorder(store, getattr(agent.launcher, "log_dir", None))
+        self.usage = UsageRecorder(store, agent.launcher.log_dir)
         agent.on_keep_alive = self.usage.record_keep_alive
 
     # -- start-up --------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class InstanceRef(Protocol):
 class Backend(Protocol):
     store: ModelStore  # backbones: their config and sizes, read by the node agent's scheduler
     instances: list  # the InstanceRefs launched and not yet stopped
+    log_dir: Path  # the platform's logs (per deployment, billing); on Kubernetes workers log to their pods instead
 
     # -- function instances ----------------------------------------------------------------------------------------
 
