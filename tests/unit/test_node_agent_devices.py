@@ -61,7 +61,7 @@ class FakeStore:
         self.root = root
 
     def get(self, backbone: str):
-        return SimpleNamespace(bytes=BACKBONE_BYTES)
+        return SimpleNamespace(bytes=BACKBONE_BYTES, dtypes=("F32",))
 
     def path(self, backbone: str) -> Path:
         path = self.root / backbone
