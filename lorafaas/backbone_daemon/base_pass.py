@@ -59,6 +59,7 @@ from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 log = logging.getLogger(__name__)
 _hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
 STATS_LOG_INTERVAL_S = 10.0
+F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
 PACK_BATCH_HINT = 8  # rows a round usually has (eight one-row functions): oneDNN picks its blocking for it
 
 
@@ -195,23 +196,35 @@ class BasePassExecutor:
             timeout = self._timeout(now)
             timeout = STATS_LOG_INTERVAL_S if timeout is None else min(timeout, STATS_LOG_INTERVAL_S)
             events = self._selector.select(timeout)
+            for key, _ in events:
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                else:
+                    member = self._members.get(key.fileobj)  # type: ignore[arg-type]
+                    if member is not None:
+                        self._read_guarded(member)
             try:
-                for key, _ in events:
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(64)
-                    else:
-                        member = self._members.get(key.fileobj)  # type: ignore[arg-type]
-                        if member is not None:
-                            self._read(member)
                 self._advance(time.monotonic())
-            except Exception:  # never let one bad connection or product end the device's executor
-                log.exception("base pass: an iteration failed; the round's members are hung up on")
+            except Exception:  # a product failed: the platform's fault, not a member's (calls are checked on receipt)
+                log.exception("base pass: a round's product failed; the round's members are hung up on")
                 for member in list(self._round or []):
                     self._drop(member, "the executor failed")
                 self._round = None
+
+    def _read_guarded(self, member: _Member) -> None:
+        """Whatever one member's bytes make fail is that member's alone: it is refused (in its hello) or hung up on,
+        and no other member's state is touched."""
+        try:
+            self._read(member)
+        except Exception as exc:
+            log.exception("base pass: reading pid %d failed", member.pid)
+            if member.greeted:
+                self._drop(member, f"its message failed: {exc!r}")
+            else:
+                self._refuse(member, f"its hello failed: {exc!r}")
 
     def _timeout(self, now: float) -> float | None:
         deadlines = [d for d in (self._round_deadline if self._round else None,
@@ -301,6 +314,9 @@ class BasePassExecutor:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._refuse(member, str(exc))
             return
+        except Exception as exc:  # any failure of the admit path (mmap, fstat, a seal) refuses this member alone
+            self._refuse(member, f"its buffer cannot be used: {exc!r}")
+            return
         member.greeted = True
         self._reply_frame(member, bp.BasePassWelcome(accepted=True))
 
@@ -314,6 +330,8 @@ class BasePassExecutor:
             sealed = False
         if not sealed:
             raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+        if fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+            raise ValueError("the buffer is sealed against writes: the executor writes the outputs there")
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
         first = self._groups is None

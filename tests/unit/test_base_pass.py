@@ -24,6 +24,7 @@ from lorafaas.function_runtime import base_pass as client
 from lorafaas.models.binding import bind_backbone
 from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.protocols import base_pass as bp
+from lorafaas.testing.base_pass_member import RawMember
 from lorafaas.testing.tiny_models import save_tiny_adapter
 from lorafaas.wire import encode_frame
 
@@ -559,3 +560,54 @@ def test_the_layer_tails_are_checked_again_when_another_adapter_is_attached(segm
     assert not c.tails.usable(model)
     detach_adapter(model)  # its wrapper stays on down_proj: the MLP is computed here, as `RemoteMLP` does
     assert not c.tails.usable(model)
+
+
+def in_round(executor, members: list[RawMember], xs: list[torch.Tensor]) -> None:
+    """Two raw members ready for a round: each has said another step follows, then each starts a pass with its X;
+    returns once both got their first group (DONE)."""
+    for member in members:
+        member.end(again=True)
+    for member, x in zip(members, xs, strict=True):
+        member.write(x)
+        member.send_call(0, x.shape[0])
+    assert [member.reply() for member in members] == [bp.DONE, bp.DONE]
+
+
+def group_outputs(executor, key: int, x: torch.Tensor) -> list[torch.Tensor]:
+    return [F.linear(x, weight, bias) for weight, bias in executor._layers[key]]
+
+
+def read_outputs(executor, member: RawMember, key: int, rows: int, max_rows: int = 4) -> list[torch.Tensor]:
+    max_in = max(executor._in_width(k) for k in range(len(executor._layers)))
+    offset, outs = max_rows * max_in, []
+    for weight, _ in executor._layers[key]:
+        outs.append(member.read(offset, rows, weight.shape[0]))
+        offset += rows * weight.shape[0]
+    return outs
+
+
+def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on(segment, executor) -> None:
+    """A buffer sealed against writes cannot be mapped writable (PermissionError): only that hello is refused, its
+    sender is forgotten, and the members of the round in progress get their outputs as before."""
+    groups = groups_of(segment)
+    honest = [RawMember(str(executor.path), groups) for _ in range(2)]
+    assert all(member.welcome().accepted for member in honest)
+    width = executor._in_width(0)
+    xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    in_round(executor, honest, xs)
+    hostile = RawMember(str(executor.path), groups, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    welcome = hostile.welcome()
+    assert not welcome.accepted and "write" in welcome.message
+    assert hostile.reply() == b""  # hung up on
+    wait_until(lambda: len(executor._members) == 2)  # the half-greeted sender is not kept
+    xs = [torch.randn(2, executor._in_width(1), generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
+    for member, x in zip(honest, xs, strict=True):
+        member.write(x)
+        member.send_call(1, 2)
+    assert [member.reply() for member in honest] == [bp.DONE, bp.DONE]  # the round went on
+    for member, x in zip(honest, xs, strict=True):
+        for got, want in zip(read_outputs(executor, member, 1, 2), group_outputs(executor, 1, x), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert executor.stats.rounds == 1 and executor.stats.refused == 1
+    for member in [*honest, hostile]:
+        member.close()
