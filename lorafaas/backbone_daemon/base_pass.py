@@ -115,12 +115,15 @@ class BasePassStats:
 
 
 class BasePassExecutor:
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], may_join: Callable[[int], bool], *,
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...],
+                 may_join: Callable[[int], bool], *,
                  threads: int | None = None, hold_s: float = 0.05, deadline_s: float = 0.05,
                  penalty_passes: int = 10, pack_bf16: bool = True,
                  linear: Callable[..., torch.Tensor] = F.linear) -> None:
-        """`linear`: the kernel of the products from the segment's weights (the daemon's float32 choice,
-        lorafaas/models/cpu_linear.py); packed bf16 weights have their own."""
+        """`groups`: the backbone's, as the daemon derives them from it (`lorafaas.models.base_pass_groups`); every
+        hello must name exactly these. `linear`: the kernel of the products from the segment's weights (the daemon's
+        float32 choice, lorafaas/models/cpu_linear.py); packed bf16 weights have their own. Raises ValueError if
+        the groups do not fit the tensors."""
         self.path = Path(path)
         self.tensors = tensors
         self.may_join = may_join
@@ -132,11 +135,12 @@ class BasePassExecutor:
         self.linear = linear
         self._linear: Callable[..., torch.Tensor] = linear
         self.stats = BasePassStats()
-        self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
+        self._groups = tuple(groups)  # the backbone's: every member's hello must name exactly these
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
         self._tails: list[_Tail | None] = []  # per group: a layer tail's tensors, else None
         self._first_tail = 0  # the first tail group (len(groups) without tails)
+        self._resolve_groups()
         self._members: dict[socket.socket, _Member] = {}
         self._round: list[_Member] | None = None
         self._round_key = 0
@@ -334,18 +338,9 @@ class BasePassExecutor:
             raise ValueError("the buffer is sealed against writes: the executor writes the outputs there")
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
-        first = self._groups is None
-        if first:
-            layers = [self._resolve(group) for group in hello.groups]
-            downs = [self._resolve_down(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
-            tails = [self._resolve_tail(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
-            first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
-            if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
-                raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
-            self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
-            self._groups = hello.groups
-        elif hello.groups != self._groups:
-            raise ValueError("its layer groups differ from the other members' (another model?)")
+        if hello.groups != self._groups:
+            raise ValueError(f"its layer groups ({len(hello.groups)}) are not the backbone's ({len(self._groups)}, "
+                             "derived by the daemon): another model, or a forged hello")
         dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
         if str(dtype).removeprefix("torch.") != hello.dtype:
             raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
@@ -358,8 +353,20 @@ class BasePassExecutor:
         member.flat = torch.frombuffer(member.buffer, dtype=dtype)
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
-        if first:  # once the hello is accepted: a refused one costs no copy
+        if not self.packed:  # once a hello is accepted: a refused one costs no copy
             self._pack_if_bf16()
+
+    def _resolve_groups(self) -> None:
+        """The backbone's tensors of each group (the plain layout: `_pack_if_bf16` packs them while members are in)."""
+        groups = self._groups
+        layers = [self._resolve(group) for group in groups]
+        downs = [self._resolve_down(group, layer) for group, layer in zip(groups, layers, strict=True)]
+        tails = [self._resolve_tail(group, layer) for group, layer in zip(groups, layers, strict=True)]
+        first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
+        if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
+            raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
+        self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
+        self._linear = self.linear
 
     @property
     def packed(self) -> bool:
@@ -490,9 +497,8 @@ class BasePassExecutor:
                 member.buffer.close()
         if member.fd is not None:
             os.close(member.fd)
-        if not self._members:  # the next member may bring another model
-            self._groups, self._layers, self._downs, self._tails, self._first_tail = None, [], [], [], 0
-            self._linear = self.linear
+        if not self._members and self.packed:  # the packed copy lives while members do
+            self._resolve_groups()
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
 

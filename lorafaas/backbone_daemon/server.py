@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -31,6 +32,8 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.base_pass_groups import backbone_groups
+from lorafaas.models.binding import bind_backbone
 from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
@@ -197,7 +200,9 @@ class BackboneDaemon:
         def may_join(pid: int) -> bool:  # asked on the executor's thread; the lease table is the loop's
             return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
 
-        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, may_join,
+        # the groups are the backbone's, derived here from the model bound to the segment: no member decides them
+        groups = backbone_groups(bind_backbone(attachment, Path(self.info.model_dir)), attachment.tensors)
+        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, groups, may_join,
                                           threads=os.cpu_count(), linear=LINEAR_KERNELS[self.info.cpu_linear])
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping

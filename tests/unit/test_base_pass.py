@@ -21,6 +21,7 @@ from lorafaas.backbone_daemon.base_pass import BasePassExecutor, packs_bf16
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime import base_pass as client
+from lorafaas.models.base_pass_groups import backbone_groups
 from lorafaas.models.binding import bind_backbone
 from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.protocols import base_pass as bp
@@ -42,7 +43,8 @@ def executor(segment, tmp_path: Path):
     export, _ = segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
     allowed = {"pids": {os.getpid()}}
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid in allowed["pids"],
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(segment)),
+                               lambda pid: pid in allowed["pids"],
                                threads=1, hold_s=0.5, deadline_s=0.2)
     running.allowed = allowed
     running.start()
@@ -276,14 +278,13 @@ def read_welcome(sock: socket.socket) -> bp.BasePassWelcome:
 
 
 def groups_of(segment) -> list[bp.GroupSpec]:
-    """The groups a real member of this backbone sends."""
+    """The groups a real member of this backbone sends (and the daemon derives)."""
     model, attachment = bound_model(segment)
-    groups = client.layer_groups(model, attachment.tensors)
-    return [spec for spec, _ in groups] + [spec for spec, _ in client.layer_tails(model, attachment.tensors, groups)]
+    return list(backbone_groups(model, attachment.tensors))
 
 
 @pytest.mark.parametrize(("change", "why"), [
-    ({"groups": [bp.GroupSpec(weights=("no.such.weight",), biases=(None,))]}, "no linear weight"),
+    ({"groups": [bp.GroupSpec(weights=("no.such.weight",), biases=(None,))]}, "not the backbone's"),
     ({"dtype": "bfloat16"}, "float32"),
     ({"max_rows": 0}, "max_rows"),
     ({"size": 4096}, "buffer must hold"),
@@ -297,13 +298,21 @@ def test_a_hello_the_backbone_does_not_fit_is_refused(segment, executor, change:
     assert sock.recv(1) == b""  # and hung up on
 
 
-def test_members_of_another_model_are_refused_while_one_is_in(segment, executor) -> None:
-    first = raw_member(executor, groups_of(segment))
-    assert read_welcome(first).accepted
-    other = raw_member(executor, groups_of(segment)[:1])
-    welcome = read_welcome(other)
-    assert not welcome.accepted and "differ" in welcome.message
-    first.close()
+def test_a_hello_whose_groups_are_not_the_backbones_is_refused_alone_even_first(segment, executor) -> None:
+    """The groups are the daemon's, derived from the backbone: a bogus first hello (one group of the backbone's
+    real weights) is refused and decides nothing; honest members join after it, and while it is connected."""
+    bogus = RawMember(str(executor.path), groups_of(segment)[:1])
+    welcome = bogus.welcome()
+    assert not welcome.accepted and "groups" in welcome.message
+    honest = RawMember(str(executor.path), groups_of(segment))
+    assert honest.welcome().accepted
+    other = RawMember(str(executor.path), groups_of(segment)[1:])  # another model's, or a forged one
+    assert not other.welcome().accepted
+    assert RawMember(str(executor.path), groups_of(segment)).welcome().accepted
+    assert executor.stats.refused == 2
+    bogus.close()
+    honest.close()
+    other.close()
 
 
 @pytest.mark.parametrize("call", [(10_000, 1, 0), (0, 5, 0), (0, 0, 0), (0, -1, 0)])
@@ -370,7 +379,8 @@ def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segmen
     member's outputs are what F.linear gives from the segment's own weights, bit for bit, whatever the rows."""
     export, _ = bf16_segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
+                               lambda pid: pid == os.getpid(), threads=2)
     running.start()
     try:
         model, member_attachment = bound_model(bf16_segment)
@@ -411,7 +421,8 @@ def test_a_refused_hello_makes_no_packed_copy(bf16_segment, tmp_path: Path) -> N
     costs the executor no copy and no packing time."""
     export, _ = bf16_segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
+                               lambda pid: pid == os.getpid(), threads=2)
     running.start()
     try:
         packings = []
@@ -539,13 +550,18 @@ def test_the_layer_tails_compute_what_the_pass_computes_group_by_group_bit_for_b
             assert torch.equal(a, b), (a - b).abs().max()
 
 
-def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, executor) -> None:
+def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, tmp_path: Path) -> None:
     model, attachment = bound_model(segment)
-    groups = [spec for spec, _ in client.layer_groups(model, attachment.tensors)]  # no tails
-    sock = raw_member(executor, groups, max_rows=4)
-    assert read_welcome(sock).accepted
-    sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
-    assert sock.recv(1) == b""  # hung up on: no tails to go through
+    groups = tuple(spec for spec, _ in client.layer_groups(model, attachment.tensors))  # a backbone without tails
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, groups, lambda pid: True, threads=1)
+    running.start()
+    try:
+        sock = raw_member(running, groups, max_rows=4)
+        assert read_welcome(sock).accepted
+        sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
+        assert sock.recv(1) == b""  # hung up on: no tails to go through
+    finally:
+        running.stop()
 
 
 def test_the_layer_tails_are_checked_again_when_another_adapter_is_attached(segment, executor, adapters,
