@@ -34,10 +34,10 @@ buffer size); a member that breaks the protocol is hung up on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import logging
-import mmap
 import os
 import selectors
 import socket
@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
+from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class _Member:
     inbox: bytearray = field(default_factory=bytearray)
     greeted: bool = False
     fd: int | None = None
-    buffer: mmap.mmap | None = None
+    buffer: ctypes.Array | None = None  # the mapping (`map_shared`): no descriptor of the buffer is kept
     flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
     output_offset: int = 0  # in elements
     max_rows: int = 0
@@ -349,7 +350,11 @@ class BasePassExecutor:
         output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
         if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
             raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
-        member.buffer = mmap.mmap(member.fd, size)
+        member.buffer = map_shared(member.fd, size)
+        with contextlib.suppress(OSError):  # never longer either; and no seal added (F_SEAL_WRITE) from now on
+            fcntl.fcntl(member.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        os.close(member.fd)  # the mapping keeps the buffer: no descriptor of it left in /proc/<daemon>/fd
+        member.fd = None
         member.flat = torch.frombuffer(member.buffer, dtype=dtype)
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
@@ -491,10 +496,7 @@ class BasePassExecutor:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(member.sock)
         member.sock.close()
-        member.flat = None
-        if member.buffer is not None:
-            with contextlib.suppress(BufferError):
-                member.buffer.close()
+        member.flat = member.buffer = None  # unmapped once the last view of it goes (`map_shared`)
         if member.fd is not None:
             os.close(member.fd)
         if not self._members and self.packed:  # the packed copy lives while members do

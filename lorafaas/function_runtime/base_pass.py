@@ -18,10 +18,8 @@ products (`RemoteForward`, primed) and add their LoRA deltas as before.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
-import mmap
 import os
 import socket
 
@@ -34,6 +32,7 @@ from lorafaas.models.cpu_linear import is_bare_linear
 from lorafaas.models.lora import LoraLinear, adapter_version
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.base_pass import BasePassUnavailable
+from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
@@ -71,10 +70,11 @@ class BasePassClient:
         max_in = max(w for w, _ in widths)
         max_out = max(sum(outs) for _, outs in widths)
         output_offset, size = bp.buffer_layout(max_rows, max_in, max_out, name)
-        self._fd = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._fd: int | None = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, size)
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # the executor maps it: never shorter
-        self._buffer = mmap.mmap(self._fd, size)
+        # the executor maps it: never shorter, nor longer
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self._buffer = map_shared(self._fd, size)  # keeps no descriptor: none stays in /proc/<worker>/fd
         self._flat = torch.frombuffer(self._buffer, dtype=dtype)
         self._output_offset = output_offset // bp.ELEMENT_BYTES[name]
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,6 +87,10 @@ class BasePassClient:
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             self.close()
             raise BasePassUnavailable(f"the base pass at {path} cannot be reached: {exc}") from exc
+        finally:  # handed over (or not): the mapping keeps the buffer, no descriptor of it stays in /proc/PID/fd
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
         if not welcome.accepted:
             self.close()
             raise BasePassUnavailable(f"the base pass at {path} refused this instance: {welcome.message}")
@@ -172,10 +176,10 @@ class BasePassClient:
 
     def close(self) -> None:
         self._sock.close()
-        self._flat = None
-        with contextlib.suppress(BufferError):  # an output view still alive; the mapping goes with it
-            self._buffer.close()
-        os.close(self._fd)
+        self._flat = self._buffer = None  # unmapped once the last view of it goes (`map_shared`)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _pass_over(self, key: int, outputs):
         if key in (self.first_tail - 1, len(self.groups) - 1):  # a pass's last group: the next call starts one

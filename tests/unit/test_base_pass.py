@@ -5,6 +5,7 @@ member of another model and a member breaking the protocol are refused; a member
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -243,11 +244,45 @@ def test_an_unanswered_lease_check_refuses_and_the_executor_serves_on(segment, e
     assert not c.broken and executor.stats.refused == 1
 
 
-def test_a_members_buffer_cannot_be_shrunk_under_the_executor(segment, executor) -> None:
+def mapped_files(label: str) -> list[str]:
+    """/proc/self/map_files entries of the mappings of memfds labelled `label`."""
+    with open("/proc/self/maps") as maps:
+        return [f"/proc/self/map_files/{line.split()[0]}" for line in maps if f"/memfd:{label} " in line]
+
+
+def descriptors_of(label: str, pid: int | str = "self") -> list[str]:
+    """This process's descriptors of memfds labelled `label` (as root, any process's)."""
+    found = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(f"/memfd:{label} "):
+                found.append(name)
+    return found
+
+
+def test_a_members_buffer_cannot_be_shrunk_or_grown_under_the_executor(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    client.install(model, attachment.tensors, str(executor.path))
+    [path] = mapped_files("lorafaas-base-pass")[:1]
+    fd = os.open(path, os.O_RDWR)  # root may reopen a mapping's file; a member holds its buffer like this
+    try:
+        for size in (4096, 1 << 31):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def test_no_descriptor_of_a_members_buffer_is_kept_once_mapped(segment, executor) -> None:
+    """The executor (here, in this process) and the member each keep their mapping of the buffer, not its
+    descriptor: /proc/<daemon>/fd and /proc/<worker>/fd hold nothing another process could reopen it by."""
     model, attachment = bound_model(segment)
     c = client.install(model, attachment.tensors, str(executor.path))
-    with pytest.raises(PermissionError):
-        os.ftruncate(c._fd, 4096)
+    wait_until(lambda: executor._members and all(m.greeted for m in executor._members.values()))
+    assert descriptors_of("lorafaas-base-pass") == []
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # and the pass still works from the mappings
+    assert c.num_alone_passes == 1 and not c.broken
 
 
 def raw_member(executor, groups, max_rows: int = 4, dtype: str = "float32", size: int | None = None,
@@ -627,3 +662,4 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     assert executor.stats.rounds == 1 and executor.stats.refused == 1
     for member in [*honest, hostile]:
         member.close()
+
