@@ -51,6 +51,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from lorafaas.backbone_daemon.round_policy import BasePassStats, Evict, RoundConfig, RoundPolicy, TellAlone
 from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
@@ -96,30 +97,14 @@ class _Member:
     flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
     output_offset: int = 0  # in elements
     max_rows: int = 0
-    pending: tuple[int, int, int] | None = None  # a call waiting: (key, rows, flags)
-    active: bool = False  # in a pass, or said it has another step to run
-    penalty: int = 0  # rounds still to sit out (it straggled)
-
-
-@dataclass
-class BasePassStats:
-    rounds: int = 0
-    round_calls: int = 0  # group calls computed in rounds (one per member per group)
-    batched_products: int = 0  # matrix products computed for two or more members at once
-    alone_calls: int = 0  # calls computed for one member (outside a round, or the last one left in it)
-    alone_passes: int = 0  # passes a member was told to compute itself
-    stragglers: int = 0
-    refused: int = 0
-    compute_s: float = 0.0  # in products and copies
-    round_wait_s: float = 0.0  # from a round's group being computed to the last member's call for the next
-    fused_rounds: int = 0  # rounds through the layer tails
+    id: int = 0  # its name in the round policy
 
 
 class BasePassExecutor:
     def __init__(self, path: Path, tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...],
                  may_join: Callable[[int], bool], *,
                  threads: int | None = None, hold_s: float = 0.05, deadline_s: float = 0.05,
-                 penalty_passes: int = 10, pack_bf16: bool = True,
+                 penalty_passes: int = 10, round_config: dict | None = None, pack_bf16: bool = True,
                  linear: Callable[..., torch.Tensor] = F.linear) -> None:
         """`groups`: the backbone's, as the daemon derives them from it (`lorafaas.models.base_pass_groups`); every
         hello must name exactly these. `linear`: the kernel of the products from the segment's weights (the daemon's
@@ -135,19 +120,19 @@ class BasePassExecutor:
         self.pack_bf16 = pack_bf16 and packs_bf16()
         self.linear = linear
         self._linear: Callable[..., torch.Tensor] = linear
-        self.stats = BasePassStats()
+        self.policy = RoundPolicy(0, 0, RoundConfig(hold_s=hold_s, deadline_s=deadline_s,
+                                                    penalty_passes=penalty_passes, **(round_config or {})))
+        self.stats: BasePassStats = self.policy.stats
         self._groups = tuple(groups)  # the backbone's: every member's hello must name exactly these
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
         self._tails: list[_Tail | None] = []  # per group: a layer tail's tensors, else None
         self._first_tail = 0  # the first tail group (len(groups) without tails)
         self._resolve_groups()
+        self.policy.num_groups, self.policy.first_tail = len(self._layers), self._first_tail
         self._members: dict[socket.socket, _Member] = {}
-        self._round: list[_Member] | None = None
-        self._round_key = 0
-        self._round_fused = False
-        self._round_deadline = 0.0
-        self._hold_since: float | None = None
+        self._by_id: dict[int, _Member] = {}
+        self._next_id = 1
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -214,10 +199,7 @@ class BasePassExecutor:
             try:
                 self._advance(time.monotonic())
             except Exception:  # a product failed: the platform's fault, not a member's (calls are checked on receipt)
-                log.exception("base pass: a round's product failed; the round's members are hung up on")
-                for member in list(self._round or []):
-                    self._drop(member, "the executor failed")
-                self._round = None
+                log.exception("base pass: a product failed")
 
     def _read_guarded(self, member: _Member) -> None:
         """Whatever one member's bytes make fail is that member's alone: it is refused (in its hello) or hung up on,
@@ -232,10 +214,8 @@ class BasePassExecutor:
                 self._refuse(member, f"its hello failed: {exc!r}")
 
     def _timeout(self, now: float) -> float | None:
-        deadlines = [d for d in (self._round_deadline if self._round else None,
-                                 self._hold_since + self.hold_s if self._hold_since is not None else None)
-                     if d is not None]
-        return max(0.0, min(deadlines) - now) if deadlines else None
+        wakeup = self.policy.next_wakeup(now)
+        return None if wakeup is None else max(0.0, wakeup - now)
 
     # -- connections ----------------------------------------------------------------------------------------------
 
@@ -287,19 +267,16 @@ class BasePassExecutor:
             key, rows, flags = bp.HEADER.unpack_from(member.inbox)
             del member.inbox[: bp.HEADER.size]
             if key == bp.END_KEY:
-                member.active = bool(flags & bp.AGAIN)
-                if self._round is not None and member in self._round:
-                    self._round.remove(member)  # its pass ended without its last groups
+                self.policy.end(member.id, bool(flags & bp.AGAIN))
                 continue
             # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
             skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
             # FUSED only starts a pass (key 0), and only where the backbone has tails
             bad_fused = flags & bp.FUSED and (key != 0 or self._first_tail == len(self._layers))
-            if member.pending is not None or not 0 <= key < len(self._layers) or not (
-                    skip or 0 < rows <= member.max_rows) or bad_fused:
+            if not 0 <= key < len(self._layers) or not (skip or 0 < rows <= member.max_rows) or bad_fused:
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
-            member.pending = (key, rows, flags)
+            self.policy.receive(member.id, key, rows, flags, time.monotonic())  # its order: the policy's
 
     def _greet(self, member: _Member) -> None:
         if len(member.inbox) < FRAME_HEADER_BYTES:
@@ -323,6 +300,9 @@ class BasePassExecutor:
             self._refuse(member, f"its buffer cannot be used: {exc!r}")
             return
         member.greeted = True
+        member.id, self._next_id = self._next_id, self._next_id + 1
+        self._by_id[member.id] = member
+        self.policy.join(member.id, time.monotonic())
         self._reply_frame(member, bp.BasePassWelcome(accepted=True))
 
     def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:
@@ -491,8 +471,8 @@ class BasePassExecutor:
         if why:
             log.warning("base pass: hanging up on pid %d: %s", member.pid, why)
         self._members.pop(member.sock, None)
-        if self._round is not None and member in self._round:
-            self._round.remove(member)
+        if self._by_id.pop(member.id, None) is not None:
+            self.policy.leave(member.id)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(member.sock)
         member.sock.close()
@@ -507,85 +487,30 @@ class BasePassExecutor:
     # -- rounds ---------------------------------------------------------------------------------------------------
 
     def _advance(self, now: float) -> None:
-        members = list(self._members.values())
-        in_round = set(map(id, self._round or []))
-        # calls outside the round's current group: computed at once, alone
-        for member in members:
-            call = member.pending
-            if call is None or (call[0] == 0 and not call[2] & bp.CONTINUATION):
-                continue
-            if id(member) in in_round and call[0] == self._round_key:
-                continue
-            self._compute([member], call[0])
-        if self._round is not None:
-            self._step_round(now)
-        if self._round is None:
-            self._start_round(now)
+        """Apply the policy's decisions until it has none (`round_policy`)."""
+        while (action := self.policy.plan(now)) is not None:
+            if isinstance(action, Evict):
+                self._drop(self._by_id[action.member], action.why)
+            elif isinstance(action, TellAlone):
+                self._send(self._by_id[action.member], bp.ALONE)
+            else:
+                started = time.monotonic()
+                members = [self._by_id[m] for m in action.members]
+                rows = [self.policy.pending(m)[1] for m in action.members]  # type: ignore[index]
+                self._compute(members, rows, action.key)
+                now = time.monotonic()
+                self.policy.computed(action, now - started, now)
+                for member in members:
+                    self._send(member, bp.DONE)
 
-    def _step_round(self, now: float) -> None:
-        round_members = self._round or []
-        ready = [m for m in round_members if m.pending is not None and m.pending[0] == self._round_key]
-        if len(ready) < len(round_members) and now < self._round_deadline:
-            return
-        for member in round_members:
-            if member not in ready:  # it keeps everyone waiting: out of this round, and of the next few
-                member.penalty = self.penalty_passes
-                self.stats.stragglers += 1
-        self.stats.round_wait_s += now - (self._round_deadline - self.deadline_s)
-        if ready:
-            self._compute(ready, self._round_key)
-            now = time.monotonic()
-        key = self._round_key
-        self._round_key = self._first_tail if self._round_fused and key == 0 else key + 1
-        self._round_deadline = now + self.deadline_s
-        end = len(self._layers) if self._round_fused else self._first_tail
-        self._round = ready if ready and self._round_key < end else None
-
-    def _start_round(self, now: float) -> None:
-        starters = [m for m in self._members.values()
-                    if m.pending is not None and m.pending[0] == 0 and not m.pending[2] & bp.CONTINUATION]
-        if not starters:
-            self._hold_since = None
-            return
-        if self._hold_since is None:
-            self._hold_since = now
-        starting = set(map(id, starters))
-        awaited = [m for m in self._members.values() if m.active and m.penalty == 0 and id(m) not in starting]
-        if awaited and now < self._hold_since + self.hold_s:
-            return
-        self._hold_since = None
-        eligible = [m for m in starters if m.penalty == 0]
-        alone = [m for m in starters if m.penalty > 0]
-        fused = {id(m) for m in eligible if m.pending[2] & bp.FUSED}  # type: ignore[index]
-        self._round_fused = 2 * len(fused) >= len(eligible) > 0
-        if 0 < len(fused) < len(eligible):  # one round at a time: the other kind computes this pass itself
-            alone += [m for m in eligible if (id(m) in fused) != self._round_fused]
-            eligible = [m for m in eligible if (id(m) in fused) == self._round_fused]
-        if len(eligible) == 1:
-            alone += eligible
-            eligible = []
-        for member in alone:
-            member.penalty = max(0, member.penalty - 1)
-            member.pending = None
-            member.active = True
-            self.stats.alone_passes += 1
-            self._send(member, bp.ALONE)
-        if eligible:
-            for member in eligible:
-                member.active = True
-            self.stats.rounds += 1
-            self.stats.fused_rounds += self._round_fused
-            self._round, self._round_key = eligible, 0
-            self._round_deadline = now + self.deadline_s
-            self._step_round(now)
-
-    def _compute(self, members: list[_Member], key: int) -> None:
+    def _compute(self, members: list[_Member], rows_of: list[int], key: int) -> None:
+        """Group `key`'s outputs for each member's rows, written into that member's buffer only."""
         started = time.monotonic()
         layer, down, tail = self._layers[key], self._downs[key], self._tails[key]
         width = self._in_width(key)
-        computing = [m for m in members if m.pending[1] > 0]  # type: ignore[index]
+        computing = [(m, rows) for m, rows in zip(members, rows_of, strict=True) if rows > 0]
         if computing:
-            inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in computing]  # type: ignore[index]
+            inputs = [m.flat[: rows * width].view(rows, width) for m, rows in computing]  # type: ignore[union-attr]
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             if tail is not None:
                 outputs = self._tail(tail, layer, x)
@@ -595,12 +520,8 @@ class BasePassExecutor:
                 outputs = [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
             if len(computing) > 1:
                 self.stats.batched_products += len(layer) + (down is not None) + 4 * (tail is not None)  # o, MLP
-                self.stats.round_calls += len(computing)
-            else:
-                self.stats.alone_calls += 1
             row = 0
-            for member in computing:
-                rows = member.pending[1]  # type: ignore[index]
+            for member, rows in computing:
                 offset = member.output_offset
                 for out in outputs:
                     size = rows * out.shape[1]
@@ -608,9 +529,6 @@ class BasePassExecutor:
                     offset += size
                 row += rows
         self.stats.compute_s += time.monotonic() - started
-        for member in members:
-            member.pending = None
-            self._send(member, bp.DONE)
 
     def _tail(self, tail: _Tail, layer: list[tuple[torch.Tensor, torch.Tensor | None]],
               x: torch.Tensor) -> list[torch.Tensor]:

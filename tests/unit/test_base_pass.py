@@ -157,12 +157,20 @@ def test_a_gated_mlp_is_one_group_of_the_pass(segment) -> None:
 def test_a_call_with_no_rows_keeps_a_place_only_at_a_gated_mlp(segment, executor) -> None:
     groups = groups_of(segment)
     mlp = next(key for key, spec in enumerate(groups) if spec.mlp_down)
-    sock = raw_member(executor, groups, max_rows=4)
-    assert read_welcome(sock).accepted
-    sock.sendall(bp.HEADER.pack(mlp, 0, 0))
-    assert sock.recv(1) == bp.DONE  # nothing computed, nothing written: its place kept
-    sock.sendall(bp.HEADER.pack(mlp - 1, 0, 0))
-    assert sock.recv(1) == b""  # 0 rows anywhere else is a bad call
+    members = [RawMember(str(executor.path), groups) for _ in range(2)]
+    assert all(member.welcome().accepted for member in members)
+    in_round(executor, members, [torch.zeros(1, executor._in_width(0))] * 2)
+    for key in range(1, mlp):
+        for member in members:
+            member.send_call(key, 1)
+        assert [member.reply() for member in members] == [bp.DONE, bp.DONE]
+    members[0].send_call(mlp, 0)
+    members[1].send_call(mlp, 1)
+    assert [member.reply() for member in members] == [bp.DONE, bp.DONE]  # nothing computed for 0 rows: kept its place
+    members[0].send_call(mlp + 1, 0)
+    assert members[0].reply() == b""  # 0 rows anywhere else is a bad call
+    for member in members:
+        member.close()
 
 
 def test_one_member_alone_computes_its_pass_itself(segment, executor) -> None:
@@ -186,7 +194,8 @@ def test_a_step_granted_cores_runs_here_and_no_round_waits_for_its_member(segmen
         c.begin_step(shared=True)  # the step gate said: the shared pass
         model(ids)
         c.end_step(again=True)  # another step follows: a round's start would wait for this member
-        member = wait_until(lambda: next((m for m in executor._members.values() if m.active), None))
+        member = wait_until(lambda: next((executor.policy._members[m.id] for m in executor._members.values()
+                                          if executor.policy._members[m.id].active), None))
         calls = c.num_calls + c.num_alone_passes
         c.begin_step(shared=False)  # the next step was granted cores of its own
         out = model(ids).logits
@@ -426,22 +435,36 @@ def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segmen
         generator = torch.Generator().manual_seed(0)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the plain products' reference, as the executor's thread computes
+        partner = RawMember(str(running.path), groups_of(bf16_segment), dtype="bfloat16")  # a round of two
+        assert partner.welcome().accepted
+        partner.write(torch.zeros(1, groups[0][1][0].in_features, dtype=torch.bfloat16))
         try:
-            for key in (1, 2, 3):  # o_proj, the gated MLP, the next layer's q/k/v: computed at once, not pass starts
-                spec, layers = groups[key]
-                for rows in (1, 3, 8):
+            for rows in (1, 3, 8):
+                c.end_step(again=True)
+                partner.end(again=True)
+                partner.send_call(0, 1)  # held for the member
+                assert c.call(0, torch.zeros(rows, groups[0][1][0].in_features, dtype=torch.bfloat16)) is not None
+                assert partner.reply() == bp.DONE
+                for key in (1, 2, 3):  # o_proj, the gated MLP, the next layer's q/k/v
+                    spec, layers = groups[key]
                     x = torch.randn(rows, layers[0].in_features, generator=generator).to(torch.bfloat16)
+                    partner.write(torch.zeros(1, layers[0].in_features, dtype=torch.bfloat16))
+                    partner.send_call(key, 1)
                     got = c.call(key, x)
+                    assert partner.reply() == bp.DONE
+                    both = torch.cat([x, torch.zeros(1, x.shape[1], dtype=x.dtype)])  # the round's rows, in order
                     if spec.mlp_down:
                         gate, up = (weights[name] for name in spec.weights)
-                        expected = [F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), weights[spec.mlp_down])]
+                        expected = [F.linear(F.silu(F.linear(both, gate)) * F.linear(both, up),
+                                             weights[spec.mlp_down])[:rows]]
                     else:
-                        expected = [F.linear(x, weights[name]) for name in spec.weights]
+                        expected = [F.linear(both, weights[name])[:rows] for name in spec.weights]
                     assert got is not None and len(got) == len(expected)
                     for mine, plain in zip(got, expected, strict=True):
                         assert torch.equal(mine, plain), (key, rows)
         finally:
             torch.set_num_threads(threads)
+            partner.close()
         c.close()
         wait_until(lambda: not running.packed)  # the last member left: the private copy goes with it
         assert not running._members
@@ -663,3 +686,22 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     for member in [*honest, hostile]:
         member.close()
 
+
+
+def test_an_idle_active_member_is_waited_for_once_then_sits_out(segment, executor) -> None:
+    """A member that says another step follows (END with AGAIN) and never starts a pass is waited for at one pass
+    start only: then it is no longer awaited (until it starts a pass), so later pass starts are not held for it."""
+    groups = groups_of(segment)
+    honest, idle = RawMember(str(executor.path), groups), RawMember(str(executor.path), groups)
+    assert honest.welcome().accepted and idle.welcome().accepted
+    idle.end(again=True)
+    for _ in range(4):
+        honest.end(again=True)
+        assert honest.call(0, 1) == bp.ALONE  # nobody else starts: it computes its pass itself
+    assert executor.stats.holds_expired == 1  # one pass start waited hold_s for it; the next three did not
+    idle.end(again=True)  # saying so again does not make it awaited again
+    honest.end(again=True)
+    assert honest.call(0, 1) == bp.ALONE
+    assert executor.stats.holds_expired == 1
+    honest.close()
+    idle.close()
