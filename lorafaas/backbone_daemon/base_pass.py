@@ -225,6 +225,10 @@ class BasePassExecutor:
         except BlockingIOError:
             return
         pid = socket_peer_pid(sock)
+        if pid is not None and not self.policy.admits(pid, time.monotonic()):  # evicted lately: before any cost
+            self.stats.refused += 1
+            sock.close()
+            return
         try:
             allowed = pid is not None and self.may_join(pid)
         except Exception:  # the lease table did not answer: nobody joins unchecked
@@ -302,7 +306,7 @@ class BasePassExecutor:
         member.greeted = True
         member.id, self._next_id = self._next_id, self._next_id + 1
         self._by_id[member.id] = member
-        self.policy.join(member.id, time.monotonic())
+        self.policy.join(member.id, time.monotonic(), peer=member.pid)
         self._reply_frame(member, bp.BasePassWelcome(accepted=True))
 
     def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:

@@ -22,6 +22,8 @@ Rules (each with a unit test, tests/unit/test_round_policy.py):
   a bucket that fills at `alone_share` seconds a second up to `alone_burst_s`. A member whose bucket is empty waits
   (its call is deferred, others go on); one whose continuations of one group in one pass exceed
   `max_rows_per_group` rows is evicted.
+- An evicted member's process is not admitted again for `ban_s` (doubling with each eviction): hung up on, it
+  cannot rejoin in a loop (each hello costs the executor a lease check and a mapping).
 - Nothing one member does changes another's state: eviction, penalty and deferral are per member; a round is never
   dropped because of one member.
 """
@@ -42,11 +44,14 @@ class RoundConfig:
     alone_share: float = 0.25  # of the executor's time, per member, for its alone-calls
     alone_burst_s: float = 0.5
     max_rows_per_group: int = 32768  # continuation rows of one group in one pass (a prompt's length)
+    ban_s: float = 10.0  # an evicted member's process is not admitted again for this long, doubled each time
 
     def __post_init__(self) -> None:
         if not (self.hold_s >= 0 and self.deadline_s > 0 and self.penalty_passes >= 0):
             raise ValueError(f"hold_s {self.hold_s} and penalty_passes {self.penalty_passes} must be >= 0, "
                              f"deadline_s {self.deadline_s} > 0")
+        if self.ban_s < 0:
+            raise ValueError(f"ban_s {self.ban_s} must be >= 0")
         if not (0 < self.alone_share <= 1 and self.alone_burst_s > 0 and self.max_rows_per_group > 0):
             raise ValueError(f"alone_share {self.alone_share} must lie in (0, 1], alone_burst_s "
                              f"{self.alone_burst_s} and max_rows_per_group {self.max_rows_per_group} be > 0")
@@ -103,6 +108,7 @@ class _State:
     fused: bool = False  # this pass goes through the tails
     budget_s: float = 0.0
     budget_at: float = 0.0
+    peer: int = 0  # its process (the executor's SO_PEERCRED pid): what an eviction bans
     since: float = 0.0  # when its pending call came
     deferred: bool = False  # its pending alone-call waits for its budget (counted once)
     missed_hold: bool = False  # a hold ran out waiting for it: not awaited again before it starts a pass
@@ -121,11 +127,17 @@ class RoundPolicy:
     _round_deadline: float = 0.0
     _hold_since: float | None = None
     _queued: list[Action] = field(default_factory=list)  # evictions and ALONE answers, in order
+    _banned: dict[int, tuple[float, int]] = field(default_factory=dict)  # peer -> (admitted again from, evictions)
 
     # -- what members do ----------------------------------------------------------------------------------------
 
-    def join(self, member: int, now: float) -> None:
-        self._members[member] = _State(budget_s=self.config.alone_burst_s, budget_at=now)
+    def admits(self, peer: int, now: float) -> bool:
+        """Whether process `peer` may join: not while a ban for an eviction of it runs (`ban_s`, doubling)."""
+        until, _ = self._banned.get(peer, (0.0, 0))
+        return now >= until
+
+    def join(self, member: int, now: float, peer: int = 0) -> None:
+        self._members[member] = _State(budget_s=self.config.alone_burst_s, budget_at=now, peer=peer)
 
     def leave(self, member: int) -> None:
         self._members.pop(member, None)
@@ -138,16 +150,17 @@ class RoundPolicy:
         next `plan`."""
         state = self._members[member]
         if state.pending is not None:
-            return self._evict(member, "a call before the last one was answered")
+            return self._evict(member, "a call before the last one was answered", now)
         if flags & CONTINUATION:
             if key != state.last_key:
-                return self._evict(member, f"a continuation of group {key}, not of the group just answered")
+                return self._evict(member, f"a continuation of group {key}, not of the group just answered", now)
             state.continued_rows += rows
             if state.continued_rows > self.config.max_rows_per_group:
                 return self._evict(member, f"{state.continued_rows} rows of group {key} in one pass "
-                                           f"(at most {self.config.max_rows_per_group})")
+                                           f"(at most {self.config.max_rows_per_group})", now)
         elif key != 0 and key != state.expected:
-            return self._evict(member, f"group {key} out of its pass's order (group {state.expected} comes next)")
+            return self._evict(member, f"group {key} out of its pass's order (group {state.expected} comes next)",
+                               now)
         # key 0 may come at any time: a pass abandoned midway (its process computed the rest itself) ends there
         if key == 0 and not flags & CONTINUATION:
             state.missed_hold = False
@@ -222,9 +235,12 @@ class RoundPolicy:
 
     # -- inside ---------------------------------------------------------------------------------------------------
 
-    def _evict(self, member: int, why: str) -> None:
+    def _evict(self, member: int, why: str, now: float) -> None:
         self.stats.evicted += 1
         self._queued.append(Evict(member, why))
+        peer = self._members[member].peer
+        _, strikes = self._banned.get(peer, (0.0, 0))
+        self._banned[peer] = (now + self.config.ban_s * 2 ** min(strikes, 10), strikes + 1)
 
     def _refill(self, state: _State, now: float) -> None:
         state.budget_s = min(self.config.alone_burst_s,
