@@ -2,14 +2,12 @@
 for the rows of every function instance at the same point of its forward pass (protocol:
 `lorafaas.protocols.base_pass`).
 
-Passes are gathered in rounds. A member's first group (key 0) is a pass start: the executor holds starters until
-every other active member is at a pass start too (members in the middle of a pass come round within one step), or
-`hold_s` has passed; then two or more starters begin a round together and one alone is told ALONE (it computes that
-pass itself, from its own read-only mapping of the backbone). Within a round the executor waits, group by group, for
-each round member's call, and computes the calls together. Nobody waits on a slow member for long: a member that has
-not called within `deadline_s` of the others leaves the round (its later calls are computed as they come), and sits
-out the next `penalty_passes` rounds. A call outside the round's current group (a chunk, a member out of step) is
-computed at once, alone.
+Passes are gathered in rounds, as the round policy decides (`lorafaas.backbone_daemon.round_policy`: who is in a
+round, pass order, stragglers, each member's budget for calls computed alone, evictions); this module applies its
+decisions: it computes, answers DONE or ALONE, and hangs up. A member's first group (key 0) is a pass start: two or
+more starters begin a round together and one alone is told ALONE (it computes that pass itself, from its own
+read-only mapping of the backbone). Within a round the executor waits, group by group, for each round member's
+call, and computes the calls together.
 
 Products on a bf16 backbone, where oneDNN computes bf16 natively (AVX-512 BF16), go from a private copy of the
 weights in oneDNN's own blocked layout, made when the first member joins and dropped when the last leaves, on one
@@ -26,9 +24,11 @@ one call a decoder layer. Starters of the two kinds at once: the more numerous k
 told ALONE.
 
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
-the peer's pid, `SO_PEERCRED`); each member's rows live in its own buffer, shared with this thread only, and the
-executor writes each member's output rows into that member's buffer only. Requests are checked (group index, rows,
-buffer size); a member that breaks the protocol is hung up on.
+the peer's pid, `SO_PEERCRED`) and not evicted lately; the layer groups are the backbone's, given by the daemon, and
+a hello must name exactly them; each member's rows live in its own buffer, mapped here without keeping its
+descriptor (`lorafaas.protocols.shared_mapping`), and the executor writes each member's output rows into that
+member's buffer only. Requests are checked (group index, rows, buffer size, pass order); whatever fails while
+admitting or reading one member refuses or hangs up on that member alone (docs/sharing.md, "Threat model").
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class _State:
     budget_s: float = 0.0
     budget_at: float = 0.0
     peer: int = 0  # its process (the executor's SO_PEERCRED pid): what an eviction bans
+    evicted: bool = False  # an Evict is queued: nothing it sends counts any more
     since: float = 0.0  # when its pending call came
     deferred: bool = False  # its pending alone-call waits for its budget (counted once)
     missed_hold: bool = False  # a hold ran out waiting for it: not awaited again before it starts a pass
@@ -149,6 +150,8 @@ class RoundPolicy:
         """A call (already checked against the backbone: group, rows); one out of its pass order is evicted at the
         next `plan`."""
         state = self._members[member]
+        if state.evicted:
+            return None
         if state.pending is not None:
             return self._evict(member, "a call before the last one was answered", now)
         if flags & CONTINUATION:
@@ -238,6 +241,7 @@ class RoundPolicy:
     def _evict(self, member: int, why: str, now: float) -> None:
         self.stats.evicted += 1
         self._queued.append(Evict(member, why))
+        self._members[member].evicted = True
         peer = self._members[member].peer
         _, strikes = self._banned.get(peer, (0.0, 0))
         self._banned[peer] = (now + self.config.ban_s * 2 ** min(strikes, 10), strikes + 1)

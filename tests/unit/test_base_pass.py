@@ -549,6 +549,7 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
         if not tails:
             c.tails = None
         attach_adapter(model, read_host_adapter(adapter))
+        c.end_step(again=True)  # active from the start: every step a round, none decided by a hold running out
         members.append((model, c))
     got: list[list[torch.Tensor]] = [[] for _ in adapters]
     barrier = threading.Barrier(len(adapters))

@@ -268,3 +268,12 @@ def test_an_evicted_process_is_not_admitted_again_for_a_doubling_while() -> None
     p.receive(3, GROUPS - 1, 1, 0, 20.0)
     run(p, 20.0)
     assert not p.admits(100, 20.0 + 2 * CONFIG.ban_s - 0.1) and p.admits(100, 20.0 + 2 * CONFIG.ban_s)
+
+
+def test_calls_after_an_eviction_count_for_nothing() -> None:
+    p = policy()
+    p.receive(1, GROUPS - 1, 1, 0, 0.0)
+    p.receive(1, GROUPS - 1, 1, 0, 0.0)
+    p.receive(1, 0, 1, 0, 0.0)
+    assert [type(a) for a in run(p, 0.0)] == [Evict]
+    assert p.stats.evicted == 1
