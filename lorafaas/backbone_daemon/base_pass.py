@@ -2,14 +2,12 @@
 for the rows of every function instance at the same point of its forward pass (protocol:
 `lorafaas.protocols.base_pass`).
 
-Passes are gathered in rounds. A member's first group (key 0) is a pass start: the executor holds starters until
-every other active member is at a pass start too (members in the middle of a pass come round within one step), or
-`hold_s` has passed; then two or more starters begin a round together and one alone is told ALONE (it computes that
-pass itself, from its own read-only mapping of the backbone). Within a round the executor waits, group by group, for
-each round member's call, and computes the calls together. Nobody waits on a slow member for long: a member that has
-not called within `deadline_s` of the others leaves the round (its later calls are computed as they come), and sits
-out the next `penalty_passes` rounds. A call outside the round's current group (a chunk, a member out of step) is
-computed at once, alone.
+Passes are gathered in rounds, as the round policy decides (`lorafaas.backbone_daemon.round_policy`: who is in a
+round, pass order, stragglers, each member's budget for calls computed alone, evictions); this module applies its
+decisions: it computes, answers DONE or ALONE, and hangs up. A member's first group (key 0) is a pass start: two or
+more starters begin a round together and one alone is told ALONE (it computes that pass itself, from its own
+read-only mapping of the backbone). Within a round the executor waits, group by group, for each round member's
+call, and computes the calls together.
 
 Products on a bf16 backbone, where oneDNN computes bf16 natively (AVX-512 BF16), go from a private copy of the
 weights in oneDNN's own blocked layout, made when the first member joins and dropped when the last leaves, on one
@@ -26,18 +24,20 @@ one call a decoder layer. Starters of the two kinds at once: the more numerous k
 told ALONE.
 
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
-the peer's pid, `SO_PEERCRED`); each member's rows live in its own buffer, shared with this thread only, and the
-executor writes each member's output rows into that member's buffer only. Requests are checked (group index, rows,
-buffer size); a member that breaks the protocol is hung up on.
+the peer's pid, `SO_PEERCRED`) and not evicted lately; the layer groups are the backbone's, given by the daemon, and
+a hello must name exactly them; each member's rows live in its own buffer, mapped here without keeping its
+descriptor (`lorafaas.protocols.shared_mapping`), and the executor writes each member's output rows into that
+member's buffer only. Requests are checked (group index, rows, buffer size, pass order); whatever fails while
+admitting or reading one member refuses or hangs up on that member alone (docs/sharing.md, "Threat model").
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import logging
-import mmap
 import os
 import selectors
 import socket
@@ -51,14 +51,17 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from lorafaas.backbone_daemon.round_policy import BasePassStats, Evict, RoundConfig, RoundPolicy, TellAlone
 from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
+from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
 _hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
 STATS_LOG_INTERVAL_S = 10.0
+F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
 PACK_BATCH_HINT = 8  # rows a round usually has (eight one-row functions): oneDNN picks its blocking for it
 
 
@@ -90,36 +93,23 @@ class _Member:
     inbox: bytearray = field(default_factory=bytearray)
     greeted: bool = False
     fd: int | None = None
-    buffer: mmap.mmap | None = None
+    buffer: ctypes.Array | None = None  # the mapping (`map_shared`): no descriptor of the buffer is kept
     flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
     output_offset: int = 0  # in elements
     max_rows: int = 0
-    pending: tuple[int, int, int] | None = None  # a call waiting: (key, rows, flags)
-    active: bool = False  # in a pass, or said it has another step to run
-    penalty: int = 0  # rounds still to sit out (it straggled)
-
-
-@dataclass
-class BasePassStats:
-    rounds: int = 0
-    round_calls: int = 0  # group calls computed in rounds (one per member per group)
-    batched_products: int = 0  # matrix products computed for two or more members at once
-    alone_calls: int = 0  # calls computed for one member (outside a round, or the last one left in it)
-    alone_passes: int = 0  # passes a member was told to compute itself
-    stragglers: int = 0
-    refused: int = 0
-    compute_s: float = 0.0  # in products and copies
-    round_wait_s: float = 0.0  # from a round's group being computed to the last member's call for the next
-    fused_rounds: int = 0  # rounds through the layer tails
+    id: int = 0  # its name in the round policy
 
 
 class BasePassExecutor:
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], may_join: Callable[[int], bool], *,
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...],
+                 may_join: Callable[[int], bool], *,
                  threads: int | None = None, hold_s: float = 0.05, deadline_s: float = 0.05,
-                 penalty_passes: int = 10, pack_bf16: bool = True,
+                 penalty_passes: int = 10, round_config: dict | None = None, pack_bf16: bool = True,
                  linear: Callable[..., torch.Tensor] = F.linear) -> None:
-        """`linear`: the kernel of the products from the segment's weights (the daemon's float32 choice,
-        lorafaas/models/cpu_linear.py); packed bf16 weights have their own."""
+        """`groups`: the backbone's, as the daemon derives them from it (`lorafaas.models.base_pass_groups`); every
+        hello must name exactly these. `linear`: the kernel of the products from the segment's weights (the daemon's
+        float32 choice, lorafaas/models/cpu_linear.py); packed bf16 weights have their own. Raises ValueError if
+        the groups do not fit the tensors."""
         self.path = Path(path)
         self.tensors = tensors
         self.may_join = may_join
@@ -130,18 +120,19 @@ class BasePassExecutor:
         self.pack_bf16 = pack_bf16 and packs_bf16()
         self.linear = linear
         self._linear: Callable[..., torch.Tensor] = linear
-        self.stats = BasePassStats()
-        self._groups: tuple[bp.GroupSpec, ...] | None = None  # of the first member; every member's must equal it
+        self.policy = RoundPolicy(0, 0, RoundConfig(hold_s=hold_s, deadline_s=deadline_s,
+                                                    penalty_passes=penalty_passes, **(round_config or {})))
+        self.stats: BasePassStats = self.policy.stats
+        self._groups = tuple(groups)  # the backbone's: every member's hello must name exactly these
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
         self._tails: list[_Tail | None] = []  # per group: a layer tail's tensors, else None
         self._first_tail = 0  # the first tail group (len(groups) without tails)
+        self._resolve_groups()
+        self.policy.num_groups, self.policy.first_tail = len(self._layers), self._first_tail
         self._members: dict[socket.socket, _Member] = {}
-        self._round: list[_Member] | None = None
-        self._round_key = 0
-        self._round_fused = False
-        self._round_deadline = 0.0
-        self._hold_since: float | None = None
+        self._by_id: dict[int, _Member] = {}
+        self._next_id = 1
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -195,29 +186,36 @@ class BasePassExecutor:
             timeout = self._timeout(now)
             timeout = STATS_LOG_INTERVAL_S if timeout is None else min(timeout, STATS_LOG_INTERVAL_S)
             events = self._selector.select(timeout)
+            for key, _ in events:
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                else:
+                    member = self._members.get(key.fileobj)  # type: ignore[arg-type]
+                    if member is not None:
+                        self._read_guarded(member)
             try:
-                for key, _ in events:
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(64)
-                    else:
-                        member = self._members.get(key.fileobj)  # type: ignore[arg-type]
-                        if member is not None:
-                            self._read(member)
                 self._advance(time.monotonic())
-            except Exception:  # never let one bad connection or product end the device's executor
-                log.exception("base pass: an iteration failed; the round's members are hung up on")
-                for member in list(self._round or []):
-                    self._drop(member, "the executor failed")
-                self._round = None
+            except Exception:  # a product failed: the platform's fault, not a member's (calls are checked on receipt)
+                log.exception("base pass: a product failed")
+
+    def _read_guarded(self, member: _Member) -> None:
+        """Whatever one member's bytes make fail is that member's alone: it is refused (in its hello) or hung up on,
+        and no other member's state is touched."""
+        try:
+            self._read(member)
+        except Exception as exc:
+            log.exception("base pass: reading pid %d failed", member.pid)
+            if member.greeted:
+                self._drop(member, f"its message failed: {exc!r}")
+            else:
+                self._refuse(member, f"its hello failed: {exc!r}")
 
     def _timeout(self, now: float) -> float | None:
-        deadlines = [d for d in (self._round_deadline if self._round else None,
-                                 self._hold_since + self.hold_s if self._hold_since is not None else None)
-                     if d is not None]
-        return max(0.0, min(deadlines) - now) if deadlines else None
+        wakeup = self.policy.next_wakeup(now)
+        return None if wakeup is None else max(0.0, wakeup - now)
 
     # -- connections ----------------------------------------------------------------------------------------------
 
@@ -227,6 +225,10 @@ class BasePassExecutor:
         except BlockingIOError:
             return
         pid = socket_peer_pid(sock)
+        if pid is not None and not self.policy.admits(pid, time.monotonic()):  # evicted lately: before any cost
+            self.stats.refused += 1
+            sock.close()
+            return
         try:
             allowed = pid is not None and self.may_join(pid)
         except Exception:  # the lease table did not answer: nobody joins unchecked
@@ -269,19 +271,16 @@ class BasePassExecutor:
             key, rows, flags = bp.HEADER.unpack_from(member.inbox)
             del member.inbox[: bp.HEADER.size]
             if key == bp.END_KEY:
-                member.active = bool(flags & bp.AGAIN)
-                if self._round is not None and member in self._round:
-                    self._round.remove(member)  # its pass ended without its last groups
+                self.policy.end(member.id, bool(flags & bp.AGAIN))
                 continue
             # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
             skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
             # FUSED only starts a pass (key 0), and only where the backbone has tails
             bad_fused = flags & bp.FUSED and (key != 0 or self._first_tail == len(self._layers))
-            if member.pending is not None or not 0 <= key < len(self._layers) or not (
-                    skip or 0 < rows <= member.max_rows) or bad_fused:
+            if not 0 <= key < len(self._layers) or not (skip or 0 < rows <= member.max_rows) or bad_fused:
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
-            member.pending = (key, rows, flags)
+            self.policy.receive(member.id, key, rows, flags, time.monotonic())  # its order: the policy's
 
     def _greet(self, member: _Member) -> None:
         if len(member.inbox) < FRAME_HEADER_BYTES:
@@ -301,7 +300,13 @@ class BasePassExecutor:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._refuse(member, str(exc))
             return
+        except Exception as exc:  # any failure of the admit path (mmap, fstat, a seal) refuses this member alone
+            self._refuse(member, f"its buffer cannot be used: {exc!r}")
+            return
         member.greeted = True
+        member.id, self._next_id = self._next_id, self._next_id + 1
+        self._by_id[member.id] = member
+        self.policy.join(member.id, time.monotonic(), peer=member.pid)
         self._reply_frame(member, bp.BasePassWelcome(accepted=True))
 
     def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:
@@ -314,20 +319,13 @@ class BasePassExecutor:
             sealed = False
         if not sealed:
             raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+        if fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+            raise ValueError("the buffer is sealed against writes: the executor writes the outputs there")
         if not 1 <= hello.max_rows <= bp.MAX_ROWS:
             raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
-        first = self._groups is None
-        if first:
-            layers = [self._resolve(group) for group in hello.groups]
-            downs = [self._resolve_down(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
-            tails = [self._resolve_tail(group, layer) for group, layer in zip(hello.groups, layers, strict=True)]
-            first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
-            if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
-                raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
-            self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
-            self._groups = hello.groups
-        elif hello.groups != self._groups:
-            raise ValueError("its layer groups differ from the other members' (another model?)")
+        if hello.groups != self._groups:
+            raise ValueError(f"its layer groups ({len(hello.groups)}) are not the backbone's ({len(self._groups)}, "
+                             "derived by the daemon): another model, or a forged hello")
         dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
         if str(dtype).removeprefix("torch.") != hello.dtype:
             raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
@@ -336,12 +334,28 @@ class BasePassExecutor:
         output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
         if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
             raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
-        member.buffer = mmap.mmap(member.fd, size)
+        member.buffer = map_shared(member.fd, size)
+        with contextlib.suppress(OSError):  # never longer either; and no seal added (F_SEAL_WRITE) from now on
+            fcntl.fcntl(member.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        os.close(member.fd)  # the mapping keeps the buffer: no descriptor of it left in /proc/<daemon>/fd
+        member.fd = None
         member.flat = torch.frombuffer(member.buffer, dtype=dtype)
         member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
         member.max_rows = hello.max_rows
-        if first:  # once the hello is accepted: a refused one costs no copy
+        if not self.packed:  # once a hello is accepted: a refused one costs no copy
             self._pack_if_bf16()
+
+    def _resolve_groups(self) -> None:
+        """The backbone's tensors of each group (the plain layout: `_pack_if_bf16` packs them while members are in)."""
+        groups = self._groups
+        layers = [self._resolve(group) for group in groups]
+        downs = [self._resolve_down(group, layer) for group, layer in zip(groups, layers, strict=True)]
+        tails = [self._resolve_tail(group, layer) for group, layer in zip(groups, layers, strict=True)]
+        first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
+        if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
+            raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
+        self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
+        self._linear = self.linear
 
     @property
     def packed(self) -> bool:
@@ -461,105 +475,46 @@ class BasePassExecutor:
         if why:
             log.warning("base pass: hanging up on pid %d: %s", member.pid, why)
         self._members.pop(member.sock, None)
-        if self._round is not None and member in self._round:
-            self._round.remove(member)
+        if self._by_id.pop(member.id, None) is not None:
+            self.policy.leave(member.id)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(member.sock)
         member.sock.close()
-        member.flat = None
-        if member.buffer is not None:
-            with contextlib.suppress(BufferError):
-                member.buffer.close()
+        member.flat = member.buffer = None  # unmapped once the last view of it goes (`map_shared`)
         if member.fd is not None:
             os.close(member.fd)
-        if not self._members:  # the next member may bring another model
-            self._groups, self._layers, self._downs, self._tails, self._first_tail = None, [], [], [], 0
-            self._linear = self.linear
+        if not self._members and self.packed:  # the packed copy lives while members do
+            self._resolve_groups()
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
 
     # -- rounds ---------------------------------------------------------------------------------------------------
 
     def _advance(self, now: float) -> None:
-        members = list(self._members.values())
-        in_round = set(map(id, self._round or []))
-        # calls outside the round's current group: computed at once, alone
-        for member in members:
-            call = member.pending
-            if call is None or (call[0] == 0 and not call[2] & bp.CONTINUATION):
-                continue
-            if id(member) in in_round and call[0] == self._round_key:
-                continue
-            self._compute([member], call[0])
-        if self._round is not None:
-            self._step_round(now)
-        if self._round is None:
-            self._start_round(now)
+        """Apply the policy's decisions until it has none (`round_policy`)."""
+        while (action := self.policy.plan(now)) is not None:
+            if isinstance(action, Evict):
+                self._drop(self._by_id[action.member], action.why)
+            elif isinstance(action, TellAlone):
+                self._send(self._by_id[action.member], bp.ALONE)
+            else:
+                started = time.monotonic()
+                members = [self._by_id[m] for m in action.members]
+                rows = [self.policy.pending(m)[1] for m in action.members]  # type: ignore[index]
+                self._compute(members, rows, action.key)
+                now = time.monotonic()
+                self.policy.computed(action, now - started, now)
+                for member in members:
+                    self._send(member, bp.DONE)
 
-    def _step_round(self, now: float) -> None:
-        round_members = self._round or []
-        ready = [m for m in round_members if m.pending is not None and m.pending[0] == self._round_key]
-        if len(ready) < len(round_members) and now < self._round_deadline:
-            return
-        for member in round_members:
-            if member not in ready:  # it keeps everyone waiting: out of this round, and of the next few
-                member.penalty = self.penalty_passes
-                self.stats.stragglers += 1
-        self.stats.round_wait_s += now - (self._round_deadline - self.deadline_s)
-        if ready:
-            self._compute(ready, self._round_key)
-            now = time.monotonic()
-        key = self._round_key
-        self._round_key = self._first_tail if self._round_fused and key == 0 else key + 1
-        self._round_deadline = now + self.deadline_s
-        end = len(self._layers) if self._round_fused else self._first_tail
-        self._round = ready if ready and self._round_key < end else None
-
-    def _start_round(self, now: float) -> None:
-        starters = [m for m in self._members.values()
-                    if m.pending is not None and m.pending[0] == 0 and not m.pending[2] & bp.CONTINUATION]
-        if not starters:
-            self._hold_since = None
-            return
-        if self._hold_since is None:
-            self._hold_since = now
-        starting = set(map(id, starters))
-        awaited = [m for m in self._members.values() if m.active and m.penalty == 0 and id(m) not in starting]
-        if awaited and now < self._hold_since + self.hold_s:
-            return
-        self._hold_since = None
-        eligible = [m for m in starters if m.penalty == 0]
-        alone = [m for m in starters if m.penalty > 0]
-        fused = {id(m) for m in eligible if m.pending[2] & bp.FUSED}  # type: ignore[index]
-        self._round_fused = 2 * len(fused) >= len(eligible) > 0
-        if 0 < len(fused) < len(eligible):  # one round at a time: the other kind computes this pass itself
-            alone += [m for m in eligible if (id(m) in fused) != self._round_fused]
-            eligible = [m for m in eligible if (id(m) in fused) == self._round_fused]
-        if len(eligible) == 1:
-            alone += eligible
-            eligible = []
-        for member in alone:
-            member.penalty = max(0, member.penalty - 1)
-            member.pending = None
-            member.active = True
-            self.stats.alone_passes += 1
-            self._send(member, bp.ALONE)
-        if eligible:
-            for member in eligible:
-                member.active = True
-            self.stats.rounds += 1
-            self.stats.fused_rounds += self._round_fused
-            self._round, self._round_key = eligible, 0
-            self._round_deadline = now + self.deadline_s
-            self._step_round(now)
-
-    def _compute(self, members: list[_Member], key: int) -> None:
+    def _compute(self, members: list[_Member], rows_of: list[int], key: int) -> None:
+        """Group `key`'s outputs for each member's rows, written into that member's buffer only."""
         started = time.monotonic()
         layer, down, tail = self._layers[key], self._downs[key], self._tails[key]
         width = self._in_width(key)
-        computing = [m for m in members if m.pending[1] > 0]  # type: ignore[index]
+        computing = [(m, rows) for m, rows in zip(members, rows_of, strict=True) if rows > 0]
         if computing:
-            inputs = [m.flat[: m.pending[1] * width].view(m.pending[1], width) for m in computing]  # type: ignore[index]
+            inputs = [m.flat[: rows * width].view(rows, width) for m, rows in computing]  # type: ignore[union-attr]
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             if tail is not None:
                 outputs = self._tail(tail, layer, x)
@@ -569,12 +524,8 @@ class BasePassExecutor:
                 outputs = [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
             if len(computing) > 1:
                 self.stats.batched_products += len(layer) + (down is not None) + 4 * (tail is not None)  # o, MLP
-                self.stats.round_calls += len(computing)
-            else:
-                self.stats.alone_calls += 1
             row = 0
-            for member in computing:
-                rows = member.pending[1]  # type: ignore[index]
+            for member, rows in computing:
                 offset = member.output_offset
                 for out in outputs:
                     size = rows * out.shape[1]
@@ -582,9 +533,6 @@ class BasePassExecutor:
                     offset += size
                 row += rows
         self.stats.compute_s += time.monotonic() - started
-        for member in members:
-            member.pending = None
-            self._send(member, bp.DONE)
 
     def _tail(self, tail: _Tail, layer: list[tuple[torch.Tensor, torch.Tensor | None]],
               x: torch.Tensor) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -31,11 +32,14 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.base_pass_groups import backbone_groups
+from lorafaas.models.binding import bind_backbone
 from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
 from lorafaas.protocols.fdpass import send_with_fds
 from lorafaas.protocols.leases import LeaseTable, process_alive, socket_peer_pid
+from lorafaas.protocols.process_guard import forbid_dumping, is_dumpable
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 
 def serve(config: DaemonConfig, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
     """Run a daemon in the foreground until it is shut down or signalled; always cleans up what it created."""
+    forbid_dumping()  # its base pass maps every member's buffer: no /proc/PID/fd or ptrace way in (process_guard)
     daemon = BackboneDaemon(config)
     if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: clean up too
         signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -197,7 +202,9 @@ class BackboneDaemon:
         def may_join(pid: int) -> bool:  # asked on the executor's thread; the lease table is the loop's
             return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
 
-        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, may_join,
+        # the groups are the backbone's, derived here from the model bound to the segment: no member decides them
+        groups = backbone_groups(bind_backbone(attachment, Path(self.info.model_dir)), attachment.tensors)
+        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, groups, may_join,
                                           threads=os.cpu_count(), linear=LINEAR_KERNELS[self.info.cpu_linear])
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping
@@ -296,6 +303,7 @@ class BackboneDaemon:
             num_reaped=self.leases.num_reaped,
             adopted_from_pid=self.adopted_from_pid,
             num_leases_adopted=self.num_leases_adopted,
+            dumpable=is_dumpable(),
         )
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

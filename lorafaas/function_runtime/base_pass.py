@@ -18,10 +18,8 @@ products (`RemoteForward`, primed) and add their LoRA deltas as before.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
-import mmap
 import os
 import socket
 
@@ -29,28 +27,21 @@ import msgspec
 import torch
 from torch import nn
 
+from lorafaas.models.base_pass_groups import MLP_LAYERS, bare_linear, gated_mlps, layer_groups, layer_tails
 from lorafaas.models.cpu_linear import is_bare_linear
 from lorafaas.models.lora import LoraLinear, adapter_version
 from lorafaas.protocols import base_pass as bp
+from lorafaas.protocols.base_pass import BasePassUnavailable
+from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
 _welcome_decoder = msgspec.msgpack.Decoder(bp.BasePassWelcome)
 
-# Linear layers of one decoder layer that take the same input, by their names in the Llama family (Llama, Mistral,
-# Qwen2, SmolLM): one call each. Any other linear layer is a group of its own.
-SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): with a SiLU and no biases the executor
-# computes such an MLP whole, one call instead of two (`GroupSpec.mlp_down`)
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
-SILU = ("SiLU", "SiLUActivation")
-MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_ROWS = 256
 CALL_TIMEOUT_S = 30.0
 
 
-class BasePassUnavailable(Exception):
-    pass
 
 
 class BasePassClient:
@@ -79,10 +70,11 @@ class BasePassClient:
         max_in = max(w for w, _ in widths)
         max_out = max(sum(outs) for _, outs in widths)
         output_offset, size = bp.buffer_layout(max_rows, max_in, max_out, name)
-        self._fd = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._fd: int | None = os.memfd_create("lorafaas-base-pass", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, size)
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # the executor maps it: never shorter
-        self._buffer = mmap.mmap(self._fd, size)
+        # the executor maps it: never shorter, nor longer
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self._buffer = map_shared(self._fd, size)  # keeps no descriptor: none stays in /proc/<worker>/fd
         self._flat = torch.frombuffer(self._buffer, dtype=dtype)
         self._output_offset = output_offset // bp.ELEMENT_BYTES[name]
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,6 +87,10 @@ class BasePassClient:
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             self.close()
             raise BasePassUnavailable(f"the base pass at {path} cannot be reached: {exc}") from exc
+        finally:  # handed over (or not): the mapping keeps the buffer, no descriptor of it stays in /proc/PID/fd
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
         if not welcome.accepted:
             self.close()
             raise BasePassUnavailable(f"the base pass at {path} refused this instance: {welcome.message}")
@@ -180,10 +176,10 @@ class BasePassClient:
 
     def close(self) -> None:
         self._sock.close()
-        self._flat = None
-        with contextlib.suppress(BufferError):  # an output view still alive; the mapping goes with it
-            self._buffer.close()
-        os.close(self._fd)
+        self._flat = self._buffer = None  # unmapped once the last view of it goes (`map_shared`)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _pass_over(self, key: int, outputs):
         if key in (self.first_tail - 1, len(self.groups) - 1):  # a pass's last group: the next call starts one
@@ -294,7 +290,7 @@ class LayerTails:
             if not is_bare_linear(o_proj) or not isinstance(layer.mlp.__dict__.get("forward"), RemoteMLP) \
                     or not all(is_bare_linear(getattr(layer.mlp, name)) for name in MLP_LAYERS):
                 return False
-            if not all(isinstance(getattr(_bare(getattr(attention, name)), "__dict__", {}).get("forward"),
+            if not all(isinstance(getattr(bare_linear(getattr(attention, name)), "__dict__", {}).get("forward"),
                                   RemoteForward) for name in ("q_proj", "k_proj", "v_proj")):
                 return False
         return is_bare_linear(model.lm_head)
@@ -331,104 +327,6 @@ def fused_pass(model: nn.Module) -> LayerTails | None:
     return tails
 
 
-def _bare(layer: nn.Module | None) -> nn.Linear | None:
-    """The backbone's linear layer in `layer` (itself, or the `base` of a LoRA wrapper), or None."""
-    base = getattr(layer, "base", layer)
-    return base if is_bare_linear(base) else None
-
-
-def gated_mlps(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
-    """Path of the gate layer -> its MLP, for each gated MLP (`GATED_MLPS`, a SiLU) whose three layers are bound to
-    the segment (`names`: data pointer -> the segment's name) without biases."""
-    found = {}
-    for path_of, module in model.named_modules():
-        if type(module).__name__ not in GATED_MLPS or type(getattr(module, "act_fn", None)).__name__ not in SILU:
-            continue
-        layers = [_bare(getattr(module, name, None)) for name in MLP_LAYERS]
-        if all(layer is not None and layer.bias is None and layer.weight.data_ptr() in names for layer in layers):
-            found[f"{path_of}.gate_proj"] = module
-    return found
-
-
-def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[bp.GroupSpec, list[nn.Linear]]]:
-    """The groups of `model`'s backbone linear layers (those whose weights are `tensors`, the attached segment's), in
-    module order, each with its layers (a gated MLP's: gate, up, down); raises BasePassUnavailable if there are
-    none."""
-    names = {t.data_ptr(): name for name, t in tensors.items()}
-    found: dict[str, nn.Linear] = {}  # path -> layer, in module order (LoRA wrappers looked through)
-    for path_of, module in model.named_modules():
-        if is_bare_linear(module) and module.weight.data_ptr() in names:
-            found[path_of.removesuffix(".base")] = module
-    if not found:
-        raise BasePassUnavailable("the model has no linear layer bound to the backbone's segment")
-    mlps = gated_mlps(model, names)
-    groups: list[tuple[bp.GroupSpec, list[nn.Linear]]] = []
-    grouped: set[str] = set()
-    for p in found:
-        if p in grouped:
-            continue
-        if p in mlps:
-            prefix = p.removesuffix("gate_proj")
-            layers = [found[prefix + name] for name in MLP_LAYERS]
-            grouped.update(prefix + name for name in MLP_LAYERS)
-            gate, up, down = (names[layer.weight.data_ptr()] for layer in layers)
-            groups.append((bp.GroupSpec(weights=(gate, up), biases=(None, None), mlp_down=down), layers))
-            continue
-        members = [p]
-        for names_of_group in SHARED_INPUT:
-            prefix = p.removesuffix(names_of_group[0])
-            if prefix != p and all(prefix + n in found for n in names_of_group):
-                members = [prefix + n for n in names_of_group]
-                break
-        grouped.update(members)
-        layers = [found[m] for m in members]
-        biases = tuple(None if layer.bias is None else names.get(layer.bias.data_ptr()) for layer in layers)
-        if any(b is None and layer.bias is not None for b, layer in zip(biases, layers, strict=True)):
-            raise BasePassUnavailable(f"a bias of {members} is not in the backbone's segment")
-        groups.append((bp.GroupSpec(weights=tuple(names[layer.weight.data_ptr()] for layer in layers),
-                                    biases=biases), layers))
-    return groups
-
-
-def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
-                groups: list[tuple[bp.GroupSpec, list[nn.Linear]]]) -> list[tuple[bp.GroupSpec, int]]:
-    """A Llama's layer tails (`bp.GroupSpec.tail`), one a decoder layer, each with the key of the group whose
-    products it ends with (the next layer's q/k/v, or the LM head); [] when the model's layers are not all of that
-    shape in the segment (its decode steps then go group by group)."""
-    names = {t.data_ptr(): name for name, t in tensors.items()}
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    final_norm, lm_head = getattr(getattr(model, "model", None), "norm", None), _bare(getattr(model, "lm_head", None))
-    if not layers or final_norm is None or lm_head is None:
-        return []
-    key_of = {spec.weights[0]: key for key, (spec, _) in enumerate(groups) if not spec.mlp_down}
-    mlps = {id(mlp) for mlp in gated_mlps(model, names).values()}
-    tails = []
-    for index, layer in enumerate(layers):
-        last = index == len(layers) - 1
-        attention, post_norm = getattr(layer, "self_attn", None), getattr(layer, "post_attention_layernorm", None)
-        next_norm = final_norm if last else getattr(layers[index + 1], "input_layernorm", None)
-        o_proj = _bare(getattr(attention, "o_proj", None))
-        gate = _bare(getattr(getattr(layer, "mlp", None), "gate_proj", None))
-        if o_proj is None or o_proj.bias is not None or gate is None or id(layer.mlp) not in mlps:
-            return []
-        norms = [getattr(norm, "weight", None) for norm in (post_norm, next_norm)]
-        eps = {getattr(norm, "variance_epsilon", None) for norm in (post_norm, next_norm)}
-        if any(w is None or w.data_ptr() not in names for w in norms) or len(eps) != 1 or None in eps:
-            return []
-        following = lm_head if last else _bare(getattr(layers[index + 1].self_attn, "q_proj", None))
-        key = None if following is None else key_of.get(names.get(following.weight.data_ptr(), ""))
-        if key is None or (not last and len(groups[key][1]) != 3):
-            return []
-        mlp = layer.mlp
-        spec = groups[key][0]
-        tails.append((bp.GroupSpec(weights=spec.weights, biases=spec.biases, tail=bp.LayerTail(
-            o_proj=names[o_proj.weight.data_ptr()], post_norm=names[norms[0].data_ptr()],
-            gate=names[_bare(mlp.gate_proj).weight.data_ptr()], up=names[_bare(mlp.up_proj).weight.data_ptr()],
-            down=names[_bare(mlp.down_proj).weight.data_ptr()], next_norm=names[norms[1].data_ptr()],
-            eps=float(eps.pop()))), key))
-    return tails
-
-
 def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
             max_rows: int = DEFAULT_MAX_ROWS) -> BasePassClient:
     """Route `model`'s backbone linear layers through the executor at `path` (`layer_groups`, then `layer_tails`);
@@ -442,7 +340,7 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
         widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
     client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
-    mlp_of_gate = {id(_bare(mlp.gate_proj)): mlp
+    mlp_of_gate = {id(bare_linear(mlp.gate_proj)): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     shared_of: dict[int, list] = {}
     for key, (spec, layers) in enumerate(groups):

@@ -277,6 +277,7 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     num_served: int
     adapter: AdapterStats | None = None
     num_steps: int = 0  # engine steps run so far: the node agent's liveness check watches it advance
+    dumpable: bool | None = None  # prctl(PR_GET_DUMPABLE): False, a worker forbids it (protocols.process_guard)
 
 
 Reply = HelloReply | StageDone | Token | Finished | ErrorReply | Stats

@@ -30,6 +30,7 @@ from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.memory import read_memory
 from lorafaas.function_runtime.step_gate import StepGate
+from lorafaas.protocols.process_guard import forbid_dumping, is_dumpable
 from lorafaas.wire import encode_frame, read_message
 
 log = logging.getLogger(__name__)
@@ -255,13 +256,14 @@ class WorkerServer:
         return m.Stats(
             pid=os.getpid(), function=self.spec.function, instance_id=self.spec.instance_id,
             stages=tuple(self.instance.loaded), stage_seconds=dict(self.instance.stage_seconds),
-            memory=read_memory(), num_running=engine.num_running if engine else 0,
+            memory=read_memory(), num_running=engine.num_running if engine else 0, dumpable=is_dumpable(),
             num_waiting=engine.num_waiting if engine else 0, num_served=self._num_served,
             adapter=self.instance.adapter_stats(), num_steps=self._num_steps,
         )
 
 
 def run_worker(spec: m.WorkerSpec, tokenizer=None) -> int:
+    forbid_dumping()  # its adapter, KV cache and base-pass buffer: no /proc/PID/fd or ptrace way in (process_guard)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{spec.function}/{spec.instance_id}] %(name)s: %(message)s",

@@ -31,6 +31,7 @@ import msgspec
 
 from lorafaas.errors import InstanceUnavailable, ProtocolError
 from lorafaas.function_runtime import messages as m
+from lorafaas.protocols.process_guard import forbid_dumping
 from lorafaas.wire import encode_frame, error_class, recv_message
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ def _become_worker(log_path: str, zygote_pid: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != zygote_pid:  # the zygote died before the death signal was armed
         os._exit(1)
+    forbid_dumping()  # inherited from the zygote already; said again where a worker becomes one
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    forbid_dumping()  # its forks are function workers: none of them dumpable from their first instruction
     Zygote(Path(args[0])).serve()
     return 0
 

@@ -88,6 +88,10 @@ class BasePassWelcome(msgspec.Struct, frozen=True, tag="welcome"):
     message: str = ""
 
 
+class BasePassUnavailable(Exception):
+    """The base pass cannot be joined (unreachable, refused, or the model has no groups): compute here."""
+
+
 def buffer_layout(max_rows: int, max_in: int, max_out: int, dtype: str) -> tuple[int, int]:
     """(offset of the output region, total bytes) of a member's buffer: X [max_rows, max_in] at offset 0, then room
     for the outputs of any group, [max_rows, sum of its outs]."""

@@ -128,6 +128,7 @@ class DaemonStatus(_Message, tag="daemon_status"):
     num_reaped: int  # leases reaped since start (their functions died or went silent)
     adopted_from_pid: int | None = None  # the killed daemon whose segment this one adopted instead of loading
     num_leases_adopted: int = 0  # leases of functions still attached to the adopted segment, re-created at start
+    dumpable: bool | None = None  # prctl(PR_GET_DUMPABLE): False, the daemon forbids it (protocols.process_guard)
 
 
 class ShuttingDown(_Message, tag="shutting_down"):

@@ -1,6 +1,11 @@
 """Function workers as real processes: forked from the zygote, bound to a backbone daemon's shared segment."""
 
 import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +14,7 @@ from lorafaas.errors import InstanceUnavailable, PromptTooLong
 from lorafaas.function_runtime import messages as m
 from lorafaas.models.reference import greedy_generate, load_backbone, with_adapter
 from lorafaas.platform.backends.local import LocalLauncher
+from lorafaas.protocols.daemon_client import DaemonClient
 from lorafaas.protocols.daemon_config import DaemonPaths
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
@@ -164,3 +170,47 @@ def test_a_killed_worker_fails_its_stream_with_a_clear_error(launcher, adapters)
 
     asyncio.run(scenario())
     assert not instance.alive()
+
+
+
+def test_a_worker_and_its_backbone_daemon_are_not_dumpable(launcher, adapters) -> None:
+    """PR_SET_DUMPABLE 0 in both (`lorafaas.protocols.process_guard`), as each reports it: a process of the same
+    uid without CAP_SYS_PTRACE cannot open their /proc/PID/fd or /proc/PID/mem (the next test shows it)."""
+    worker = launcher.launch(launcher.spec("alpha", "tiny-dense", adapters["alpha"]))
+
+    async def stats():
+        async with await worker.connect() as connection:
+            return await connection.stats()
+
+    assert asyncio.run(stats()).dumpable is False
+    with DaemonClient.connect(launcher.daemon_socket("tiny-dense"), client="test") as daemon:
+        assert daemon.status().dumpable is False
+
+
+def under_capsh(command: str, **kwargs) -> subprocess.Popen:
+    """`command` as a process of this uid without CAP_SYS_PTRACE (the tests run as root, which it would bypass)."""
+    return subprocess.Popen(["capsh", "--drop=cap_sys_ptrace", "--", "-c", command],
+                            env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}, **kwargs)
+
+
+@pytest.mark.skipif(shutil.which("capsh") is None, reason="needs capsh (libcap2-bin) to drop CAP_SYS_PTRACE")
+def test_a_same_uid_process_opens_nothing_of_a_process_that_is_not_dumpable() -> None:
+    """What `forbid_dumping` buys, between processes of one uid and one capability set (no CAP_SYS_PTRACE): the
+    probe opens the descriptors and memory of a dumpable process, and nothing of one that called it (a worker's
+    base-pass buffer, the daemon's mappings of every member's buffer)."""
+    holder = ("import os, sys, time; from lorafaas.protocols.process_guard import forbid_dumping; "
+              "fd = os.memfd_create('secret'); {} print(os.getpid(), flush=True); time.sleep(60)")
+    targets = [under_capsh(f'{sys.executable} -c "{holder.format(call)}"', stdout=subprocess.PIPE, text=True)
+               for call in ("", "forbid_dumping();")]
+    try:
+        pids = [int(target.stdout.readline()) for target in targets]
+        probe = under_capsh(f"{sys.executable} -m lorafaas.testing.proc_probe {pids[0]} {pids[1]}",
+                            stdout=subprocess.PIPE, text=True)
+        out, _ = probe.communicate(timeout=60)
+    finally:
+        for target in targets:
+            target.kill()
+            target.wait()
+    dumpable, guarded = (json.loads(line) for line in out.splitlines())
+    assert dumpable["opened"] and dumpable["mem"]  # the same uid, dumpable: open to it
+    assert guarded["opened"] == [] and not guarded["mem"]

@@ -5,6 +5,7 @@ member of another model and a member breaking the protocol are refused; a member
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -21,9 +22,11 @@ from lorafaas.backbone_daemon.base_pass import BasePassExecutor, packs_bf16
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime import base_pass as client
+from lorafaas.models.base_pass_groups import backbone_groups
 from lorafaas.models.binding import bind_backbone
 from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.protocols import base_pass as bp
+from lorafaas.testing.base_pass_member import RawMember
 from lorafaas.testing.tiny_models import save_tiny_adapter
 from lorafaas.wire import encode_frame
 
@@ -41,7 +44,8 @@ def executor(segment, tmp_path: Path):
     export, _ = segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
     allowed = {"pids": {os.getpid()}}
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid in allowed["pids"],
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(segment)),
+                               lambda pid: pid in allowed["pids"],
                                threads=1, hold_s=0.5, deadline_s=0.2)
     running.allowed = allowed
     running.start()
@@ -153,12 +157,20 @@ def test_a_gated_mlp_is_one_group_of_the_pass(segment) -> None:
 def test_a_call_with_no_rows_keeps_a_place_only_at_a_gated_mlp(segment, executor) -> None:
     groups = groups_of(segment)
     mlp = next(key for key, spec in enumerate(groups) if spec.mlp_down)
-    sock = raw_member(executor, groups, max_rows=4)
-    assert read_welcome(sock).accepted
-    sock.sendall(bp.HEADER.pack(mlp, 0, 0))
-    assert sock.recv(1) == bp.DONE  # nothing computed, nothing written: its place kept
-    sock.sendall(bp.HEADER.pack(mlp - 1, 0, 0))
-    assert sock.recv(1) == b""  # 0 rows anywhere else is a bad call
+    members = [RawMember(str(executor.path), groups) for _ in range(2)]
+    assert all(member.welcome().accepted for member in members)
+    in_round(executor, members, [torch.zeros(1, executor._in_width(0))] * 2)
+    for key in range(1, mlp):
+        for member in members:
+            member.send_call(key, 1)
+        assert [member.reply() for member in members] == [bp.DONE, bp.DONE]
+    members[0].send_call(mlp, 0)
+    members[1].send_call(mlp, 1)
+    assert [member.reply() for member in members] == [bp.DONE, bp.DONE]  # nothing computed for 0 rows: kept its place
+    members[0].send_call(mlp + 1, 0)
+    assert members[0].reply() == b""  # 0 rows anywhere else is a bad call
+    for member in members:
+        member.close()
 
 
 def test_one_member_alone_computes_its_pass_itself(segment, executor) -> None:
@@ -182,7 +194,8 @@ def test_a_step_granted_cores_runs_here_and_no_round_waits_for_its_member(segmen
         c.begin_step(shared=True)  # the step gate said: the shared pass
         model(ids)
         c.end_step(again=True)  # another step follows: a round's start would wait for this member
-        member = wait_until(lambda: next((m for m in executor._members.values() if m.active), None))
+        member = wait_until(lambda: next((executor.policy._members[m.id] for m in executor._members.values()
+                                          if executor.policy._members[m.id].active), None))
         calls = c.num_calls + c.num_alone_passes
         c.begin_step(shared=False)  # the next step was granted cores of its own
         out = model(ids).logits
@@ -240,11 +253,45 @@ def test_an_unanswered_lease_check_refuses_and_the_executor_serves_on(segment, e
     assert not c.broken and executor.stats.refused == 1
 
 
-def test_a_members_buffer_cannot_be_shrunk_under_the_executor(segment, executor) -> None:
+def mapped_files(label: str) -> list[str]:
+    """/proc/self/map_files entries of the mappings of memfds labelled `label`."""
+    with open("/proc/self/maps") as maps:
+        return [f"/proc/self/map_files/{line.split()[0]}" for line in maps if f"/memfd:{label} " in line]
+
+
+def descriptors_of(label: str, pid: int | str = "self") -> list[str]:
+    """This process's descriptors of memfds labelled `label` (as root, any process's)."""
+    found = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(f"/memfd:{label} "):
+                found.append(name)
+    return found
+
+
+def test_a_members_buffer_cannot_be_shrunk_or_grown_under_the_executor(segment, executor) -> None:
+    model, attachment = bound_model(segment)
+    client.install(model, attachment.tensors, str(executor.path))
+    [path] = mapped_files("lorafaas-base-pass")[:1]
+    fd = os.open(path, os.O_RDWR)  # root may reopen a mapping's file; a member holds its buffer like this
+    try:
+        for size in (4096, 1 << 31):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def test_no_descriptor_of_a_members_buffer_is_kept_once_mapped(segment, executor) -> None:
+    """The executor (here, in this process) and the member each keep their mapping of the buffer, not its
+    descriptor: /proc/<daemon>/fd and /proc/<worker>/fd hold nothing another process could reopen it by."""
     model, attachment = bound_model(segment)
     c = client.install(model, attachment.tensors, str(executor.path))
-    with pytest.raises(PermissionError):
-        os.ftruncate(c._fd, 4096)
+    wait_until(lambda: executor._members and all(m.greeted for m in executor._members.values()))
+    assert descriptors_of("lorafaas-base-pass") == []
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # and the pass still works from the mappings
+    assert c.num_alone_passes == 1 and not c.broken
 
 
 def raw_member(executor, groups, max_rows: int = 4, dtype: str = "float32", size: int | None = None,
@@ -275,14 +322,13 @@ def read_welcome(sock: socket.socket) -> bp.BasePassWelcome:
 
 
 def groups_of(segment) -> list[bp.GroupSpec]:
-    """The groups a real member of this backbone sends."""
+    """The groups a real member of this backbone sends (and the daemon derives)."""
     model, attachment = bound_model(segment)
-    groups = client.layer_groups(model, attachment.tensors)
-    return [spec for spec, _ in groups] + [spec for spec, _ in client.layer_tails(model, attachment.tensors, groups)]
+    return list(backbone_groups(model, attachment.tensors))
 
 
 @pytest.mark.parametrize(("change", "why"), [
-    ({"groups": [bp.GroupSpec(weights=("no.such.weight",), biases=(None,))]}, "no linear weight"),
+    ({"groups": [bp.GroupSpec(weights=("no.such.weight",), biases=(None,))]}, "not the backbone's"),
     ({"dtype": "bfloat16"}, "float32"),
     ({"max_rows": 0}, "max_rows"),
     ({"size": 4096}, "buffer must hold"),
@@ -296,13 +342,21 @@ def test_a_hello_the_backbone_does_not_fit_is_refused(segment, executor, change:
     assert sock.recv(1) == b""  # and hung up on
 
 
-def test_members_of_another_model_are_refused_while_one_is_in(segment, executor) -> None:
-    first = raw_member(executor, groups_of(segment))
-    assert read_welcome(first).accepted
-    other = raw_member(executor, groups_of(segment)[:1])
-    welcome = read_welcome(other)
-    assert not welcome.accepted and "differ" in welcome.message
-    first.close()
+def test_a_hello_whose_groups_are_not_the_backbones_is_refused_alone_even_first(segment, executor) -> None:
+    """The groups are the daemon's, derived from the backbone: a bogus first hello (one group of the backbone's
+    real weights) is refused and decides nothing; honest members join after it, and while it is connected."""
+    bogus = RawMember(str(executor.path), groups_of(segment)[:1])
+    welcome = bogus.welcome()
+    assert not welcome.accepted and "groups" in welcome.message
+    honest = RawMember(str(executor.path), groups_of(segment))
+    assert honest.welcome().accepted
+    other = RawMember(str(executor.path), groups_of(segment)[1:])  # another model's, or a forged one
+    assert not other.welcome().accepted
+    assert RawMember(str(executor.path), groups_of(segment)).welcome().accepted
+    assert executor.stats.refused == 2
+    bogus.close()
+    honest.close()
+    other.close()
 
 
 @pytest.mark.parametrize("call", [(10_000, 1, 0), (0, 5, 0), (0, 0, 0), (0, -1, 0)])
@@ -369,7 +423,8 @@ def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segmen
     member's outputs are what F.linear gives from the segment's own weights, bit for bit, whatever the rows."""
     export, _ = bf16_segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
+                               lambda pid: pid == os.getpid(), threads=2)
     running.start()
     try:
         model, member_attachment = bound_model(bf16_segment)
@@ -380,22 +435,36 @@ def test_a_bf16_backbone_is_computed_from_packed_weights_bit_for_bit(bf16_segmen
         generator = torch.Generator().manual_seed(0)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the plain products' reference, as the executor's thread computes
+        partner = RawMember(str(running.path), groups_of(bf16_segment), dtype="bfloat16")  # a round of two
+        assert partner.welcome().accepted
+        partner.write(torch.zeros(1, groups[0][1][0].in_features, dtype=torch.bfloat16))
         try:
-            for key in (1, 2, 3):  # o_proj, the gated MLP, the next layer's q/k/v: computed at once, not pass starts
-                spec, layers = groups[key]
-                for rows in (1, 3, 8):
+            for rows in (1, 3, 8):
+                c.end_step(again=True)
+                partner.end(again=True)
+                partner.send_call(0, 1)  # held for the member
+                assert c.call(0, torch.zeros(rows, groups[0][1][0].in_features, dtype=torch.bfloat16)) is not None
+                assert partner.reply() == bp.DONE
+                for key in (1, 2, 3):  # o_proj, the gated MLP, the next layer's q/k/v
+                    spec, layers = groups[key]
                     x = torch.randn(rows, layers[0].in_features, generator=generator).to(torch.bfloat16)
+                    partner.write(torch.zeros(1, layers[0].in_features, dtype=torch.bfloat16))
+                    partner.send_call(key, 1)
                     got = c.call(key, x)
+                    assert partner.reply() == bp.DONE
+                    both = torch.cat([x, torch.zeros(1, x.shape[1], dtype=x.dtype)])  # the round's rows, in order
                     if spec.mlp_down:
                         gate, up = (weights[name] for name in spec.weights)
-                        expected = [F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), weights[spec.mlp_down])]
+                        expected = [F.linear(F.silu(F.linear(both, gate)) * F.linear(both, up),
+                                             weights[spec.mlp_down])[:rows]]
                     else:
-                        expected = [F.linear(x, weights[name]) for name in spec.weights]
+                        expected = [F.linear(both, weights[name])[:rows] for name in spec.weights]
                     assert got is not None and len(got) == len(expected)
                     for mine, plain in zip(got, expected, strict=True):
                         assert torch.equal(mine, plain), (key, rows)
         finally:
             torch.set_num_threads(threads)
+            partner.close()
         c.close()
         wait_until(lambda: not running.packed)  # the last member left: the private copy goes with it
         assert not running._members
@@ -410,7 +479,8 @@ def test_a_refused_hello_makes_no_packed_copy(bf16_segment, tmp_path: Path) -> N
     costs the executor no copy and no packing time."""
     export, _ = bf16_segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
-    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, lambda pid: pid == os.getpid(), threads=2)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
+                               lambda pid: pid == os.getpid(), threads=2)
     running.start()
     try:
         packings = []
@@ -479,6 +549,7 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
         if not tails:
             c.tails = None
         attach_adapter(model, read_host_adapter(adapter))
+        c.end_step(again=True)  # active from the start: every step a round, none decided by a hold running out
         members.append((model, c))
     got: list[list[torch.Tensor]] = [[] for _ in adapters]
     barrier = threading.Barrier(len(adapters))
@@ -538,13 +609,18 @@ def test_the_layer_tails_compute_what_the_pass_computes_group_by_group_bit_for_b
             assert torch.equal(a, b), (a - b).abs().max()
 
 
-def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, executor) -> None:
+def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, tmp_path: Path) -> None:
     model, attachment = bound_model(segment)
-    groups = [spec for spec, _ in client.layer_groups(model, attachment.tensors)]  # no tails
-    sock = raw_member(executor, groups, max_rows=4)
-    assert read_welcome(sock).accepted
-    sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
-    assert sock.recv(1) == b""  # hung up on: no tails to go through
+    groups = tuple(spec for spec, _ in client.layer_groups(model, attachment.tensors))  # a backbone without tails
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, groups, lambda pid: True, threads=1)
+    running.start()
+    try:
+        sock = raw_member(running, groups, max_rows=4)
+        assert read_welcome(sock).accepted
+        sock.sendall(bp.HEADER.pack(0, 1, bp.FUSED))
+        assert sock.recv(1) == b""  # hung up on: no tails to go through
+    finally:
+        running.stop()
 
 
 def test_the_layer_tails_are_checked_again_when_another_adapter_is_attached(segment, executor, adapters,
@@ -559,3 +635,74 @@ def test_the_layer_tails_are_checked_again_when_another_adapter_is_attached(segm
     assert not c.tails.usable(model)
     detach_adapter(model)  # its wrapper stays on down_proj: the MLP is computed here, as `RemoteMLP` does
     assert not c.tails.usable(model)
+
+
+def in_round(executor, members: list[RawMember], xs: list[torch.Tensor]) -> None:
+    """Two raw members ready for a round: each has said another step follows, then each starts a pass with its X;
+    returns once both got their first group (DONE)."""
+    for member in members:
+        member.end(again=True)
+    for member, x in zip(members, xs, strict=True):
+        member.write(x)
+        member.send_call(0, x.shape[0])
+    assert [member.reply() for member in members] == [bp.DONE, bp.DONE]
+
+
+def group_outputs(executor, key: int, x: torch.Tensor) -> list[torch.Tensor]:
+    return [F.linear(x, weight, bias) for weight, bias in executor._layers[key]]
+
+
+def read_outputs(executor, member: RawMember, key: int, rows: int, max_rows: int = 4) -> list[torch.Tensor]:
+    max_in = max(executor._in_width(k) for k in range(len(executor._layers)))
+    offset, outs = max_rows * max_in, []
+    for weight, _ in executor._layers[key]:
+        outs.append(member.read(offset, rows, weight.shape[0]))
+        offset += rows * weight.shape[0]
+    return outs
+
+
+def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on(segment, executor) -> None:
+    """A buffer sealed against writes cannot be mapped writable (PermissionError): only that hello is refused, its
+    sender is forgotten, and the members of the round in progress get their outputs as before."""
+    groups = groups_of(segment)
+    honest = [RawMember(str(executor.path), groups) for _ in range(2)]
+    assert all(member.welcome().accepted for member in honest)
+    width = executor._in_width(0)
+    xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    in_round(executor, honest, xs)
+    hostile = RawMember(str(executor.path), groups, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    welcome = hostile.welcome()
+    assert not welcome.accepted and "write" in welcome.message
+    assert hostile.reply() == b""  # hung up on
+    wait_until(lambda: len(executor._members) == 2)  # the half-greeted sender is not kept
+    xs = [torch.randn(2, executor._in_width(1), generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
+    for member, x in zip(honest, xs, strict=True):
+        member.write(x)
+        member.send_call(1, 2)
+    assert [member.reply() for member in honest] == [bp.DONE, bp.DONE]  # the round went on
+    for member, x in zip(honest, xs, strict=True):
+        for got, want in zip(read_outputs(executor, member, 1, 2), group_outputs(executor, 1, x), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert executor.stats.rounds == 1 and executor.stats.refused == 1
+    for member in [*honest, hostile]:
+        member.close()
+
+
+
+def test_an_idle_active_member_is_waited_for_once_then_sits_out(segment, executor) -> None:
+    """A member that says another step follows (END with AGAIN) and never starts a pass is waited for at one pass
+    start only: then it is no longer awaited (until it starts a pass), so later pass starts are not held for it."""
+    groups = groups_of(segment)
+    honest, idle = RawMember(str(executor.path), groups), RawMember(str(executor.path), groups)
+    assert honest.welcome().accepted and idle.welcome().accepted
+    idle.end(again=True)
+    for _ in range(4):
+        honest.end(again=True)
+        assert honest.call(0, 1) == bp.ALONE  # nobody else starts: it computes its pass itself
+    assert executor.stats.holds_expired == 1  # one pass start waited hold_s for it; the next three did not
+    idle.end(again=True)  # saying so again does not make it awaited again
+    honest.end(again=True)
+    assert honest.call(0, 1) == bp.ALONE
+    assert executor.stats.holds_expired == 1
+    honest.close()
+    idle.close()
