@@ -27,6 +27,7 @@
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   │   └── QuotaExceeded         a tenant's stored adapters would pass its quota
     │   ├── TooManyRequests           429: too many uploads at once
+    │   ├── RequestTimeout            408: a request body that stopped arriving, or arrived too slowly
     │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
     │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without CUDA)
@@ -245,3 +246,8 @@ class QuotaExceeded(PayloadTooLarge):
 class TooManyRequests(ClientError):
     code = "too_many_requests"
     http_status = 429
+
+
+class RequestTimeout(ClientError):
+    code = "request_timeout"
+    http_status = 408

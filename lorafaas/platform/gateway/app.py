@@ -28,7 +28,7 @@ from lorafaas import __version__
 from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
-from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
+from lorafaas.platform.gateway.limits import RequestLimits, RequestLimitsMiddleware
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_errors import is_openai_path, openai_status, param_of
@@ -61,13 +61,18 @@ UnixSeconds = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
-               is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+               is_ready: Callable[[], bool] = lambda: True, limits: RequestLimits | None = None) -> FastAPI:
     app = FastAPI(title="lorafaas", version=__version__, lifespan=lifespan,
                   description="Each LoRA adapter deployed as an isolated serverless function.")
     app.state.service = service
     app.state.metrics = metrics
     _install_error_handlers(app, service)
-    app.add_middleware(RequestLimitsMiddleware)
+
+    async def uploader(authorization: str | None) -> str:
+        """The tenant an upload's slot is counted against (its key checked before the body is read)."""
+        return (await asyncio.to_thread(authenticate, service.store, authorization)).tenant
+
+    app.add_middleware(RequestLimitsMiddleware, identify=uploader, limits=limits)
 
     def caller(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> ApiKeyRecord:
         return authenticate(service.store, request.headers.get("authorization"))
