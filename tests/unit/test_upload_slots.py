@@ -1,4 +1,4 @@
-"""The gateway's upload slots: a cap for the gateway and a smaller one per tenant, so one tenant never holds them all."""
+"""The gateway's upload slots: a cap for the gateway and a smaller one per tenant: no tenant holds them all."""
 
 from __future__ import annotations
 
