@@ -11,6 +11,7 @@ replaced one and a failed deploy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import tempfile
@@ -241,20 +242,40 @@ class FunctionService:
 
     # -- invocations -----------------------------------------------------------------------------------------------
 
-    async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest
+    async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest, charge_prompt: bool = True
                      ) -> AsyncIterator[m.Token | m.Finished]:
+        """`charge_prompt` False: the request's prompt is charged to another invocation (choice 0 of OpenAI's `n`)."""
         spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
-        async for event in self._metered(spec, to_generate(request, secrets.token_hex(8))):
-            yield event
+        metered = self._metered(spec, to_generate(request, secrets.token_hex(8)), charge_prompt)
+        async with contextlib.aclosing(metered) as events:  # a client that leaves closes the metering at once
+            async for event in events:
+                yield event
 
-    async def _metered(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
-        """The invocation's events; once it finishes, its usage is recorded (in the background)."""
+    async def _metered(self, spec: FunctionSpec, request: m.Generate, charge_prompt: bool = True
+                       ) -> AsyncIterator[m.Token | m.Finished]:
+        """The invocation's events; its usage is recorded (in the background) however it ends: when `Finished` comes,
+        or what it produced until then when its client leaves or its wall time runs out. An invocation the platform
+        failed (its instance crashed or hung) or that never reached an instance is not charged."""
         meter = UsageMeter()
-        async for event in within_wall_time(self.agent.invoke(spec, request, meter), spec):
-            if isinstance(event, m.Finished):
-                self.usage.record(spec, request.request_id, event, meter)
-            yield event
+        events = within_wall_time(self.agent.invoke(spec, request, meter), spec)
+        recorded = platform_failed = False
+        try:
+            async for event in events:
+                if isinstance(event, m.Finished):  # charged now: the caller may never pull past it
+                    recorded = True
+                    self.usage.record(spec, request.request_id, meter, charge_prompt)
+                yield event
+        except ServerError as exc:
+            platform_failed = not isinstance(exc, InvocationTimedOut)
+            raise
+        finally:
+            if not recorded:
+                try:
+                    await events.aclose()  # the agent's part ends first: the meter holds the device time then
+                finally:
+                    if meter.instance_id and not platform_failed:
+                        self.usage.record(spec, request.request_id, meter, charge_prompt)
 
     async def usage_summary(self, caller: ApiKeyRecord, since: TimeBound, until: TimeBound, group_by: str) -> dict:
         """Usage per function or tenant in [since, until): a tenant's own, or every tenant's (admin)."""

@@ -48,9 +48,10 @@ class InvocationEvents:
 
 
 async def start_invocation(service: FunctionService, metrics: GatewayMetrics, who: ApiKeyRecord, name: str,
-                           invocation: InvocationRequest) -> InvocationEvents:
+                           invocation: InvocationRequest, charge_prompt: bool = True) -> InvocationEvents:
+    """`charge_prompt` False: another invocation of the same request is charged the prompt (OpenAI's `n`)."""
     started = time.perf_counter()
-    stream = service.invoke(who, name, invocation)
+    stream = service.invoke(who, name, invocation, charge_prompt)
     with counted_refusals(metrics, name):
         first = await anext(stream)
     return InvocationEvents(first, stream, name, metrics, started)
