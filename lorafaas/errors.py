@@ -24,6 +24,9 @@
     │   │       ├── AdapterIncompatible   well-formed, but not for this backbone
     │   │       └── AdapterUnsupported    a PEFT feature lorafaas refuses rather than run differently (field named)
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
+    │   │   └── KeyRevoked            the key of an invocation in flight was revoked: it was cancelled
+    │   ├── InvocationCancelled       409: an asynchronous invocation cancelled by its tenant (DELETE)
+    │   ├── InvocationFinished        409: cancelling an invocation that already ended
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   │   └── QuotaExceeded         a tenant's stored adapters would pass its quota
     │   ├── TooManyRequests           429: too many uploads at once
@@ -195,6 +198,20 @@ class ApiKeyNotFound(NotFound):
 class Unauthorized(ClientError):
     code = "unauthorized"
     http_status = 401
+
+
+class KeyRevoked(Unauthorized):
+    code = "key_revoked"
+
+
+class InvocationCancelled(ClientError):
+    code = "invocation_cancelled"
+    http_status = 409
+
+
+class InvocationFinished(ClientError):
+    code = "invocation_finished"
+    http_status = 409
 
 
 class Forbidden(ClientError):
