@@ -260,7 +260,7 @@ def test_uploads_beyond_the_concurrency_cap_are_429(platform, admin_headers) -> 
 
 # -- issue 36 finding 7: slow uploads ------------------------------------------------------------------------------
 
-UPLOAD_TIMEOUT_S = 2.0  # the short body timeout the slow-upload platform runs with
+UPLOAD_TIMEOUT_S = 4.0  # the short body timeout the slow-upload platform runs with
 
 
 @pytest.fixture(scope="module")
@@ -314,13 +314,13 @@ def test_a_tenants_slow_uploads_neither_refuse_another_tenants_deploy_nor_hold_t
         # Another tenant deploys (and replaces) meanwhile.
         reply = deploy(platform, other, pack_adapter(adapters["a2"]), "slow-b-fn")
         assert reply.status_code == 201, reply.text
-        assert time.monotonic() - started < UPLOAD_TIMEOUT_S, "the deploy waited for the slow uploads to be cut"
+        assert all(answer_of(conn, 0.01) is None for conn in held), "the deploy waited for the slow uploads to be cut"
         # The idle uploads are cut after the timeout, with a clear 408, and their slots are free again.
         for conn in held:
             answer = answer_of(conn, UPLOAD_TIMEOUT_S + 10)
             assert answer is not None and answer[0] == 408, answer
             assert answer[1]["error"]["code"] == "request_timeout", answer
-            assert "no bytes" in answer[1]["error"]["message"], answer
+            assert "may pause at most" in answer[1]["error"]["message"], answer
         assert time.monotonic() - started < UPLOAD_TIMEOUT_S + 10
     finally:
         for conn in idle:
@@ -334,7 +334,7 @@ def test_a_tenants_slow_uploads_neither_refuse_another_tenants_deploy_nor_hold_t
             drip.sendall(b"x")
             answer = answer_of(drip, 0.2)
         assert answer is not None and answer[0] == 408, answer
-        assert "bytes/s" in answer[1]["error"]["message"], answer
+        assert "bytes/s after its first" in answer[1]["error"]["message"], answer
     finally:
         drip.close()
     reply = deploy(platform, hostile, pack_adapter(adapters["a3"]), "slow-a-fn")

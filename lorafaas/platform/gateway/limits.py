@@ -168,7 +168,7 @@ class _LimitedRequest:
         self.body_done = False
         self.refusal: ClientError | None = None
         self.started = False
-        self.began_s = asyncio.get_running_loop().time()
+        self.began_s = self.last_s = asyncio.get_running_loop().time()  # last_s: when the last bytes came
 
     async def run(self) -> None:
         try:
@@ -203,21 +203,21 @@ class _LimitedRequest:
         loop = asyncio.get_running_loop()
         now = loop.time()
         rate_deadline = self.began_s + timing.upload_timeout_s + self.received / timing.upload_min_rate_bytes_s
-        idle = timing.upload_timeout_s <= rate_deadline - now
+        idle_deadline = self.last_s + timing.upload_timeout_s
         try:
-            async with asyncio.timeout(min(timing.upload_timeout_s, max(0.0, rate_deadline - now))):
-                return await self._receive()
+            async with asyncio.timeout(max(0.0, min(idle_deadline, rate_deadline) - now)):
+                message = await self._receive()
         except TimeoutError:
-            pass
-        if idle:
-            problem = f"no bytes of the request body came for {timing.upload_timeout_s:g} s"
-        else:
-            problem = (f"the request body came at {self.received / (loop.time() - self.began_s):.0f} bytes/s "
-                       f"({self.received} bytes in {loop.time() - self.began_s:.1f} s); after its first "
-                       f"{timing.upload_timeout_s:g} s an upload must average at least "
-                       f"{timing.upload_min_rate_bytes_s:.0f} bytes/s")
-        self.refusal = RequestTimeout(f"{problem}; the upload was cut to free its slot (send the whole body "
-                                      "without pauses)")
+            message = None
+        if message is not None:
+            self.last_s = loop.time()
+            return message
+        now = loop.time()
+        self.refusal = RequestTimeout(
+            f"the upload sent {self.received} bytes of its body in {now - self.began_s:.1f} s, nothing in the last "
+            f"{now - self.last_s:.1f} s; an upload may pause at most {timing.upload_timeout_s:g} s and must average "
+            f"at least {timing.upload_min_rate_bytes_s:.0f} bytes/s after its first {timing.upload_timeout_s:g} s. "
+            "It was cut to free its slot: send the whole body without pauses")
         return None
 
     async def send(self, message) -> None:
