@@ -41,8 +41,9 @@ class InvocationEvents:
                 except StopAsyncIteration:
                     return
         finally:
-            if finished is None:  # the client went away or the instance failed: stop the generation too
-                await self.rest.aclose()
+            # Closed at once, whether it finished or not (the client went away, the instance failed: the generation
+            # stops too): the invocation leaves the gateway's in-flight table now, not when it is collected.
+            await self.rest.aclose()
             self.metrics.observe(self.function, "succeeded" if finished else "failed", self.ttft_s,
                                  time.perf_counter() - self.started, finished.completion_tokens if finished else 0)
 
