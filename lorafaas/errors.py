@@ -24,9 +24,13 @@
     │   │       ├── AdapterIncompatible   well-formed, but not for this backbone
     │   │       └── AdapterUnsupported    a PEFT feature lorafaas refuses rather than run differently (field named)
     │   ├── Unauthorized              401: a missing, malformed or unknown API key
+    │   │   └── KeyRevoked            the key of an invocation in flight was revoked: it was cancelled
+    │   ├── InvocationCancelled       409: an asynchronous invocation cancelled by its tenant (DELETE)
+    │   ├── InvocationFinished        409: cancelling an invocation that already ended
     │   ├── PayloadTooLarge           413: a request body over the gateway's limit
     │   │   └── QuotaExceeded         a tenant's stored adapters would pass its quota
     │   ├── TooManyRequests           429: too many uploads at once
+    │   ├── RequestTimeout            408: a request body that stopped arriving, or arrived too slowly
     │   ├── HeadersTooLarge           431: request headers over the gateway's limit
     │   ├── SourceUnavailable         a model source (package, directory) is missing
     │   └── TransportUnavailable      a device whose transport cannot run here (cuda:N without CUDA)
@@ -204,6 +208,20 @@ class Unauthorized(ClientError):
     http_status = 401
 
 
+class KeyRevoked(Unauthorized):
+    code = "key_revoked"
+
+
+class InvocationCancelled(ClientError):
+    code = "invocation_cancelled"
+    http_status = 409
+
+
+class InvocationFinished(ClientError):
+    code = "invocation_finished"
+    http_status = 409
+
+
 class Forbidden(ClientError):
     code = "forbidden"
     http_status = 403
@@ -253,3 +271,8 @@ class QuotaExceeded(PayloadTooLarge):
 class TooManyRequests(ClientError):
     code = "too_many_requests"
     http_status = 429
+
+
+class RequestTimeout(ClientError):
+    code = "request_timeout"
+    http_status = 408

@@ -1,4 +1,4 @@
-"""`lorafaas invocations get|list|wait`: asynchronous invocations (`lorafaas invoke --async`) by id."""
+"""`lorafaas invocations get|list|wait|cancel`: asynchronous invocations (`lorafaas invoke --async`) by id."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ POLL_FIRST_S, POLL_MAX_S = 0.1, 1.0
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 TERMINAL = ("succeeded", "failed", "cancelled")
 
-app = typer.Typer(help="Asynchronous invocations (`lorafaas invoke --async`): get, list, wait.", no_args_is_help=True)
+app = typer.Typer(help="Asynchronous invocations (`lorafaas invoke --async`): get, list, wait, cancel.",
+                  no_args_is_help=True)
 
 
 @app.command("get")
@@ -89,6 +90,18 @@ def wait(
         err_console.print(f"[bold red]error:[/] invocation {invocation_id} {record['status']}: "
                           f"{record.get('error_code') or ''} {record.get('error_message') or ''}".rstrip())
         raise typer.Exit(EXIT_INVOCATION_FAILED)
+
+
+@app.command("cancel")
+def cancel(ctx: typer.Context, invocation_id: str, url: str | None = URL, as_json: bool = JSON) -> None:
+    """Cancel one of your queued or running invocations: its generation stops and it ends `cancelled` (exit 2 if it
+    does not exist or already ended)."""
+    with client_for(ctx, url) as client:
+        record = client.cancel_invocation(invocation_id)
+    if as_json:
+        print_json(record)
+        return
+    err_console.print(_summary(record), markup=False, highlight=False)
 
 
 def _summary(record: dict) -> str:

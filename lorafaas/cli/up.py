@@ -70,6 +70,12 @@ def up(
                                             "it is killed and replaced."),
     tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
                                              help="Adapter storage each tenant's functions may take (e.g. 10G)."),
+    upload_timeout: float = typer.Option(20.0, "--upload-timeout", min=0.1, max=3600,
+                                         help="Seconds an adapter upload may send nothing before it is cut (408), "
+                                              "and its grace before --upload-min-rate counts."),
+    upload_min_rate: str = typer.Option("32K", "--upload-min-rate",
+                                         help="Bytes per second an adapter upload must average after its first "
+                                              "--upload-timeout seconds (e.g. 32K); slower ones are cut (408)."),
 ) -> None:
     """Run the local platform (gateway, node agent, stores) until interrupted."""
     from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
@@ -87,6 +93,7 @@ def up(
         hang_timeout_s=hang_timeout,
         max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
+        upload_timeout_s=upload_timeout, upload_min_rate_bytes_s=parse_size(upload_min_rate, "--upload-min-rate"),
     )
     url = f"http://{_local_address(host)}:{port}"
     # The hints name the home only when it differs from the one a plain `lorafaas` in this shell uses; the URL needs

@@ -68,7 +68,7 @@ class StepOutput:
     text: str  # new text to show
     finish_reason: FinishReason | None = None
     full_text: str = ""  # set when finished
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # set on the first token (its prefill) and when finished
     completion_tokens: int = 0
     prefill_s: float | None = None  # on a request's first token: the forward time of the prefill it was in
     prefill_batch: int | None = None  # how many requests that prefill held
@@ -253,7 +253,7 @@ class GenerationEngine:
         outputs, joining = [], []
         for row, seq in enumerate(seqs):
             output = dataclasses.replace(self._next(seq, out.logits[row, -1, :]), prefill_s=prefill_s,
-                                         prefill_batch=len(seqs))
+                                         prefill_batch=len(seqs), prompt_tokens=len(seq.prompt_ids))
             outputs.append(output)
             if output.finish_reason is None:
                 joining.append((row, seq, output.token_id))

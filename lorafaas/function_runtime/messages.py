@@ -246,6 +246,8 @@ class Token(msgspec.Struct, frozen=True, kw_only=True, tag="token"):
     # on the first token: that prefill ran in the shared base pass, so its time is the round's, not this function's
     prefill_shared: bool = False
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # on the first token: the prompt's tokens, so a request abandoned before Finished is still charged its prompt
+    prompt_tokens: int | None = None
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):

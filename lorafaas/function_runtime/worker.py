@@ -206,7 +206,8 @@ class WorkerServer:
                     self._send(route.writer, m.Token(request_id=out.request_id, token_id=out.token_id, text=out.text,
                                                      prefill_s=out.prefill_s, prefill_batch=out.prefill_batch,
                                                      prefill_shared=shared and out.prefill_s is not None,
-                                                     logprobs=out.logprobs))
+                                                     prompt_tokens=out.prompt_tokens if out.prefill_s is not None
+                                                     else None, logprobs=out.logprobs))
                 if out.finish_reason is not None:
                     del self._routes[out.request_id]
                     route.connection.request_ids.discard(out.request_id)

@@ -113,6 +113,9 @@ class ApiClient:
     def invocation(self, invocation_id: str) -> dict:
         return self._call("GET", f"/v1/invocations/{quote(invocation_id, safe='')}").json()
 
+    def cancel_invocation(self, invocation_id: str) -> dict:
+        return self._call("DELETE", f"/v1/invocations/{quote(invocation_id, safe='')}").json()
+
     def invocations(self, function: str | None = None, status: str | None = None, limit: int | None = None
                     ) -> list[dict]:
         params = {k: v for k, v in {"function": function, "status": status, "limit": limit}.items() if v is not None}

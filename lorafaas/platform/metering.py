@@ -55,7 +55,8 @@ class DeviceShareClock:
 
 @dataclass
 class UsageMeter:
-    """One invocation as the node agent saw it, filled in by `NodeAgent.invoke` before it yields `Finished`."""
+    """One invocation as the node agent saw it, filled in by `NodeAgent.invoke`: complete when it yields `Finished`,
+    or, for a request that ends otherwise (its client left, its wall time ran out), once its generator is closed."""
 
     arrived_s: float = 0.0  # agent clock
     dispatched_s: float | None = None
@@ -68,6 +69,8 @@ class UsageMeter:
     active_bytes: int = 0
     keep_alive_s: float = 0.0
     idle_bytes: float = 0.0
+    prompt_tokens: int = 0  # from the first token, then from Finished
+    completion_tokens: int = 0  # the tokens that reached the node agent; Finished's count once it came
 
     @property
     def queue_s(self) -> float:

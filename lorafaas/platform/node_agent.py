@@ -306,7 +306,12 @@ class NodeAgent:
                         meter.first_event_s = instance.last_progress_s
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         self._observe_prefill(spec, admitted.batch_size, event, self.clock() - dispatched)
+                    if isinstance(event, m.Token):
+                        meter.completion_tokens += 1
+                        if event.prompt_tokens is not None:
+                            meter.prompt_tokens = event.prompt_tokens
                     if isinstance(event, m.Finished):  # charged now: the caller may never pull past it
+                        meter.prompt_tokens, meter.completion_tokens = event.prompt_tokens, event.completion_tokens
                         meter.finished_s = instance.last_progress_s
                         meter.device_s += self.device_share.leave(share_mark)
                         share_mark = None
@@ -324,6 +329,8 @@ class NodeAgent:
             finally:
                 if share_mark is not None:  # it failed or was abandoned: its device time still counts (a retry's)
                     meter.device_s += self.device_share.leave(share_mark)
+                    if produced:
+                        meter.finished_s = self.clock()
                 self.in_flight_tokens[spec.name] = max(0, self.in_flight_tokens.get(spec.name, 0) - tokens)
                 self._release(instance)
 

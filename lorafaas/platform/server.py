@@ -25,6 +25,7 @@ from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.devices import Device, check_devices
 from lorafaas.platform.gateway.app import create_app
+from lorafaas.platform.gateway.limits import UPLOAD_MIN_RATE_BYTES_S, UPLOAD_TIMEOUT_S, RequestLimits
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.node_agent import DEFAULT_MAX_BATCH, AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
@@ -57,6 +58,8 @@ class ServerConfig:
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
     max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
+    upload_timeout_s: float = UPLOAD_TIMEOUT_S  # RequestLimits.upload_timeout_s
+    upload_min_rate_bytes_s: float = UPLOAD_MIN_RATE_BYTES_S  # RequestLimits.upload_min_rate_bytes_s
 
 
 # The scheduler's mechanisms, all on ("lorafaas") or one switched off, for evaluations (same names as the simulator).
@@ -150,7 +153,10 @@ class Platform:
         self.metrics = GatewayMetrics(self.agent, self.service.usage)
         self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
         self.ready = False
-        self.app = create_app(self.service, self.metrics, lifespan=self._lifespan, is_ready=lambda: self.ready)
+        limits = RequestLimits(upload_timeout_s=config.upload_timeout_s,
+                               upload_min_rate_bytes_s=config.upload_min_rate_bytes_s)
+        self.app = create_app(self.service, self.metrics, lifespan=self._lifespan, is_ready=lambda: self.ready,
+                              limits=limits)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):

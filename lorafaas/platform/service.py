@@ -11,6 +11,7 @@ replaced one and a failed deploy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import tempfile
@@ -26,6 +27,8 @@ from lorafaas.errors import (
     Forbidden,
     FunctionNotFound,
     InvalidInput,
+    InvocationCancelled,
+    InvocationFinished,
     InvocationNotFound,
     InvocationTimedOut,
     LorafaasError,
@@ -37,11 +40,19 @@ from lorafaas.platform import log_lines
 from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, check_tenant_quota
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
+from lorafaas.platform.auth import revoke_key
 from lorafaas.platform.backends.local import deployment_log_dir, remove_deployment_logs
+from lorafaas.platform.in_flight import InFlight, Ticket
 from lorafaas.platform.metering import UsageMeter
 from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.state.interface import StateStore
-from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationRecord, InvocationRequest
+from lorafaas.platform.state.records import (
+    ApiKeyRecord,
+    FunctionSpec,
+    InvocationRecord,
+    InvocationRequest,
+    InvocationStatus,
+)
 from lorafaas.platform.usage import TimeBound, UsageRecorder, parse_time, summarize
 
 log = logging.getLogger(__name__)
@@ -63,7 +74,8 @@ class FunctionService:
         # Where this server keeps its files: named in logs, never in an answer to a client (`public_message`).
         self._private_roots = sorted({str(p) for root in (models.models_dir.parent, adapters.root)
                                       for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
-        self._background: set[asyncio.Task] = set()
+        self._background: dict[str, asyncio.Task] = {}  # async invocations running here, by id
+        self.in_flight = InFlight()  # every invocation running here, so a revoke or a cancel reaches it
         self.usage = UsageRecorder(store, agent.launcher.log_dir)
         agent.on_keep_alive = self.usage.record_keep_alive
 
@@ -75,8 +87,11 @@ class FunctionService:
         for spec in specs:
             self.agent.apply(spec)
         await self._collect_adapters()  # left by a platform stopped between storing an adapter and using it
+        live_key_ids = {key.key_id for key in self.store.list_keys()}
         for record in self.store.list_invocations():
             if record.status in ("queued", "running"):
+                if record.key_id and record.key_id not in live_key_ids:  # revoked while the platform was down
+                    self.in_flight.revoked_key_ids.add(record.key_id)
                 self._run_in_background(record)
         return len(specs)
 
@@ -241,20 +256,49 @@ class FunctionService:
 
     # -- invocations -----------------------------------------------------------------------------------------------
 
-    async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest
+    async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest, charge_prompt: bool = True
                      ) -> AsyncIterator[m.Token | m.Finished]:
+        """`charge_prompt` False: the request's prompt is charged to another invocation (choice 0 of OpenAI's `n`)."""
         spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
-        async for event in self._metered(spec, to_generate(request, secrets.token_hex(8))):
-            yield event
+        generate = to_generate(request, secrets.token_hex(8))
+        ticket = self.in_flight.open(generate.request_id, caller.key_id)
+        try:
+            async with contextlib.aclosing(self._metered(spec, generate, ticket, charge_prompt)) as events:
+                async for event in events:  # a client that leaves closes the metering at once
+                    yield event
+        finally:
+            self.in_flight.close(ticket)
 
-    async def _metered(self, spec: FunctionSpec, request: m.Generate) -> AsyncIterator[m.Token | m.Finished]:
-        """The invocation's events; once it finishes, its usage is recorded (in the background)."""
+    async def _metered(self, spec: FunctionSpec, request: m.Generate, ticket: Ticket, charge_prompt: bool = True
+                       ) -> AsyncIterator[m.Token | m.Finished]:
+        """The invocation's events, until it ends or its ticket is cancelled (its key revoked, its tenant cancelled
+        it). Its usage is recorded (in the background) however it ends: when `Finished` comes, or what it produced
+        until then when its client leaves, its wall time runs out or it is cancelled. An invocation the platform
+        failed (its instance crashed or hung) or that never reached an instance is not charged."""
         meter = UsageMeter()
-        async for event in within_wall_time(self.agent.invoke(spec, request, meter), spec):
-            if isinstance(event, m.Finished):
-                self.usage.record(spec, request.request_id, event, meter)
-            yield event
+        events = within_wall_time(self.agent.invoke(spec, request, meter), spec)
+        recorded = platform_failed = False
+        try:
+            while True:
+                try:
+                    event = await ticket.wait(events.__anext__)
+                except StopAsyncIteration:
+                    break
+                if isinstance(event, m.Finished):  # charged now: the caller may never pull past it
+                    recorded = True
+                    self.usage.record(spec, request.request_id, meter, charge_prompt)
+                yield event
+        except ServerError as exc:
+            platform_failed = not isinstance(exc, InvocationTimedOut)
+            raise
+        finally:
+            if not recorded:
+                try:
+                    await events.aclose()  # the agent's part ends first: the meter holds the device time then
+                finally:
+                    if meter.instance_id and not platform_failed:
+                        self.usage.record(spec, request.request_id, meter, charge_prompt)
 
     async def usage_summary(self, caller: ApiKeyRecord, since: TimeBound, until: TimeBound, group_by: str) -> dict:
         """Usage per function or tenant in [since, until): a tenant's own, or every tenant's (admin)."""
@@ -270,7 +314,7 @@ class FunctionService:
         now = time.time()
         record = InvocationRecord(
             invocation_id=secrets.token_hex(12), function=spec.name, tenant=spec.tenant, deployment=spec.uid,
-            status="queued",
+            key_id=caller.key_id, status="queued",
             request=request, created_at=now, updated_at=now, expires_at=now + INVOCATION_RETENTION_S,
         )
         await asyncio.to_thread(self.store.put_invocation, record)
@@ -291,12 +335,45 @@ class FunctionService:
                 and function in (None, r.function)]
         return mine[:limit]
 
+    async def cancel_invocation(self, caller: ApiKeyRecord, invocation_id: str) -> InvocationRecord:
+        """Cancel one of the caller's queued or running async invocations; its record ends `cancelled`."""
+        record = await self.get_invocation(caller, invocation_id)  # another tenant's: not found
+        if record.is_finished:
+            raise InvocationFinished(f"invocation {invocation_id!r} already ended ({record.status}); only a queued or "
+                                     "running one can be cancelled")
+        reason = InvocationCancelled(f"invocation {invocation_id} was cancelled by its tenant")
+        task = self._background.get(invocation_id)
+        if task is None:  # accepted, but not running in this gateway (one gateway per state store): ended here
+            await asyncio.to_thread(self.store.put_invocation, _ended(record, "cancelled", reason))
+        else:
+            self.in_flight.cancel(invocation_id, reason)
+            await asyncio.wait({task})
+        record = await asyncio.to_thread(self.store.get_invocation, invocation_id)
+        if record.status == "succeeded":
+            raise InvocationFinished(f"invocation {invocation_id!r} succeeded before it could be cancelled")
+        return record
+
+    async def revoke_key(self, key_id: str) -> ApiKeyRecord:
+        """Delete a tenant's key and cancel its invocations in flight (streams, sync and async alike)."""
+        record = await asyncio.to_thread(revoke_key, self.store, key_id)
+        cancelled = self.in_flight.revoke(key_id)
+        if cancelled:
+            log.info("revoked API key %s: cancelled %d invocation(s) in flight", key_id, cancelled)
+        return record
+
     def _run_in_background(self, record: InvocationRecord) -> None:
         task = asyncio.create_task(self._run(record))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background[record.invocation_id] = task
+        task.add_done_callback(lambda _: self._background.pop(record.invocation_id, None))
 
     async def _run(self, record: InvocationRecord) -> None:
+        ticket = self.in_flight.open(record.invocation_id, record.key_id)
+        try:
+            await self._run_ticket(record, ticket)
+        finally:
+            self.in_flight.close(ticket)
+
+    async def _run_ticket(self, record: InvocationRecord, ticket: Ticket) -> None:
         running = msgspec.structs.replace(record, status="running", updated_at=time.time())
         await asyncio.to_thread(self.store.put_invocation, running)
         try:
@@ -304,7 +381,7 @@ class FunctionService:
             if (record.deployment and spec.uid != record.deployment) or spec.tenant != record.tenant:
                 raise FunctionNotFound(f"function {record.function!r} was deleted before this invocation ran")
             finished = None
-            async for event in self._metered(spec, to_generate(record.request, record.invocation_id)):
+            async for event in self._metered(spec, to_generate(record.request, record.invocation_id), ticket):
                 if isinstance(event, m.Finished):
                     finished = event
             if finished is None:
@@ -315,8 +392,8 @@ class FunctionService:
                 updated_at=time.time(),
             )
         except LorafaasError as exc:
-            done = msgspec.structs.replace(record, status="failed", error_code=exc.code,
-                                           error_message=self.public_message(exc.message), updated_at=time.time())
+            cancelled = ticket.reason is not None and type(exc) is type(ticket.reason)
+            done = _ended(record, "cancelled" if cancelled else "failed", exc, self.public_message(exc.message))
         except asyncio.CancelledError:  # the platform is stopping: the record stays running and resumes at restart
             raise
         except Exception as exc:  # an accepted invocation always ends: a bug fails it, with its reason
@@ -373,6 +450,12 @@ def to_generate(request: InvocationRequest, request_id: str) -> m.Generate:
     if request.prompt_token_ids is not None:
         return m.Generate(request_id=request_id, prompt_token_ids=tuple(request.prompt_token_ids), params=params)
     return m.Generate(request_id=request_id, prompt=request.prompt, params=params)
+
+
+def _ended(record: InvocationRecord, status: InvocationStatus, exc: LorafaasError, message: str | None = None
+           ) -> InvocationRecord:
+    return msgspec.structs.replace(record, status=status, error_code=exc.code, error_message=message or exc.message,
+                                   updated_at=time.time())
 
 
 def _tenant_of(caller: ApiKeyRecord, requested: str | None) -> str:

@@ -1,4 +1,5 @@
-"""Usage a tenant can bill: one `UsageRecord` per finished invocation, written to the state store and as a one-line
+"""Usage a tenant can bill: one `UsageRecord` per invocation that ran (finished, abandoned by its client or past its
+wall time), with what it produced, written to the state store and as a one-line
 `REPORT` in the function's log (as AWS Lambda prints), and summed per function or tenant for `GET /v1/usage`.
 
 Recording never fails or slows an invocation: it happens in a worker thread after the last event, and a failure is
@@ -17,7 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime import messages as m
 from lorafaas.platform.backends.local import deployment_log_dir
 from lorafaas.platform.instance_table import Instance
 from lorafaas.platform.metering import GB, UsageMeter
@@ -39,9 +39,9 @@ class UsageRecorder:
         self._failures_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
 
-    def record(self, spec: FunctionSpec, invocation_id: str, finished: m.Finished, meter: UsageMeter) -> None:
+    def record(self, spec: FunctionSpec, invocation_id: str, meter: UsageMeter, charge_prompt: bool = True) -> None:
         """Store the invocation's usage in the background; returns at once."""
-        self._spawn(usage_record(spec, invocation_id, finished, meter, time.time()), report=True)
+        self._spawn(usage_record(spec, invocation_id, meter, time.time(), charge_prompt), report=True)
 
     def record_keep_alive(self, instance: Instance, idle_s: float, idle_bytes: float) -> None:
         """An idle instance stops: its last keep-alive is charged to its function (NodeAgent.on_keep_alive)."""
@@ -82,12 +82,13 @@ class UsageRecorder:
                 log.warning("%s: no REPORT line for invocation %s: %s", record.function, record.invocation_id, exc)
 
 
-def usage_record(spec: FunctionSpec, invocation_id: str, finished: m.Finished, meter: UsageMeter,
-                 now: float) -> UsageRecord:
+def usage_record(spec: FunctionSpec, invocation_id: str, meter: UsageMeter, now: float,
+                 charge_prompt: bool = True) -> UsageRecord:
+    """`charge_prompt` False: another invocation of the same request (sample 0 of `n`) is charged the prompt."""
     return UsageRecord(
         invocation_id=invocation_id, tenant=spec.tenant, function=spec.name, deployment=spec.uid,
-        instance_id=meter.instance_id, finished_at=now, prompt_tokens=finished.prompt_tokens,
-        completion_tokens=finished.completion_tokens, queue_s=meter.queue_s, ttft_s=meter.ttft_s, e2e_s=meter.e2e_s,
+        instance_id=meter.instance_id, finished_at=now, prompt_tokens=meter.prompt_tokens if charge_prompt else 0,
+        completion_tokens=meter.completion_tokens, queue_s=meter.queue_s, ttft_s=meter.ttft_s, e2e_s=meter.e2e_s,
         cold_start=meter.cold_start, cold_start_s=dict(meter.cold_start_s), device_s=meter.device_s,
         memory_active_gb_s=meter.memory_active_gb_s, memory_idle_gb_s=meter.memory_idle_gb_s,
         keep_alive_s=meter.keep_alive_s,

@@ -8,11 +8,14 @@ import queue
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lorafaas.formats.model_store import ModelStore
@@ -155,6 +158,117 @@ def test_a_tenant_lists_and_gets_only_its_own_invocations(platform, admin, adapt
     assert {r["invocation_id"] for r in admin.invocations()} >= {mine, theirs}  # the admin sees every tenant's
     revoked = lorafaas("keys", "revoke", created["key_id"], "--json")
     assert json.loads(revoked.stdout) == {"revoked": created["key_id"], "tenant": "acme"}
+
+
+# -- issue 36 finding 11: revocation and cancellation reach work in flight ---------------------------------------------
+
+
+@contextlib.contextmanager
+def stopped(admin: ApiClient, function: str):
+    """The function's one ready instance stopped (SIGSTOP): it holds the requests sent to it until the block ends."""
+    [instance] = admin.describe(function)["instances"]
+    os.kill(instance["pid"], signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(instance["pid"], signal.SIGCONT)
+
+
+def raw_stream(platform, key: str, function: str) -> socket.socket:
+    """A streaming invocation sent by hand; the caller reads what comes back."""
+    body = json.dumps({**chat(max_tokens=200), "stream": True}).encode()
+    conn = socket.create_connection(("127.0.0.1", platform.port))
+    conn.sendall(f"POST /v1/functions/{function}/invoke HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    conn.settimeout(60)
+    return conn
+
+
+def read_until(conn: socket.socket, marker: bytes, received: bytes = b"") -> bytes:
+    while marker not in received:
+        chunk = conn.recv(65536)
+        assert chunk, f"the connection closed before {marker!r}: {received!r}"
+        received += chunk
+    return received
+
+
+def settled(client: ApiClient, invocation_id: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (record := client.invocation(invocation_id))["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, record
+        time.sleep(0.1)
+    return record
+
+
+def test_revoking_a_key_cancels_its_open_streams_and_async_invocations(platform, admin, adapters, lorafaas) -> None:
+    created = admin.create_key("rev-a")
+    with ApiClient(platform.url, created["key"]) as tenant:
+        tenant.deploy({"name": "rev-fn", "backbone": "tiny-dense"}, adapters["alpha"])
+        tenant.invoke("rev-fn", chat(max_tokens=2))  # an instance is ready
+        with stopped(admin, "rev-fn"):
+            waiting = raw_stream(platform, created["key"], "rev-fn")  # no token yet: no answer yet
+            accepted = tenant.invoke_async("rev-fn", chat())["invocation_id"]
+            time.sleep(0.5)  # both reach the stopped instance
+            revoked = lorafaas("keys", "revoke", created["key_id"], "--json")
+            assert revoked.returncode == 0, revoked.stderr
+            # The stream waiting for its first token is answered at once: 401, the key revoked.
+            answer = read_until(waiting, b"}}")
+            assert answer.startswith(b"HTTP/1.1 401"), answer
+            assert b'"code":"key_revoked"' in answer.replace(b" ", b""), answer
+            # The async invocation accepted before the revoke ends cancelled, not succeeded.
+            record = settled(admin, accepted)
+            assert record["status"] == "cancelled" and record["error_code"] == "key_revoked", record
+    waiting.close()
+    assert admin.invoke("rev-fn", chat(max_tokens=2))["text"] is not None  # the instance serves on
+
+    # A stream already sending tokens when the key is revoked ends with an error event, before its 200 tokens.
+    created = admin.create_key("rev-b")
+    with ApiClient(platform.url, created["key"]) as tenant:
+        tenant.deploy({"name": "rev-fn-b", "backbone": "tiny-dense"}, adapters["beta"])
+        tenant.invoke("rev-fn-b", chat(max_tokens=2))
+        [instance] = admin.describe("rev-fn-b")["instances"]
+        streaming = raw_stream(platform, created["key"], "rev-fn-b")
+        received = read_until(streaming, b'"type": "token"')
+        os.kill(instance["pid"], signal.SIGSTOP)  # mid-stream
+        try:
+            assert lorafaas("keys", "revoke", created["key_id"]).returncode == 0
+            received = read_until(streaming, b"event: error", received)
+        finally:
+            os.kill(instance["pid"], signal.SIGCONT)
+        received = read_until(streaming, b"\r\n0\r\n\r\n", received)  # the end of the chunked body
+        assert b"key_revoked" in received.partition(b"event: error")[2], received
+        assert b'"type": "done"' not in received
+        streaming.close()
+
+
+def test_a_tenant_cancels_its_own_async_invocation_and_no_one_elses(platform, admin, adapters, lorafaas) -> None:
+    owner, other = admin.create_key("can-a")["key"], admin.create_key("can-b")["key"]
+    with ApiClient(platform.url, owner) as tenant, ApiClient(platform.url, other) as stranger:
+        tenant.deploy({"name": "can-fn", "backbone": "tiny-dense"}, adapters["alpha"])
+        tenant.invoke("can-fn", chat(max_tokens=2))
+        with stopped(admin, "can-fn"):
+            first = tenant.invoke_async("can-fn", chat())["invocation_id"]
+            second = tenant.invoke_async("can-fn", chat())["invocation_id"]
+            refused = httpx.delete(f"{platform.url}/v1/invocations/{first}", timeout=30,
+                                   headers={"Authorization": f"Bearer {other}"})
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "invocation_not_found"
+            assert stranger.invocations() == []
+            reply = httpx.delete(f"{platform.url}/v1/invocations/{first}", timeout=30,
+                                 headers={"Authorization": f"Bearer {owner}"})
+            assert reply.status_code == 200, reply.text
+            cancelled = reply.json()
+            assert cancelled["status"] == "cancelled" and cancelled["error_code"] == "invocation_cancelled", cancelled
+            by_cli = lorafaas("invocations", "cancel", second, "--json", env={"LORAFAAS_API_KEY": owner})
+            assert by_cli.returncode == 0, by_cli.stderr
+            assert json.loads(by_cli.stdout)["status"] == "cancelled"
+        assert settled(tenant, first)["status"] == "cancelled" and settled(tenant, second)["status"] == "cancelled"
+        again = httpx.delete(f"{platform.url}/v1/invocations/{first}", timeout=30,
+                             headers={"Authorization": f"Bearer {owner}"})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "invocation_finished", again.text
+        unknown = lorafaas("invocations", "cancel", "0" * 24, env={"LORAFAAS_API_KEY": owner})
+        assert unknown.returncode == 2 and "does not exist" in unknown.stderr
+        later = tenant.invoke_async("can-fn", chat(max_tokens=2))["invocation_id"]
+        assert settled(tenant, later, 120)["status"] == "succeeded"  # the instance serves on
 
 
 # -- item 10: the CLI finds the local platform ------------------------------------------------------------------------

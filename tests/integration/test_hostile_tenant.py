@@ -16,7 +16,7 @@ import pytest
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.platform.gateway.limits import MAX_CONCURRENT_UPLOADS
+from lorafaas.platform.gateway.limits import MAX_CONCURRENT_UPLOADS, MAX_UPLOADS_PER_TENANT
 from lorafaas.platform.state.records import MAX_SEED
 from lorafaas.testing.hostile import (
     multipart_head,
@@ -234,12 +234,20 @@ def stalled_upload(platform, headers) -> socket.socket:
 
 def test_uploads_beyond_the_concurrency_cap_are_429(platform, admin_headers) -> None:
     stalled = []
+    uploaders = [admin_headers] + [new_tenant(platform, f"cap-{i}")
+                                   for i in range(MAX_CONCURRENT_UPLOADS // MAX_UPLOADS_PER_TENANT - 1)]
     try:
-        for _ in range(MAX_CONCURRENT_UPLOADS):
-            stalled.append(stalled_upload(platform, admin_headers))
-        reply = deploy(platform, admin_headers, b"anything", "one-more")
+        for headers in uploaders:
+            for _ in range(MAX_UPLOADS_PER_TENANT):
+                stalled.append(stalled_upload(platform, headers))
+        reply = deploy(platform, new_tenant(platform, "cap-late"), b"anything", "one-more")
         assert "adapter uploads are in progress" in error_of(reply, 429, "too_many_requests")
         assert reply.headers["retry-after"]
+        reply = deploy(platform, admin_headers, b"anything", "one-more")
+        assert "this tenant has" in error_of(reply, 429, "too_many_requests")
+        # Without a valid key an upload takes no slot: it is refused before its body is read.
+        reply = deploy(platform, {"Authorization": "Bearer lf_nobody_x"}, b"anything", "one-more")
+        error_of(reply, 401, "unauthorized")
     finally:
         for conn in stalled:
             conn.close()
@@ -248,6 +256,89 @@ def test_uploads_beyond_the_concurrency_cap_are_429(platform, admin_headers) -> 
         assert time.monotonic() < deadline
         time.sleep(0.2)
     error_of(reply, 422, "adapter_invalid")
+
+
+# -- issue 36 finding 7: slow uploads ------------------------------------------------------------------------------
+
+UPLOAD_TIMEOUT_S = 4.0  # the short body timeout the slow-upload platform runs with
+
+
+@pytest.fixture(scope="module")
+def slow_upload_platform(tmp_path_factory, tiny_dense_dir):
+    home = tmp_path_factory.mktemp("slow-upload-home")
+    ModelStore(home / "models").import_dir(BACKBONE, tiny_dense_dir)
+    with PlatformProcess(home, extra_args=("--upload-timeout", str(UPLOAD_TIMEOUT_S))) as running:
+        yield running
+
+
+def raw_upload(platform, headers, name: str) -> socket.socket:
+    """A deploy sent by hand: headers and the multipart head, then nothing (the caller may drip more)."""
+    conn = socket.create_connection(("127.0.0.1", platform.port))
+    conn.sendall(
+        f"POST /v1/functions HTTP/1.1\r\nHost: x\r\nAuthorization: {headers['Authorization']}\r\n"
+        f"Content-Type: multipart/form-data; boundary=edge-boundary\r\nContent-Length: {10 * 1024**2}\r\n"
+        "\r\n".encode() + multipart_head(name, BACKBONE))
+    return conn
+
+
+def answer_of(conn: socket.socket, timeout_s: float) -> tuple[int, dict] | None:
+    """The status and JSON error of the gateway's answer on a raw connection, or None if none came in time."""
+    conn.settimeout(timeout_s)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except TimeoutError:
+        if not data:
+            return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_tenants_slow_uploads_neither_refuse_another_tenants_deploy_nor_hold_their_slots(
+        slow_upload_platform, adapters) -> None:
+    platform = slow_upload_platform
+    hostile, other = new_tenant(platform, "slow-a"), new_tenant(platform, "slow-b")
+    idle = [raw_upload(platform, hostile, f"idle-{i}") for i in range(MAX_CONCURRENT_UPLOADS)]
+    try:
+        started = time.monotonic()
+        answers = [answer_of(conn, 0.5) for conn in idle]
+        held = [conn for conn, answer in zip(idle, answers, strict=True) if answer is None]
+        refused = [answer for answer in answers if answer is not None]
+        # One tenant holds at most its share of the gateway's uploads; the rest of its uploads are refused at once.
+        assert 0 < len(held) < MAX_CONCURRENT_UPLOADS, answers
+        assert all(status == 429 and "this tenant" in error["error"]["message"] for status, error in refused)
+        # Another tenant deploys (and replaces) meanwhile.
+        reply = deploy(platform, other, pack_adapter(adapters["a2"]), "slow-b-fn")
+        assert reply.status_code == 201, reply.text
+        assert all(answer_of(conn, 0.01) is None for conn in held), "the deploy waited for the slow uploads to be cut"
+        # The idle uploads are cut after the timeout, with a clear 408, and their slots are free again.
+        for conn in held:
+            answer = answer_of(conn, UPLOAD_TIMEOUT_S + 10)
+            assert answer is not None and answer[0] == 408, answer
+            assert answer[1]["error"]["code"] == "request_timeout", answer
+            assert "may pause at most" in answer[1]["error"]["message"], answer
+        assert time.monotonic() - started < UPLOAD_TIMEOUT_S + 10
+    finally:
+        for conn in idle:
+            conn.close()
+    # An upload that trickles (a byte every 0.2 s: never idle, far below the minimum rate) is cut as well.
+    drip = raw_upload(platform, hostile, "drip")
+    try:
+        started = time.monotonic()
+        answer = None
+        while answer is None and time.monotonic() - started < UPLOAD_TIMEOUT_S + 10:
+            drip.sendall(b"x")
+            answer = answer_of(drip, 0.2)
+        assert answer is not None and answer[0] == 408, answer
+        assert "bytes/s after its first" in answer[1]["error"]["message"], answer
+    finally:
+        drip.close()
+    reply = deploy(platform, hostile, pack_adapter(adapters["a3"]), "slow-a-fn")
+    assert reply.status_code == 201, reply.text
 
 
 # -- item 8: logs belong to one deployment --------------------------------------------------------------------------

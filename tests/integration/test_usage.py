@@ -5,6 +5,7 @@ survive a restart of the gateway on either state store."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.platform_process import PlatformProcess
@@ -183,3 +185,81 @@ def test_usage_sums_isolation_reports_cli_and_restart(platform: PlatformProcess,
     assert [invoked(g) for g in restarted["groups"]] == [invoked(g) for g in everything["groups"]]
     for before, after in zip(everything["groups"], restarted["groups"], strict=True):
         assert after["memory_idle_gb_s"] > before["memory_idle_gb_s"] and after["keep_alive_s"] > 0
+
+
+# -- issue 36 findings 8 and 9: billing that cannot be dodged -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def billing(tmp_path_factory, tiny_dense_dir: Path):
+    """One platform (SQLite) and a tenant key, for the billing attacks."""
+    home = tmp_path_factory.mktemp("billing-home")
+    ModelStore(home / "models").import_dir("tiny-dense", tiny_dense_dir)
+    with PlatformProcess(home) as running:
+        key = running.client().create_key("mallory")["key"]
+        yield running, key
+
+
+def deploy_for(platform: PlatformProcess, key: str, function: str, tmp_path: Path, tiny_dense_dir: Path) -> None:
+    adapter = save_tiny_adapter(tmp_path / function, tiny_dense_dir, seed=7, base_model_name="tiny-dense")
+    platform.client(key).deploy({"name": function, "backbone": "tiny-dense"}, adapter)
+
+
+def function_usage(platform: PlatformProcess, key: str, function: str) -> dict:
+    groups = usage(platform.url, key).raise_for_status().json()["groups"]
+    return next((g for g in groups if g["function"] == function), {"invocations": 0})
+
+
+@pytest.mark.parametrize("route", ["openai", "native"])
+def test_a_stream_hung_up_on_is_charged_what_it_produced(billing, tmp_path: Path, tiny_dense_dir: Path,
+                                                         route: str) -> None:
+    platform, key = billing
+    function = f"hangup-{route}"
+    deploy_for(platform, key, function, tmp_path, tiny_dense_dir)
+    max_tokens = 200
+    request = {"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True}
+    if route == "openai":
+        path, request = "/v1/completions", {**request, "model": function, "ignore_eos": True}
+    else:  # the end-of-sequence token is never drawn, so the stream runs its max_tokens
+        eos_id = AutoTokenizer.from_pretrained(tiny_dense_dir).eos_token_id
+        path, request = f"/v1/functions/{function}/invoke", {**request, "logit_bias": {str(eos_id): -100}}
+    body = json.dumps(request).encode()
+    conn = socket.create_connection(("127.0.0.1", platform.port))
+    conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    conn.settimeout(120)
+    while received.count(b'"text": "') < 4:  # the first chunks of the stream, then the client hangs up
+        chunk = conn.recv(4096)
+        assert chunk, received
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received
+    conn.close()
+
+    deadline = time.monotonic() + 30
+    while (group := function_usage(platform, key, function))["invocations"] < 1:
+        assert time.monotonic() < deadline, f"the abandoned stream was never charged: {group}"
+        time.sleep(0.2)
+    assert group["invocations"] == 1
+    assert group["prompt_tokens"] > 0
+    assert 3 <= group["completion_tokens"] < max_tokens, group  # what was produced before the hang-up, no more
+    assert group["device_s"] > 0 and group["memory_active_gb_s"] > 0
+
+
+def test_n_choices_are_charged_the_prompt_once_as_the_reply_says(billing, tmp_path: Path,
+                                                                  tiny_dense_dir: Path) -> None:
+    platform, key = billing
+    deploy_for(platform, key, "choices", tmp_path, tiny_dense_dir)
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=key, max_retries=0)
+    chat = client.chat.completions.create(model="choices", messages=MESSAGES, max_tokens=5, n=3)
+    completion = client.completions.create(model="choices", prompt=["Once upon a time", "The sea"], max_tokens=4,
+                                           n=2)
+    replies = [chat.usage, completion.usage]
+    assert chat.usage.prompt_tokens > 0
+    deadline = time.monotonic() + 30
+    while (group := function_usage(platform, key, "choices"))["invocations"] < 3 + 4:
+        assert time.monotonic() < deadline, group
+        time.sleep(0.2)
+    assert group["invocations"] == 7  # one invocation per choice
+    assert group["prompt_tokens"] == sum(r.prompt_tokens for r in replies), (group, replies)
+    assert group["completion_tokens"] == sum(r.completion_tokens for r in replies), (group, replies)

@@ -9,7 +9,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from lorafaas.errors import InvalidInput
-from lorafaas.function_runtime import messages as m
 from lorafaas.platform.gateway.metrics import UsageCollector
 from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
@@ -19,8 +18,7 @@ from lorafaas.platform.usage import UsageRecorder, parse_time, report_line, summ
 
 SPEC = FunctionSpec(name="sea", tenant="acme", backbone="tiny-dense", adapter_digest="a" * 64, uid="d1",
                     created_at=1.0, updated_at=1.0)
-FINISHED = m.Finished(request_id="r1", finish_reason="length", text="hi", prompt_tokens=7, completion_tokens=3,
-                      ttft_s=0.1, e2e_s=0.2)
+TOKENS = {"prompt_tokens": 7, "completion_tokens": 3}  # what the node agent saw of an invocation
 
 
 class FakeClock:
@@ -52,8 +50,8 @@ def test_overlapping_requests_share_the_device_and_their_shares_add_up_to_its_bu
 def test_a_record_charges_memory_for_the_device_share_and_the_keep_alive_before_it() -> None:
     meter = UsageMeter(arrived_s=10.0, dispatched_s=10.5, first_event_s=11.0, finished_s=12.0, instance_id="i1",
                        cold_start="libraries_preloaded", cold_start_s={"spawn": 0.25, "backbone": 0.125},
-                       device_s=1.5, active_bytes=2 * 10**9, keep_alive_s=4.0, idle_bytes=0.5 * 10**9)
-    record = usage_record(SPEC, "r1", FINISHED, meter, now=1000.0)
+                       device_s=1.5, active_bytes=2 * 10**9, keep_alive_s=4.0, idle_bytes=0.5 * 10**9, **TOKENS)
+    record = usage_record(SPEC, "r1", meter, now=1000.0)
     assert (record.queue_s, record.ttft_s, record.e2e_s) == (0.5, 1.0, 2.0)
     assert (record.memory_active_gb_s, record.memory_idle_gb_s, record.memory_gb_s) == (3.0, 2.0, 5.0)
     assert report_line(record) == (
@@ -65,7 +63,7 @@ def test_a_record_charges_memory_for_the_device_share_and_the_keep_alive_before_
 def test_summaries_group_by_function_or_tenant() -> None:
     other = FunctionSpec(name="sky", tenant="globex", backbone="tiny-dense", adapter_digest="a" * 64, uid="d2",
                          created_at=1.0, updated_at=1.0)
-    records = [usage_record(spec, f"r{i}", FINISHED, UsageMeter(device_s=0.5), now=float(i))
+    records = [usage_record(spec, f"r{i}", UsageMeter(device_s=0.5, **TOKENS), now=float(i))
                for i, spec in enumerate([SPEC, SPEC, other])]
     by_function = summarize(records, "function")
     assert [(g["tenant"], g["function"], g["invocations"], g["prompt_tokens"], g["device_s"])
@@ -97,7 +95,7 @@ def test_an_idle_instance_that_stops_charges_its_last_keep_alive_to_its_function
     instance = Instance("i7", Identity.of(SPEC), "cpu")
 
     async def stop_one() -> None:
-        recorder.record(SPEC, "r1", FINISHED, UsageMeter(device_s=0.5, active_bytes=10**9))
+        recorder.record(SPEC, "r1", UsageMeter(device_s=0.5, active_bytes=10**9, **TOKENS))
         recorder.record_keep_alive(instance, idle_s=30.0, idle_bytes=0.25 * 10**9)
         await recorder.flush()
 
@@ -116,7 +114,7 @@ def test_a_store_that_fails_costs_the_invocation_nothing_and_is_counted_in_metri
     recorder = UsageRecorder(store, log_dir=None)
 
     async def finish_one() -> None:
-        recorder.record(SPEC, "r1", FINISHED, UsageMeter(device_s=0.1))  # returns at once, raises nothing
+        recorder.record(SPEC, "r1", UsageMeter(device_s=0.1, **TOKENS))  # returns at once, raises nothing
         await recorder.flush()
 
     with caplog.at_level(logging.WARNING, logger="lorafaas.platform.usage"):

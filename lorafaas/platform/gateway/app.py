@@ -27,8 +27,8 @@ from starlette.routing import Match
 from lorafaas import __version__
 from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge
 from lorafaas.function_runtime import messages as m
-from lorafaas.platform.auth import authenticate, create_key, key_id_of, revoke_key
-from lorafaas.platform.gateway.limits import RequestLimitsMiddleware
+from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.gateway.limits import RequestLimits, RequestLimitsMiddleware
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_errors import is_openai_path, openai_status, param_of
@@ -61,13 +61,18 @@ UnixSeconds = Annotated[float, Field(allow_inf_nan=False)]
 
 
 def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
-               is_ready: Callable[[], bool] = lambda: True) -> FastAPI:
+               is_ready: Callable[[], bool] = lambda: True, limits: RequestLimits | None = None) -> FastAPI:
     app = FastAPI(title="lorafaas", version=__version__, lifespan=lifespan,
                   description="Each LoRA adapter deployed as an isolated serverless function.")
     app.state.service = service
     app.state.metrics = metrics
     _install_error_handlers(app, service)
-    app.add_middleware(RequestLimitsMiddleware)
+
+    async def uploader(authorization: str | None) -> str:
+        """The tenant an upload's slot is counted against (its key checked before the body is read)."""
+        return (await asyncio.to_thread(authenticate, service.store, authorization)).tenant
+
+    app.add_middleware(RequestLimitsMiddleware, identify=uploader, limits=limits)
 
     def caller(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> ApiKeyRecord:
         return authenticate(service.store, request.headers.get("authorization"))
@@ -168,6 +173,13 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
 
+    @app.delete("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404, 409))
+    async def cancel_invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        """Cancel one of the caller's queued or running asynchronous invocations: its generation stops, and its record
+        ends `cancelled` (`error_code` `invocation_cancelled`; what it produced until then is charged). Another
+        tenant's invocation is not found (404); one that already ended is a 409 `invocation_finished`."""
+        return msgspec.to_builtins(await service.cancel_invocation(who, invocation_id))
+
     @app.get("/v1/usage", tags=["usage"], responses={200: {"model": UsageSummary}, **errors()})
     async def usage_summary(
         since: UnixSeconds | datetime | None = Query(
@@ -195,8 +207,10 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     @app.delete("/v1/keys/{key_id}", tags=["keys"], responses=errors(403, 404))
     async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+        """Revoke a tenant's key: its next request is a 401, and its invocations in flight (streams, synchronous and
+        queued or running asynchronous ones) are cancelled with `key_revoked`."""
         _require_admin(who)
-        record = await asyncio.to_thread(revoke_key, service.store, key_id)
+        record = await service.revoke_key(key_id)
         return {"revoked": record.key_id, "tenant": record.tenant}
 
     from lorafaas.platform.gateway.openai_api import openai_router

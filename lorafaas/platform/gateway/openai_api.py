@@ -43,16 +43,19 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
 
     async def respond(body: OpenAIBody, requests: list[InvocationRequest], chat: bool,
                       who: ApiKeyRecord, echoes: list[str] | None = None) -> Response:
-        """Start every choice's invocation (a refusal of any is the request's error), then answer with them all."""
-        started = await asyncio.gather(*(start_invocation(service, metrics, who, body.model, request)
-                                         for request in requests), return_exceptions=True)
+        """Start every choice's invocation (a refusal of any is the request's error), then answer with them all. Each
+        prompt is charged once, to its first sample, as the reply's usage counts it."""
+        n = body.n or 1
+        started = await asyncio.gather(*(start_invocation(service, metrics, who, body.model, request,
+                                                          charge_prompt=index % n == 0)
+                                         for index, request in enumerate(requests)), return_exceptions=True)
         failures = [outcome for outcome in started if isinstance(outcome, BaseException)]
         if failures:
             await asyncio.gather(*(outcome.rest.aclose() for outcome in started
                                    if isinstance(outcome, InvocationEvents)))
             raise failures[0]
         num_logprobs = body.num_logprobs()
-        reply = ChoicesReply(body.model, chat, service, n=body.n or 1, echoes=echoes,
+        reply = ChoicesReply(body.model, chat, service, n=n, echoes=echoes,
                              logprobs=None if num_logprobs is None
                              else (num_logprobs, bool(body.return_tokens_as_token_ids)))
         if body.stream:

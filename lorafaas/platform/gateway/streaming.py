@@ -41,16 +41,18 @@ class InvocationEvents:
                 except StopAsyncIteration:
                     return
         finally:
-            if finished is None:  # the client went away or the instance failed: stop the generation too
-                await self.rest.aclose()
+            # Closed at once, whether it finished or not (the client went away, the instance failed: the generation
+            # stops too): the invocation leaves the gateway's in-flight table now, not when it is collected.
+            await self.rest.aclose()
             self.metrics.observe(self.function, "succeeded" if finished else "failed", self.ttft_s,
                                  time.perf_counter() - self.started, finished.completion_tokens if finished else 0)
 
 
 async def start_invocation(service: FunctionService, metrics: GatewayMetrics, who: ApiKeyRecord, name: str,
-                           invocation: InvocationRequest) -> InvocationEvents:
+                           invocation: InvocationRequest, charge_prompt: bool = True) -> InvocationEvents:
+    """`charge_prompt` False: another invocation of the same request is charged the prompt (OpenAI's `n`)."""
     started = time.perf_counter()
-    stream = service.invoke(who, name, invocation)
+    stream = service.invoke(who, name, invocation, charge_prompt)
     with counted_refusals(metrics, name):
         first = await anext(stream)
     return InvocationEvents(first, stream, name, metrics, started)

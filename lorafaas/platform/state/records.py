@@ -206,6 +206,7 @@ class InvocationRecord(msgspec.Struct, frozen=True, kw_only=True):
     function: str
     tenant: str
     deployment: str = ""  # the function's uid when it was accepted: a redeploy under the name never runs it
+    key_id: str = ""  # the API key that submitted it: revoking the key cancels it
     status: InvocationStatus
     request: InvocationRequest
     result_text: str | None = None
