@@ -31,6 +31,7 @@ import psutil
 from lorafaas.bench.gpu_context import CheckContext, StepResult
 from lorafaas.bench.gpu_models import backbone_name
 from lorafaas.bench.serve import ServeBenchConfig, Target, run_serve_bench
+from lorafaas.testing.child_process import stop_child
 from lorafaas.testing.platform_process import PlatformProcess, free_port, processes_naming
 
 MAX_NEW_TOKENS = 16
@@ -234,11 +235,7 @@ def _speed(ctx: CheckContext, platform: PlatformProcess, names: list[str]) -> di
                                       ignore_eos=True, api_key=platform.admin_key, warmup=n == 0)
             levels += run_serve_bench(targets, config).levels
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_child(server, 30)
     figures: dict = {}
     for level in levels:
         figures.setdefault(str(level.concurrency), {})[level.target] = {

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from lorafaas.testing.child_process import stop_child
+
 log = logging.getLogger(__name__)
 
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -135,13 +137,7 @@ class ControlPlane:
     def stop(self) -> None:
         for name in reversed(list(self.processes)):  # the scheduler and controllers first, etcd last
             process = self.processes.pop(name)
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop_child(process)
         for handle in self._logs:
             handle.close()
         self._logs.clear()

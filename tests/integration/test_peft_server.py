@@ -16,6 +16,7 @@ import torch
 from lorafaas.bench.peft_server import Row, generate_batch, load_model
 from lorafaas.bench.serve import ServeBenchConfig, Target, run_serve_bench
 from lorafaas.sse import aevents
+from lorafaas.testing.child_process import stop_child
 from lorafaas.testing.platform_process import free_port
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
@@ -98,12 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_dense_dir: Path, adapt
                 time.sleep(0.2)
         yield url, process
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process)
 
 
 async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], stream: bool) -> dict:

@@ -40,6 +40,7 @@ from lorafaas.platform.backends.local import LocalLauncher
 from lorafaas.protocols.daemon_client import DaemonClient
 from lorafaas.protocols.daemon_config import DaemonPaths
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
+from lorafaas.testing.child_process import stop_child
 from lorafaas.testing.tiny_models import save_tiny_adapter
 
 BACKBONE = "tiny-dense"
@@ -180,12 +181,7 @@ def test_a_function_without_dev_shm_or_the_home_serves_from_the_socket_alone(lau
         with DaemonClient.connect(launcher.daemon_socket(BACKBONE)) as client:
             assert "alpha" in {lease.function for lease in client.status().leases}  # it attached by descriptor
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process, 15)
 
 
 def _store_entry_larger_than_memory(home: Path, name: str) -> int:

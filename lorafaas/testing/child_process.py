@@ -1,0 +1,16 @@
+"""Stopping a child process the way every test and benchmark does: SIGTERM, a grace period, then SIGKILL."""
+
+from __future__ import annotations
+
+import subprocess
+
+
+def stop_child(process: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """SIGTERM, wait up to `timeout_s`, then SIGKILL; its exit status. A child that already ended is only reaped."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
