@@ -35,6 +35,7 @@ from lorafaas.platform.gateway.openai_errors import is_openai_path, openai_statu
 from lorafaas.platform.gateway.openapi_docs import (
     INVOKE_RESPONSES,
     METRICS_RESPONSES,
+    SPEC_AS_JSON,
     TEXT_RESPONSES,
     UsageSummary,
     bearer,
@@ -101,7 +102,8 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/functions", status_code=201, tags=["functions"], responses=errors(403, 404, 409, 429, 507))
-    async def deploy(spec: str = Form(..., description="DeploySpec as JSON"),
+    async def deploy(spec: str = Form(..., min_length=1, description="DeploySpec as JSON",
+                                      json_schema_extra=SPEC_AS_JSON),
                      adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
                      who: ApiKeyRecord = Depends(caller)) -> dict:
         fields = _parse_spec(spec)
@@ -117,7 +119,10 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         return await service.describe(who, name)
 
     @app.patch("/v1/functions/{name}", tags=["functions"], responses=errors(404, 429, 507))
-    async def update(name: str, spec: str = Form("{}"), adapter: UploadFile | None = File(None),
+    # `adapter` is optional, not nullable: a multipart form has no null, and a text part is no file.
+    async def update(name: str, spec: str = Form("{}", min_length=1, description="the fields to change, as JSON",
+                                                 json_schema_extra=SPEC_AS_JSON),
+                     adapter: UploadFile = File(None, description="a new adapter: tar(.gz) of its two files"),
                      who: ApiKeyRecord = Depends(caller)) -> dict:
         fields = _parse_spec(spec)
         if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):

@@ -62,6 +62,28 @@ def _same(value, off) -> bool:
 _CHECKED_EXTRAS = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
 
+def _given(field: str, schema: dict) -> dict:
+    """JSON Schema condition: `field` is present and not null (null means absent here) and matches `schema`."""
+    return {"required": [field], "properties": {field: schema}}
+
+
+# The rules between fields that check() and the bodies' methods enforce (each a 400 naming its param), stated in
+# /openapi.json as if/then so a request the schema allows is one the server takes.
+_STREAM_OPTIONS_NEED_STREAM = {"if": _given("stream_options", {"type": "object"}),
+                               "then": _given("stream", {"const": True})}
+_TOP_LOGPROBS_NEED_LOGPROBS = {"if": _given("top_logprobs", {"type": "integer"}),
+                               "then": _given("logprobs", {"const": True})}
+_ECHO_OF_TEXT_WITHOUT_LOGPROBS = {
+    "if": _given("echo", {"const": True}),
+    "then": {"properties": {"logprobs": {"type": "null"},
+                            "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
+}
+
+
+def _checked_extras(*rules: dict) -> ConfigDict:
+    return ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False, "allOf": list(rules)})
+
+
 class StreamOptions(BaseModel):
     model_config = _CHECKED_EXTRAS
     include_usage: StrictBool | None = None
@@ -122,7 +144,7 @@ class ChatMessageIn(BaseModel):
 
 
 class OpenAIBody(SamplerFields):
-    model_config = _CHECKED_EXTRAS
+    model_config = _checked_extras(_STREAM_OPTIONS_NEED_STREAM)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -162,6 +184,7 @@ class OpenAIBody(SamplerFields):
 
 
 class ChatBody(OpenAIBody):
+    model_config = _checked_extras(_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS)
     special_tokens_added: ClassVar[bool] = False
     # vLLM's chat `echo` prepends the last message's content when it is the reply's role (assistant)
     endpoint_off_values: ClassVar[dict[str, tuple]] = {"echo": (False,)}
@@ -196,6 +219,7 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionBody(OpenAIBody):
+    model_config = _checked_extras(_STREAM_OPTIONS_NEED_STREAM, _ECHO_OF_TEXT_WITHOUT_LOGPROBS)
     special_tokens_added: ClassVar[bool] = True
     max_tokens: int | None = Field(None, ge=1, description="16 when omitted (as OpenAI and vLLM)")
     prompt: str | NonEmpty[list[str]] | TokenIds | NonEmpty[list[TokenIds]] = Field(

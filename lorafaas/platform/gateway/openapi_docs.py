@@ -78,6 +78,10 @@ def errors(*statuses: int) -> dict[int | str, dict]:
             for status in sorted({*COMMON, *statuses})}
 
 
+# A deploy's or PATCH's `spec` form field: a JSON document (its fields are the DeploySpec's; a field out of bounds, or a
+# text that is not JSON, is a 422 naming it). Empty is no document: the schema says minLength 1.
+SPEC_AS_JSON = {"contentMediaType": "application/json"}
+
 SSE = {"text/event-stream": {"schema": {"type": "string",
                                         "description": "server-sent events: `data: {json}` lines"}}}
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import NAME_PATTERN
@@ -24,6 +25,8 @@ from lorafaas.platform.state.records import (
 )
 
 INVOKE_DEFAULT_MAX_TOKENS = 128
+# A logit_bias key: a token id as JSON object keys carry it (vLLM and OpenAI take these; the vocabulary bounds it).
+TOKEN_ID_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")
 
 # The same bounds the records check (InvocationRequest.check, FunctionSpec.check), stated here so /openapi.json
 # shows them; a value outside them is a 422 naming the field either way.
@@ -78,11 +81,22 @@ class SamplerFields(BaseModel):
     repetition_penalty: float | None = Field(
         None, gt=0.0, le=100.0, description="divides the positive (multiplies the negative) logits of tokens in "
         "the prompt or the output; 1: off")
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, description="token id (a string in JSON) -> a bias between -100 and 100 added to its logit")
+    logit_bias: Annotated[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_KEY.pattern}})] | None = Field(
+        None, description="token id (a string of decimal digits in JSON) -> a bias between -100 and 100 added to its "
+                          "logit")
     response_format: ResponseFormatIn | None = Field(
         None, description="constrain the output: {type: text | json_object | json_schema, json_schema: {name, schema, "
         "strict}}; the output then parses as JSON matching the schema unless max_tokens cut it (finish_reason length)")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, logit_bias):
+        """Keys exactly as the schema's propertyNames says: pydantic alone would also read "+1", " 1" or "1_0"."""
+        for key in logit_bias if isinstance(logit_bias, dict) else ():
+            if not (isinstance(key, str) and TOKEN_ID_KEY.fullmatch(key)):
+                raise ValueError(f"key {str(key)[:40]!r} is not a token id (decimal digits, no sign or leading zero)")
+        return logit_bias
 
     def sampler_args(self) -> dict:
         """The fields given, as InvocationRequest keyword arguments."""
