@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,7 @@ import psutil
 from lorafaas.bench.gpu_context import CheckContext, StepResult
 from lorafaas.bench.gpu_models import backbone_name
 from lorafaas.bench.serve import ServeBenchConfig, Target, run_serve_bench
+from lorafaas.formats.model_store import ModelStore
 from lorafaas.testing.child_process import stop_child
 from lorafaas.testing.platform_process import PlatformProcess, free_port, processes_naming
 
@@ -335,8 +337,6 @@ def run_platform_checks(ctx: CheckContext) -> StepResult:
     idle_context = _idle_context_bytes(ctx, memory)
     home = ctx.work / "platform-home"
     shutil.rmtree(home, ignore_errors=True)  # a fresh platform: no function, daemon or record of an earlier run
-    from lorafaas.formats.model_store import ModelStore
-
     store = ModelStore(home / "models")
     for shape, dtype in ((ctx.small, "float32"), (ctx.small, "bfloat16"), (ctx.medium, "bfloat16")):
         name = backbone_name(shape, dtype)
@@ -358,8 +358,6 @@ def run_platform_checks(ctx: CheckContext) -> StepResult:
             try:
                 figures[phase] = run()
             except Exception as exc:  # each phase reports on its own
-                import traceback
-
                 figures[phase] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 failures.append(phase)
                 print(traceback.format_exc()[-3000:], file=sys.stderr, flush=True)
