@@ -14,10 +14,12 @@ the CPU is used as is; otherwise one is started for the run and stopped after it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,37 +91,39 @@ def run_attach_bench(
 
 def sample_process(args: list[str]) -> BenchSample:
     """Run one fresh `python -m lorafaas.bench.daemon private|attach ...` process; its report."""
-    result = subprocess.run([sys.executable, "-m", "lorafaas.bench.daemon", *args], capture_output=True,
-                            timeout=SAMPLE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise ServerError(f"bench process `{args[0]}` exited with {result.returncode}: "
-                          f"{result.stderr.decode(errors='replace')[-1500:]}")
-    return msgspec.json.decode(result.stdout.strip().splitlines()[-1], type=BenchSample)
+    return sample_processes([args])[0]
 
 
 def sample_processes(runs: list[list[str]]) -> list[BenchSample]:
     """Fresh processes started together: each imports its libraries (and makes its CUDA context) at once, then waits;
     they are released one at a time, so each timed part runs alone while the slow imports overlap. Reports in order."""
-    processes = [subprocess.Popen([sys.executable, "-m", "lorafaas.bench.daemon", "--wait", *args],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for args in runs]
-    try:
-        for process in processes:  # every one ready (libraries imported) before any is released
-            if process.stdout.readline().strip() != b"ready":
-                raise ServerError(f"bench process exited before it was ready: {process.stderr.read()[-1500:]!r}")
-        samples = []
-        for args, process in zip(runs, processes, strict=True):
-            out, err = process.communicate(b"go\n", timeout=SAMPLE_TIMEOUT_S)
-            if process.returncode != 0:
-                raise ServerError(f"bench process `{args[0]}` exited with {process.returncode}: "
-                                  f"{err.decode(errors='replace')[-1500:]}")
-            samples.append(msgspec.json.decode(out.strip().splitlines()[-1], type=BenchSample))
-        return samples
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    with contextlib.ExitStack() as stack:
+        errors = [stack.enter_context(tempfile.TemporaryFile()) for _ in runs]  # a pipe could fill and block it
+        processes = [subprocess.Popen([sys.executable, "-m", "lorafaas.bench.daemon", "--wait", *args],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+                     for args, err in zip(runs, errors, strict=True)]
+        try:
+            for args, process, err in zip(runs, processes, errors, strict=True):  # every one ready before any goes
+                if process.stdout.readline().strip() != b"ready":
+                    raise ServerError(f"bench process `{args[0]}` exited with {process.wait()} before it was ready: "
+                                      f"{_tail(err)}")
+            samples = []
+            for args, process, err in zip(runs, processes, errors, strict=True):
+                out, _ = process.communicate(b"go\n", timeout=SAMPLE_TIMEOUT_S)
+                if process.returncode != 0:
+                    raise ServerError(f"bench process `{args[0]}` exited with {process.returncode}: {_tail(err)}")
+                samples.append(msgspec.json.decode(out.strip().splitlines()[-1], type=BenchSample))
+            return samples
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+
+
+def _tail(err) -> str:
+    err.seek(0)
+    return err.read().decode(errors="replace")[-1500:]
 
 
 # --- the fresh processes
