@@ -85,7 +85,6 @@ def step_synthesize(ctx: CheckContext) -> StepResult:
     for shape, dtype in plan:
         started = time.perf_counter()
         name = synthesize_backbone(ctx.store, shape, dtype, source, ctx.device)
-        shutil.rmtree(source / name, ignore_errors=True)  # the store holds its own copy
         figures[name] = {"bytes": ctx.store.get(name).bytes, "seconds": round(time.perf_counter() - started, 1)}
         ctx.log(f"synthesized {name}: {figures[name]}")
     if ctx.device.startswith("cuda"):
@@ -111,8 +110,7 @@ def step_bind_time(ctx: CheckContext) -> StepResult:
     from lorafaas.protocols.daemon_client import spawn_daemon, stop_daemon
     from lorafaas.protocols.daemon_config import DaemonConfig
 
-    largest = synthesize_backbone(ctx.store, ctx.shapes[2], "bfloat16", ctx.work / "sources", ctx.device)
-    shutil.rmtree(ctx.work / "sources" / largest, ignore_errors=True)
+    synthesize_backbone(ctx.store, ctx.shapes[2], "bfloat16", ctx.work / "sources", ctx.device)
     names = [backbone_name(shape, "bfloat16") for shape in ctx.shapes]
     configs = {name: DaemonConfig(home=ctx.work / "home", backbone=name, device=ctx.device) for name in names}
 

@@ -12,6 +12,7 @@ than the shapes': the check compares token ids (`return_tokens_as_token_ids`), n
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def backbone_name(shape: Shape, dtype: str) -> str:
 
 
 def synthesize_backbone(store: ModelStore, shape: Shape, dtype: str, work: Path, device: str, seed: int = 0) -> str:
-    """Write `shape` with seeded random weights in `dtype` to `work`, import it into `store`; its store name."""
+    """Write `shape` with seeded random weights in `dtype` under `work`, import it into `store` (the source is removed
+    once the store holds its own copy); its store name."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -115,6 +117,7 @@ def synthesize_backbone(store: ModelStore, shape: Shape, dtype: str, work: Path,
                       "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     store.import_dir(name, out)
+    shutil.rmtree(out)
     return name
 
 

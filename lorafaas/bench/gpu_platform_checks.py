@@ -96,13 +96,12 @@ async def _completions_in_flight(url: str, key: str, jobs: list[tuple[str, tuple
     return await asyncio.gather(*(one(m, p) for m, p in jobs))
 
 
-def _peft_references(ctx: CheckContext, backbone: str, adapters: list[Path]) -> list[list[list[int]]]:
+def _peft_references(ctx: CheckContext, backbone: str, dtype: str, adapters: list[Path]) -> list[list[list[int]]]:
     """PEFT's greedy token ids on the same device: [adapter][prompt] -> ids (stopping at EOS, as the platform)."""
     import torch
 
     from lorafaas.models.reference import load_backbone, with_adapter
 
-    dtype = "bfloat16" if backbone.endswith("bf16") else "float32"
     model, tokenizer = load_backbone(ctx.store.path(backbone), dtype)
     model = model.to(ctx.device)
     results = []
@@ -136,7 +135,7 @@ def _exactness(ctx: CheckContext, platform: PlatformProcess, client) -> dict:
         names = [f"exact-{dtype[:4]}-{i}" for i in range(len(adapters))]
         for name, adapter in zip(names, adapters, strict=True):
             client.deploy({"name": name, "backbone": backbone}, adapter)
-        references = _peft_references(ctx, backbone, adapters)
+        references = _peft_references(ctx, backbone, dtype, adapters)
         eos = _eos_id(ctx, backbone)
         jobs = [(name, prompt) for name in names for prompt in PROMPTS]
         expected = [_trim_eos(references[i][j], eos) for i in range(len(names)) for j in range(len(PROMPTS))]

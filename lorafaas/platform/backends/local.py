@@ -7,9 +7,8 @@ its leases: attached instances notice nothing, and nothing is loaded twice). On 
 daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
 start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. A launcher may
 drive several devices (the GPUs of a node): one daemon per (backbone, device), and each worker binds the daemon on
-its own device. What it started
-is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a platform killed with SIGKILL stops its
-zygote and instances and adopts its daemons (`recover_predecessors`).
+its own device. What it started is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a
+platform killed with SIGKILL stops its zygote and instances and adopts its daemons (`recover_predecessors`).
 
     with LocalLauncher(home) as launcher:
         instance = launcher.launch("pirate", "smollm2-135m", adapter_dir)      # forked from the zygote
