@@ -68,6 +68,10 @@ def up(
                                        help="Seconds an instance holding requests may leave a heartbeat unanswered "
                                             "before it is declared hung: its requests are retried or failed, and "
                                             "it is killed and replaced."),
+    start_timeout: float = typer.Option(120.0, "--start-timeout", min=1.0, max=3600,
+                                        help="Seconds a function instance's start (spawn, libraries, backbone, "
+                                             "adapter, warm-up) may take before it is killed and counted a failed "
+                                             "start."),
     tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
                                              help="Adapter storage each tenant's functions may take (e.g. 10G)."),
     upload_timeout: float = typer.Option(20.0, "--upload-timeout", min=0.1, max=3600,
@@ -90,7 +94,7 @@ def up(
         admin_key=_admin_key_from_env(), demo=demo, policy=policy, backend=backend,
         compute_slots=compute_slots, threads_per_instance=threads_per_instance, strict_compute=strict_compute,
         step_gate=step_gate, lone_threads=lone_threads, shared_base=shared_base, shared_base_from=shared_base_from,
-        hang_timeout_s=hang_timeout,
+        hang_timeout_s=hang_timeout, start_timeout_s=start_timeout,
         max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
         upload_timeout_s=upload_timeout, upload_min_rate_bytes_s=parse_size(upload_min_rate, "--upload-min-rate"),

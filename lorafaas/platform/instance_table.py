@@ -93,6 +93,9 @@ class Instance:
     reason: str = ""  # why it is in its state (draining, hung, crashed)
     staged: bool = False  # its start finished (until then only the start may stop it)
     hung: str = ""  # why it was declared hung (its requests' errors say so after it is gone)
+    abort: str = ""  # why its start was stopped (its deployment went, or it ran past the start budget)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  # set with `abort`
+    launching: asyncio.Event = field(default_factory=asyncio.Event)  # its process is being spawned
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lorafaas.platform.instance_table import Instance, InstanceTable
+
 GB = 1e9
 
 
@@ -91,3 +93,31 @@ class UsageMeter:
     @property
     def memory_idle_gb_s(self) -> float:
         return self.idle_bytes * self.keep_alive_s / GB
+
+
+    def charge_dispatch(self, table: InstanceTable, instance: Instance, dispatched_s: float) -> None:
+        """What a request dispatched to `instance` is charged besides its device share."""
+        self.dispatched_s, self.instance_id = dispatched_s, instance.instance_id
+        if instance.ready_s >= self.arrived_s:  # it became ready after the request arrived: the request waited
+            self.cold_start, self.cold_start_s = instance.start_kind, dict(instance.cold_start)
+        self.active_bytes = instance.backbone_bytes + adapter_bytes(instance)
+        if instance.in_flight == 1:  # it was idle until this request: the keep-alive since is charged to it
+            self.keep_alive_s += idle_s(instance, dispatched_s)
+            self.idle_bytes = idle_bytes(table, instance)
+
+
+def adapter_bytes(instance: Instance) -> int:
+    return int((instance.adapter or {}).get("held_bytes", 0))
+
+
+def idle_s(instance: Instance, now_s: float) -> float:
+    """How long the instance has been idle: since its last request ended or it became ready."""
+    return max(0.0, now_s - max(instance.last_used_s, instance.ready_s))
+
+
+def idle_bytes(table: InstanceTable, instance: Instance) -> float:
+    """What an idle instance keeps loaded for its function: its adapter and its share of the backbone copy (divided
+    among the instances bound to it)."""
+    bound = sum(1 for i in table.all() if i.backbone == instance.backbone and i.device == instance.device
+                and i.state in ("ready", "draining", "hung"))
+    return adapter_bytes(instance) + instance.backbone_bytes / max(1, bound)

@@ -20,6 +20,8 @@ from lorafaas.errors import InvalidInput, SegmentError
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_limits import DEFAULT_TENANT_ADAPTER_BYTES, AdapterLimits
 from lorafaas.platform.adapter_store import AdapterStore
+from lorafaas.platform.agent import AgentConfig, NodeAgent
+from lorafaas.platform.agent.config import DEFAULT_MAX_BATCH
 from lorafaas.platform.auth import ensure_admin_key
 from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
@@ -27,7 +29,6 @@ from lorafaas.platform.devices import Device, check_devices
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.limits import UPLOAD_MIN_RATE_BYTES_S, UPLOAD_TIMEOUT_S, RequestLimits
 from lorafaas.platform.gateway.metrics import GatewayMetrics
-from lorafaas.platform.node_agent import DEFAULT_MAX_BATCH, AgentConfig, NodeAgent
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.interface import open_store, sqlite_url
 from lorafaas.scheduler import SchedulerConfig, for_device_kind
@@ -56,6 +57,7 @@ class ServerConfig:
     shared_base: bool = False  # AgentConfig.shared_base
     shared_base_from: int | None = None  # AgentConfig.shared_base_from
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
+    start_timeout_s: float = 120.0  # AgentConfig.start_timeout_s
     max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
     upload_timeout_s: float = UPLOAD_TIMEOUT_S  # RequestLimits.upload_timeout_s
@@ -140,7 +142,7 @@ class Platform:
                                    num_threads=config.threads_per_instance, strict_compute=config.strict_compute,
                                    step_gate=config.step_gate, lone_threads=config.lone_threads,
                                    shared_base=config.shared_base, shared_base_from=config.shared_base_from,
-                                   hang_timeout_s=config.hang_timeout_s,
+                                   hang_timeout_s=config.hang_timeout_s, start_timeout_s=config.start_timeout_s,
                                    heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)
         lora_servers = None

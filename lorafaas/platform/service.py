@@ -40,11 +40,11 @@ from lorafaas.platform import log_lines
 from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size, check_tenant_quota
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.adapter_upload import unpack_adapter
+from lorafaas.platform.agent import NodeAgent
 from lorafaas.platform.auth import revoke_key
 from lorafaas.platform.backends.local import deployment_log_dir, remove_deployment_logs
 from lorafaas.platform.in_flight import InFlight, Ticket
 from lorafaas.platform.metering import UsageMeter
-from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.state.interface import StateStore
 from lorafaas.platform.state.records import (
     ApiKeyRecord,
@@ -77,7 +77,7 @@ class FunctionService:
         self._background: dict[str, asyncio.Task] = {}  # async invocations running here, by id
         self.in_flight = InFlight()  # every invocation running here, so a revoke or a cancel reaches it
         self.usage = UsageRecorder(store, agent.launcher.log_dir)
-        agent.on_keep_alive = self.usage.record_keep_alive
+        agent.instances.on_keep_alive = self.usage.record_keep_alive
 
     # -- start-up --------------------------------------------------------------------------------------------------
 
@@ -172,12 +172,7 @@ class FunctionService:
 
     async def describe(self, caller: ApiKeyRecord, name: str) -> dict:
         spec = await self.aget(caller, name)
-        return {"function": msgspec.to_builtins(spec), "instances": self.agent.describe(spec.name),
-                "last_cold_start": self.agent.last_cold_start.get(spec.name),
-                "offloaded": self.agent.offloaded(spec.name), "batching": self.agent.batching(spec),
-                "admission": self.agent.admission_state(spec),
-                "cold_starts": {kind: n for (f, kind), n in self.agent.num_cold_starts.items() if f == spec.name},
-                "failures": self.agent.failures(spec.name)}
+        return {"function": msgspec.to_builtins(spec), **self.agent.describe(spec)}
 
     async def logs(self, caller: ApiKeyRecord, name: str, tail: int | None = None, since: float | None = None,
                    tail_bytes: int = 64 * 1024) -> str:

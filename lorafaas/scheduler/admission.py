@@ -1,7 +1,7 @@
 """Admission: what a function's queue does now. Send requests to an instance with room, start an instance, wait for
 one that is starting, or wait.
 
-One policy for every executor: the node agent (`lorafaas/platform/node_agent.py`) and the simulator
+One policy for every executor: the node agent (`lorafaas/platform/agent/`) and the simulator
 (`lorafaas/replay/sim/engine.py`) each describe the function as an `AdmissionView` and carry out the
 `AdmissionDecision`, so a decision seen in simulation is the decision the agent makes.
 

@@ -7,7 +7,7 @@ import time
 import httpx
 
 from lorafaas.formats.model_store import ModelStore
-from lorafaas.platform.agent_scheduler import INSTANCE_OVERHEAD_BYTES
+from lorafaas.platform.agent.artifacts import INSTANCE_OVERHEAD_BYTES
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter
 

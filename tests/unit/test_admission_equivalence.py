@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from lorafaas.platform.agent import AgentConfig, NodeAgent
+from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.instance_table import Identity, Instance
-from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.engine import Simulator
@@ -79,7 +80,7 @@ def agent_view(s: Scenario, expected_start_s: float | None):
                          scheduler=SchedulerConfig(max_batch_size=FULL))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=lambda: NOW_S)  # type: ignore[arg-type]
     spec, other = _spec("fn", s.max_instances), _spec("other", 4)
-    agent.specs = {"fn": spec, "other": other}
+    agent.functions.update({"fn": FunctionState(spec), "other": FunctionState(other)})
     for k, (ready, in_flight) in enumerate(s.instances):
         _add(agent, spec, f"i{k}", ready, in_flight, started_s=float(k))
     for k in range(s.busy_elsewhere):
@@ -87,7 +88,7 @@ def agent_view(s: Scenario, expected_start_s: float | None):
     for size, seconds in s.prefills:
         agent.scheduler.observe_prefill("fn", SLO_S, size, seconds)
     if expected_start_s is not None:
-        agent.last_scale_out_s["fn"] = expected_start_s
+        agent.functions["fn"].last_scale_out_s = expected_start_s
     if s.other_waits:
         agent.compute_turns.note(Identity.of(other), AdmissionDecision("wait", "no_compute"), WAITED_S)
     return agent.admission_view(spec, s.queued)

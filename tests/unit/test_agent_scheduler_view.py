@@ -1,4 +1,4 @@
-"""The node agent's view for the scheduler (`AgentScheduler.profile`) against a real adapter store: a function whose
+"""The node agent's view for the scheduler (`ArtifactPlanner.profile`) against a real adapter store: a function whose
 adapter was just deleted (its function deleted or replaced; the store drops the adapter before the agent drops the
 spec) must not make the view fail, since the view is built for other functions' requests too. Found by the random
 lifecycle test: another tenant's call got 404 adapter_not_found."""
@@ -13,14 +13,19 @@ import msgspec
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_store import AdapterStore
-from lorafaas.platform.agent_scheduler import AgentScheduler
+from lorafaas.platform.agent import AgentConfig
+from lorafaas.platform.agent.artifacts import ArtifactPlanner
+from lorafaas.platform.agent.function_state import FunctionState
+from lorafaas.platform.instance_table import InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
+from lorafaas.scheduler import Scheduler
 
 
-def _scheduler(tiny_store: ModelStore, adapters: AdapterStore) -> AgentScheduler:
-    agent = SimpleNamespace(launcher=SimpleNamespace(store=tiny_store), adapter_path=adapters.path,
-                            library_import_s=None)
-    return AgentScheduler(agent)
+def _scheduler(tiny_store: ModelStore, adapters: AdapterStore) -> ArtifactPlanner:
+    launcher = SimpleNamespace(store=tiny_store)
+    instances = SimpleNamespace(library_import_s=None, daemon_start_s={})
+    return ArtifactPlanner(AgentConfig(), InstanceTable(), launcher, Scheduler(), {}, adapters.path,  # type: ignore[arg-type]
+                           instances)  # type: ignore[arg-type]
 
 
 def _spec(digest: str) -> FunctionSpec:
@@ -35,11 +40,11 @@ def test_a_function_whose_adapter_was_just_deleted_does_not_fail_the_view(tiny_s
     adapters = AdapterStore(tmp_path / "adapters")
     digest = adapters.put(tiny_adapter_dir, tiny_store, "tiny-dense")
     scheduler = _scheduler(tiny_store, adapters)
-    stored = scheduler.profile(_spec(digest), with_instance=True)
+    stored = scheduler.profile(FunctionState(_spec(digest)), with_instance=True)
     assert stored.costs.adapter_device.memory_bytes == adapters.size_bytes(digest) - (
         tiny_adapter_dir / "adapter_config.json").stat().st_size  # the weights' file
     adapters.delete(digest)
-    gone = scheduler.profile(_spec(digest), with_instance=True)  # raised AdapterNotFound before
+    gone = scheduler.profile(FunctionState(_spec(digest)), with_instance=True)  # raised AdapterNotFound before
     assert gone.costs.adapter_device.memory_bytes == 0
     assert gone.costs.backbone_device == stored.costs.backbone_device  # the rest of its profile stands
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from lorafaas.errors import InvalidInput
+from lorafaas.platform.agent import AgentConfig
 from lorafaas.platform.backends.local import LocalLauncher, daemon_log_name
 from lorafaas.platform.backends.local_record import daemon_key, parse_daemon_key
 from lorafaas.platform.devices import Device, backbone_device
-from lorafaas.platform.node_agent import AgentConfig
 from lorafaas.platform.server import parse_devices
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from lorafaas.platform.agent import AgentConfig, NodeAgent
+from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.instance_table import Identity, Instance
-from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.engine import Simulator
@@ -35,7 +36,7 @@ def _agent(spec: FunctionSpec, idle_times_s=BURSTY_IDLE_S) -> tuple[NodeAgent, C
     clock = Clock()
     config = AgentConfig(scheduler=SchedulerConfig(max_batch_size=8, idle_retire_step_s=STEP_S))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=clock)  # type: ignore[arg-type]
-    agent.specs = {spec.name: spec}
+    agent.functions[spec.name] = FunctionState(spec)
     for idle_s in idle_times_s:
         agent.scheduler.observe_idle(spec.name, idle_s)
     return agent, clock

@@ -9,8 +9,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.agent import AgentConfig, NodeAgent
+from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.devices import Device
-from lorafaas.platform.node_agent import AgentConfig, NodeAgent
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
 
@@ -18,7 +19,7 @@ GIB = 1024**3
 MIB = 1024**2
 BACKBONE_BYTES = 1 * GIB
 ADAPTER_BYTES = 32 * MIB
-INSTANCE_BYTES = 64 * MIB  # agent_scheduler.INSTANCE_OVERHEAD_BYTES
+INSTANCE_BYTES = 64 * MIB  # agent.artifacts.INSTANCE_OVERHEAD_BYTES
 
 
 class FakeWorker:
@@ -109,6 +110,12 @@ class RecordingLauncher:
     def close(self) -> None:
         pass
 
+    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
+        return []
+
+    def forget_failures(self, function: str) -> None:
+        pass
+
 
 def _spec(name: str, backbone: str) -> FunctionSpec:
     return FunctionSpec(name=name, tenant="t", backbone=backbone, adapter_digest=name, max_instances=4,
@@ -125,7 +132,7 @@ def _agent(tmp_path: Path, budgets: dict[str, int], daemons: dict[str, set[str]]
     config = AgentConfig(devices=tuple(Device(d, b) for d, b in budgets.items()), max_batch_size=8,
                          scheduler=SchedulerConfig(max_batch_size=8, preloading=False))
     agent = NodeAgent(launcher, lambda digest: tmp_path / digest, config, clock=lambda: 0.0)  # type: ignore[arg-type]
-    agent.specs = {spec.name: spec for spec in specs}
+    agent.functions.update({spec.name: FunctionState(spec) for spec in specs})
     return agent, launcher
 
 
@@ -134,7 +141,8 @@ def _bound_own_daemons(launcher: RecordingLauncher, agent: NodeAgent) -> None:
         assert spec.daemon_socket.endswith(f"@{spec.device}.sock"), spec  # never a daemon on another device
     for instance in agent.table.all():
         assert instance.handle.spec.device == instance.device
-        assert agent.describe(instance.function)[0]["device"] == agent.table.of_function(instance.function)[0].device
+        described = agent.describe(agent.functions[instance.function].spec)["instances"]
+        assert described[0]["device"] == agent.table.of_function(instance.function)[0].device
 
 
 def test_functions_start_on_the_device_whose_daemon_serves_their_backbone(tmp_path) -> None:
@@ -165,7 +173,7 @@ def test_a_device_whose_budget_is_full_sends_the_next_instance_to_the_other(tmp_
         first, _ = await agent._acquire(a1, 1)
         second, _ = await agent._acquire(a2, 1)
         _bound_own_daemons(launcher, agent)
-        view = agent.policy.view()
+        view = agent.planner.view()
         await agent.stop()
         return first.device, second.device, view
 
@@ -194,6 +202,6 @@ def test_a_busy_device_scales_a_function_out_onto_the_other_with_busy_counted_pe
         busy = (agent.table.busy_on_device("cuda:0"), agent.table.busy_on_device("cuda:1"))
         first.in_flight = 0
         await agent.stop()
-        return first.device, second.device, busy, agent.last_admission["a1"].reason
+        return first.device, second.device, busy, agent.functions["a1"].last_admission.reason
 
     assert asyncio.run(scenario()) == ("cuda:0", "cuda:1", (1, 0), "scale_out")

@@ -62,6 +62,12 @@ class Backend(Protocol):
 
     def close(self) -> None: ...  # stop every instance (and daemon) this backend started
 
+    # what the backend saw of a function's instances that did not run (a pod that could not be scheduled, pull its
+    # image or stay alive), recorded at `since` (unix time) or later; forgotten when the function is deleted
+    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]: ...
+
+    def forget_failures(self, function: str) -> None: ...
+
     # -- backbone daemons ------------------------------------------------------------------------------------------
 
     def running_backbones(self, device: str | None = None) -> list[str]: ...  # those with a daemon on `device`

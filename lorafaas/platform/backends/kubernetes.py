@@ -432,9 +432,13 @@ class KubernetesBackend:
                     return instance
         return None
 
-    def describe_failures(self, function: str) -> list[dict]:
+    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
         with self._lock:
-            return [failure.describe() for failure in self.failures.get(function, [])]
+            return [failure.describe() for failure in self.failures.get(function, []) if failure.at >= since]
+
+    def forget_failures(self, function: str) -> None:
+        with self._lock:
+            self.failures.pop(function, None)
 
     # -- the template ------------------------------------------------------------------------------------------------
 

@@ -461,6 +461,12 @@ class LocalLauncher:
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
 
+    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
+        return []  # a local worker that fails is seen by the node agent itself (its process exits)
+
+    def forget_failures(self, function: str) -> None:
+        pass
+
     def close(self) -> None:
         with self._lock:
             self._closing.set()  # nothing starts from now on, nor does the supervisor restart anything

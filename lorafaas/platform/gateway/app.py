@@ -133,6 +133,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     @app.delete("/v1/functions/{name}", tags=["functions"], responses=errors(404))
     async def delete(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
         await service.delete(who, name)
+        metrics.forget(name)
         return {"deleted": name}
 
     @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})

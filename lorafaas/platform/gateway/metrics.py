@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafaas.function_runtime.memory import read_memory
+from lorafaas.platform.agent import NodeAgent
 from lorafaas.platform.instance_table import INSTANCE_STATES
-from lorafaas.platform.node_agent import NodeAgent
 from lorafaas.platform.usage import UsageRecorder
 
 LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
@@ -28,6 +30,16 @@ class GatewayMetrics:
         if usage is not None:
             self.registry.register(UsageCollector(usage))
 
+    def forget(self, function: str) -> None:
+        """A deleted function's series go with it: a namesake deployed later (maybe another tenant's) starts at 0."""
+        statuses = {sample.labels["status"] for family in self.invocations.collect() for sample in family.samples
+                    if sample.labels.get("function") == function}
+        for status in statuses:
+            self.invocations.remove(function, status)
+        for histogram in (self.ttft, self.tpot):
+            with contextlib.suppress(KeyError):
+                histogram.remove(function)
+
     def observe(self, function: str, status: str, ttft_s: float | None = None, e2e_s: float | None = None,
                 completion_tokens: int = 0) -> None:
         self.invocations.labels(function, status).inc()
@@ -46,7 +58,7 @@ class _AgentCollector:
         # through one-step copies (atomic under the GIL), never by iterating them while the loop may change them.
         cold = GaugeMetricFamily("lorafaas_cold_starts", "Cold starts by function and kind",
                                  labels=["function", "kind"])
-        for (function, kind), count in sorted(list(self.agent.num_cold_starts.items())):
+        for (function, kind), count in sorted(self.agent.cold_start_counts().items()):
             cold.add_metric([function, kind], count)
         instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
                                       labels=["function", "state"])
