@@ -9,6 +9,7 @@ from pathlib import Path
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.agent import AgentConfig, NodeAgent
 from lorafaas.platform.agent.function_state import FunctionState
+from lorafaas.platform.agent.observations import observe_prefill
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
 
@@ -28,8 +29,8 @@ def observed(agent: NodeAgent, spec: FunctionSpec) -> int:
 def test_a_prefill_on_its_own_cores_is_learned_and_one_in_the_shared_pass_is_not() -> None:
     agent, spec = agent_and_spec()
     own = m.Token(request_id="a", token_id=1, text="x", prefill_s=0.2, prefill_batch=2)
-    agent._observe_prefill(agent.functions[spec.name], 2, own, waited_s=0.3)
+    observe_prefill(agent.scheduler, spec, 2, own, waited_s=0.3)
     assert observed(agent, spec) == 1
     in_pass = m.Token(request_id="b", token_id=1, text="x", prefill_s=1.4, prefill_batch=3, prefill_shared=True)
-    agent._observe_prefill(agent.functions[spec.name], 3, in_pass, waited_s=1.6)
+    observe_prefill(agent.scheduler, spec, 3, in_pass, waited_s=1.6)
     assert observed(agent, spec) == 1  # neither its time nor, in its place, the time it waited

@@ -77,6 +77,21 @@ class ArtifactPlanner:
         self.instances = instances
         self._kv_bytes: dict[str, int] = {}
         self._deciding = asyncio.Lock()  # one offloading decision (and its actions) at a time
+        self._last_plan_s = -1e9
+
+    async def tick(self, now: float) -> None:
+        """Pre-loading on: apply the knapsack's plan when rates moved (or every plan_interval_s). Off: nothing is
+        kept ahead of requests, so a backbone no instance uses is unloaded."""
+        if self.config.scheduler.preloading:
+            if self.scheduler.should_replan(now) or now - self._last_plan_s >= self.config.plan_interval_s:
+                self._last_plan_s = now
+                await self.apply_plan(now)
+            return
+        in_use = {(i.backbone, i.device) for i in self.table.all()}
+        for device in self.config.device_names:
+            for backbone in self.launcher.running_backbones(device):
+                if (backbone, device) not in in_use:
+                    await asyncio.to_thread(self.launcher.stop_daemon, backbone, device)
 
     # -- the view ------------------------------------------------------------------------------------------------
 

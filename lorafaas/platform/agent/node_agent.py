@@ -33,6 +33,9 @@ from lorafaas.platform.agent.artifacts import ArtifactPlanner
 from lorafaas.platform.agent.config import REQUEST_STAGES, AgentConfig, same_worker
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.agent.instances import Instances
+from lorafaas.platform.agent.observations import observe_prefill
+from lorafaas.platform.agent.retirement import keep_alive_s, retirements
+from lorafaas.platform.agent.views import describe_function
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.compute_gate import ComputeGate
@@ -71,7 +74,6 @@ class NodeAgent:
         self.device_share = DeviceShareClock(self.clock)  # what each request's share of the device is (metering)
         self._tasks: set[asyncio.Task] = set()
         self._reconciler: asyncio.Task | None = None
-        self._last_plan_s = -1e9
 
     @property
     def specs(self) -> dict[str, FunctionSpec]:
@@ -196,7 +198,10 @@ class NodeAgent:
         state = self.functions.get(spec.name)
         if state is None or not state.owns(spec.uid):
             raise FunctionNotFound(f"function {spec.name} was deleted")
-        self._observe_arrival(state)
+        now = self.clock()
+        self.scheduler.observe_arrival(spec.name, now)
+        if state.last_end_s is not None and not self._in_flight(state):  # an idle period ends: keep-alive histogram
+            self.scheduler.observe_idle(spec.name, now - state.last_end_s)
         meter = meter or UsageMeter()
         meter.arrived_s = self.clock()
         for attempt in (1, 2):
@@ -224,7 +229,9 @@ class NodeAgent:
                         produced = True
                         meter.first_event_s = instance.last_progress_s
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
-                        self._observe_prefill(state, admitted.batch_size, event, self.clock() - dispatched)
+                        if self._current(state):  # a deleted deployment's requests teach its successor nothing
+                            observe_prefill(self.scheduler, state.spec, admitted.batch_size, event,
+                                            self.clock() - dispatched)
                     if isinstance(event, m.Token):
                         meter.completion_tokens += 1
                         if event.prompt_tokens is not None:
@@ -269,28 +276,6 @@ class NodeAgent:
     def _current(self, state: FunctionState) -> bool:
         """Whether `state` is still the record of its name (what it observes may teach the scheduler)."""
         return self.functions.get(state.name) is state
-
-    def _observe_prefill(self, state: FunctionState, batch_size: int, first: m.Token | m.Finished,
-                         waited_s: float) -> None:
-        """T(b) for the batching model: the worker prefills the requests waiting for it together and reports, on a
-        request's first token, the forward time and how many the pass held (queueing excluded). An event without
-        them (a request that ended before any token) counts as its dispatch batch taking the time it waited. A
-        prefill run in the shared base pass is not observed: its time is the round's, with other functions' rows."""
-        prefill_s = getattr(first, "prefill_s", None)
-        together = getattr(first, "prefill_batch", None)
-        if getattr(first, "prefill_shared", False) or not self._current(state):
-            return
-        slo_s = state.spec.slo_ttft_ms / 1e3
-        if prefill_s is not None and together:
-            self.scheduler.observe_prefill(state.name, slo_s, together, prefill_s)
-        else:
-            self.scheduler.observe_prefill(state.name, slo_s, batch_size, waited_s)
-
-    def _observe_arrival(self, state: FunctionState) -> None:
-        now = self.clock()
-        self.scheduler.observe_arrival(state.name, now)
-        if state.last_end_s is not None and not self._in_flight(state):  # an idle period ends: keep-alive histogram
-            self.scheduler.observe_idle(state.name, now - state.last_end_s)
 
     def _in_flight(self, state: FunctionState) -> int:
         return sum(i.in_flight for i in self.table.of_function(state.name) if state.owns(i.identity.uid))
@@ -372,24 +357,9 @@ class NodeAgent:
                 except LorafaasError as exc:
                     log.warning("%s: reconcile failed: %s", name, exc.message)
             try:
-                await self._plan_artifacts()
+                await self.planner.tick(self.clock())
             except LorafaasError as exc:
                 log.warning("pre-load plan failed: %s", exc.message)
-
-    async def _plan_artifacts(self) -> None:
-        """Pre-loading on: apply the knapsack's plan when rates moved (or every plan_interval_s). Off: nothing is
-        kept ahead of requests, so a backbone no instance uses is unloaded."""
-        now = self.clock()
-        if self.config.scheduler.preloading:
-            if self.scheduler.should_replan(now) or now - self._last_plan_s >= self.config.plan_interval_s:
-                self._last_plan_s = now
-                await self.planner.apply_plan(now)
-            return
-        in_use = {(i.backbone, i.device) for i in self.table.all()}
-        for device in self.config.device_names:
-            for backbone in self.launcher.running_backbones(device):
-                if (backbone, device) not in in_use:
-                    await asyncio.to_thread(self.launcher.stop_daemon, backbone, device)
 
     async def _reconcile(self, name: str) -> None:
         """min_instances ready (pre-warmed, all artifacts); idle instances past keep-alive retired."""
@@ -406,34 +376,12 @@ class NodeAgent:
             await self.instances.stop(instance, why)
 
     def retirements(self, spec: FunctionSpec) -> list[tuple[Instance, str]]:
-        """The idle instances to stop now, least recently used first, never below `min_instances`: those past the
-        keep-alive window; else, while the function is idle as a whole and its window comes from the idle-time
-        histogram, one per `idle_retire_step_s` (`Scheduler.next_idle_retirement_s`; a stepped retirement returned is
-        recorded as done). A keep-alive the function's spec sets is kept as set."""
-        state = self.functions[spec.name]
-        now, keep_alive_s = self.clock(), self.keep_alive_s(spec)
-        current = self.table.current(spec)
-        surplus = max(0, len(current) - spec.min_instances)
-        idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0), key=lambda i: i.last_used_s)
-        expired = [(i, f"idle for {now - i.last_used_s:.1f} s (keep-alive {keep_alive_s:.1f} s)")
-                   for i in idle if now - i.last_used_s >= keep_alive_s][:surplus]
-        if expired or not surplus or len(idle) < len(current) or self.admission.queued(spec.name):
-            return expired
-        idle_since = max(i.last_used_s for i in idle)
-        due = self.scheduler.next_idle_retirement_s(spec.name, idle_since, state.idle_retired_s)
-        if due is None or now < due:
-            return []
-        state.idle_retired_s = now
-        return [(idle[0], f"function idle for {now - idle_since:.1f} s: one instance per "
-                          f"{self.config.scheduler.idle_retire_step_s:.0f} s")]
+        """The idle instances of `spec` to stop now (retirement.py)."""
+        return retirements(self.functions[spec.name], self.table, self.scheduler, self.config,
+                           self.admission.queued(spec.name), self.clock())
 
     def keep_alive_s(self, spec: FunctionSpec) -> float:
-        """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""
-        if self.config.scheduler.keep_alive_policy == "hybrid":
-            decision = self.scheduler.keep_alive(spec.name)
-            if decision.reason == "histogram":
-                return decision.prewarm_s + decision.keep_alive_s
-        return spec.keep_alive_s
+        return keep_alive_s(spec, self.scheduler, self.config)
 
     async def _roll(self, previous: FunctionSpec, spec: FunctionSpec) -> None:
         """A new adapter (or LoRA mode): the new version's instance is ready before the old ones drain. Instances
@@ -462,23 +410,8 @@ class NodeAgent:
         state = self.functions.get(spec.name)
         if state is None or not state.owns(spec.uid):
             raise FunctionNotFound(f"function {spec.name} was deleted")
-        policy = self.scheduler.batch_policy(spec.name, spec.slo_ttft_ms / 1e3)
-        decision = state.last_admission
-        from_backend = self.launcher.describe_failures(spec.name, since=spec.created_at)
-        return {
-            "instances": [i.describe() for i in self.table.of_function(spec.name) if state.owns(i.identity.uid)],
-            "last_cold_start": state.last_cold_start,
-            "offloaded": [event.describe() for event in state.offloads],
-            "batching": {"max_batch_size": min(policy.max_batch_size, self.config.max_batch_size),
-                         "prefill_t0_s": round(policy.model.t0_s, 4),
-                         "prefill_per_request_s": round(policy.model.a_s, 4),
-                         "prefills_observed": policy.model.num_observed, "most_in_flight": state.most_in_flight},
-            "admission": {"queued": self.admission.queued(spec.name),
-                          "last_decision": decision.action if decision else None,
-                          "reason": decision.reason if decision else None, "waits": dict(state.waits)},
-            "cold_starts": dict(state.cold_starts),
-            "failures": [*(f.describe() for f in state.failures), *from_backend],
-        }
+        return describe_function(state, self.table, self.scheduler, self.config, self.admission.queued(spec.name),
+                                 self.launcher.describe_failures(spec.name, since=spec.created_at))
 
     def cold_start_counts(self) -> dict[tuple[str, str], int]:
         """(function, kind) -> cold starts, of the functions deployed now (/metrics reads it from another thread:
