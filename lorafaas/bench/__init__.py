@@ -1,1 +1,2 @@
-"""Benchmarks a user runs against servers from outside (issue 17 gathers the platform's other benchmarks here)."""
+"""Every benchmark, baseline and standalone comparison, run as `lorafaas bench NAME` (docs/performance.md gives each
+one's method, current figure and command)."""

@@ -1,1 +1,1 @@
-"""The function worker: staged loading, unmerged LoRA inference, generation, batch executor."""
+"""The function worker: staged loading, unmerged LoRA inference, generation with continuous batching, the zygote."""

@@ -1,1 +1,2 @@
-"""Fixtures shared by the test suite and the benchmarks: tiny seeded backbones and adapters."""
+"""What the test suite and the benchmarks start: tiny seeded backbones and adapters, the platform process, probes,
+fakes (completions server, CUDA guard, kubelets) and hostile inputs."""

@@ -1,1 +1,1 @@
-"""State stores: function specs, invocations and API keys behind one interface (SQLite | Redis)."""
+"""State stores: function specs, invocations, usage records and API keys behind one interface (SQLite | Redis)."""
