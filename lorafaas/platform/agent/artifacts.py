@@ -220,9 +220,10 @@ class ArtifactPlanner:
             return
         idle = [i for i in self.table.current(state.spec) if i.state == "ready" and not i.in_flight]
         if action.kind == "adapter":
-            stage = "adapter_offload" if action.to_tier == "host" else "adapter_drop"
+            unstage: m.UnstageName = "adapter_offload" if action.to_tier == "host" else "adapter_drop"
             for instance in idle:
-                await instance.client.unstage(stage)
+                if instance.client is not None:
+                    await instance.client.unstage(unstage)
                 instance.loaded.discard("adapter")
         elif action.kind == "warmup":
             for instance in idle:  # a warm-up holds no bytes of its own; forgetting it makes the next one run
@@ -251,8 +252,8 @@ class ArtifactPlanner:
                          if i.instance_id == action.slot and i.state == "ready" and not i.in_flight), None)
         if instance is None:
             return
-        stage = {"adapter": "adapter", "warmup": "warmup"}[action.kind]
-        if stage not in instance.loaded:
+        stage: m.StageName = "adapter" if action.kind == "adapter" else "warmup"
+        if stage not in instance.loaded and instance.client is not None:
             await instance.client.stage(stage)
             instance.loaded.add(stage)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -305,7 +306,10 @@ class Instances:
                     and instance not in self._probes):
                 task = asyncio.create_task(self._probe(instance))
                 self._probes[instance] = task
-                task.add_done_callback(lambda _t, i=instance: self._probes.pop(i, None))
+                task.add_done_callback(functools.partial(self._probe_done, instance))
+
+    def _probe_done(self, instance: Instance, _task: asyncio.Task) -> None:
+        self._probes.pop(instance, None)
 
     async def _probe(self, instance: Instance) -> None:
         assert instance.client is not None

@@ -236,9 +236,9 @@ class NodeAgent:
                         meter.completion_tokens += 1
                         if event.prompt_tokens is not None:
                             meter.prompt_tokens = event.prompt_tokens
-                    if isinstance(event, m.Finished):  # charged now: the caller may never pull past it
+                    if isinstance(event, m.Finished) and share_mark is not None:  # charged now: the caller may
                         meter.prompt_tokens, meter.completion_tokens = event.prompt_tokens, event.completion_tokens
-                        meter.finished_s = instance.last_progress_s
+                        meter.finished_s = instance.last_progress_s  # never pull past it
                         meter.device_s += self.device_share.leave(share_mark)
                         share_mark = None
                     yield event
@@ -269,7 +269,8 @@ class NodeAgent:
         self.admission.wake(instance.function)
         if instance.in_flight == 0:  # a compute slot may be free: the longest waiting queue looks at once
             for waiting in self.compute_turns.waiting(instance.last_used_s)[:1]:
-                self.admission.wake(waiting.function)
+                if isinstance(waiting, Identity):
+                    self.admission.wake(waiting.function)
         if instance.state == "draining":
             self._finish_drain(instance)
 
