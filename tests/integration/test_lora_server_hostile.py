@@ -297,7 +297,8 @@ def test_a_malformed_stream_hangs_up_on_its_client_alone(server, adapters, hones
             hostile.send_raw(len(payload).to_bytes(4, "big") + payload)
         elif name == "inline-on-unix":
             hostile.send(_call(rows=m.InlinePayload(nbytes=64 * 4), result_offset=None))
-            hostile.send_raw(bytes(64 * 4))
+            with contextlib.suppress(OSError):  # hung up on at the frame already
+                hostile.send_raw(bytes(64 * 4))
         elif name == "inline-bytes-not-sent":  # 512 MiB announced for one row: refused before they are read
             hostile.send(_call(adapter_id="theirs", rows=m.InlinePayload(nbytes=1 << 29), result_offset=None))
         else:
