@@ -92,6 +92,7 @@ class Session:
             pid = socket_peer_pid(sock)
             self.peer: Peer = ("pid", pid) if pid else ("connection", id(self))
         else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames: no Nagle delay
             self.peer = ("tcp", *sock.getpeername()[:2])
         self.name = f"{self.peer[0]} {self.peer[1]}"
 
