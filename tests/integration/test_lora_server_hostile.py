@@ -399,3 +399,16 @@ def test_a_client_cannot_call_or_register_another_functions_adapter(server, adap
         theirs = other.start_call("mine", 0, "gate_up_proj", honest.rows["gate_up_proj"], COUNTS).wait().clone()
         honest.check()
         assert not torch.equal(theirs, honest.alone[0, "gate_up_proj"])
+
+
+def test_a_client_cannot_stop_the_server(server, honest) -> None:
+    """Shutdown needs the token the server printed in its ready line (the node agent has it, no function does)."""
+    hostile = HostileMoeClient(server[1]["socket"])
+    try:
+        hostile.send(m.Shutdown())
+        reply = hostile.recv()
+        assert isinstance(reply, m.ErrorReply), reply
+        honest.check()
+    finally:
+        hostile.close()
+    assert server[0].poll() is None
