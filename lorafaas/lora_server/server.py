@@ -3,10 +3,10 @@
     python -m lorafaas.lora_server.server --model-dir DIR --socket PATH [--tcp HOST:PORT] [--capacity M]
 
 It never holds the backbone, only expert adapters: an `AdapterCache` of capacity M (layer-wise loading, frequency
-based eviction). Instances connect over a Unix socket (shared-memory buffers, `lora_transport.py`) or, from other
+based eviction). Instances connect over a Unix socket (memfd buffers, `lora_transport.py`) or, from other
 nodes, over TCP; each MoE layer they push two calls (gate/up, then down) and get the deltas back. An asyncio loop owns
 the sockets; one compute thread runs batches: every call that arrived while the previous batch ran, from any
-instance, grouped by (adapter, expert) (`lora_compute.py`). When ready it prints one JSON line with its addresses
+instance, grouped by (adapter, expert) (`compute.py`). When ready it prints one JSON line with its addresses
 and its shutdown token.
 
 Isolation (docs/moe.md, "Against a hostile client"): each connection is a `Session` (`session.py`) on a socket of its

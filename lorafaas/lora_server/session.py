@@ -36,7 +36,7 @@ from lorafaas.lora_server.compute import LoraWork
 from lorafaas.lora_server.connection import ClientGone, ClientStalled, Connection, close_fds
 from lorafaas.protocols import lora_server_messages as m
 from lorafaas.protocols.leases import socket_peer_pid
-from lorafaas.protocols.lora_transport import TORCH_DTYPES, buffer_view
+from lorafaas.protocols.lora_transport import MAX_BUFFER_BYTES, TORCH_DTYPES, buffer_view
 from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import encode_frame
 
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_ROWS_PER_CALL = 1 << 16
 MAX_CALL_BYTES = 1 << 30  # rows and deltas of one call
-MAX_BUFFER_BYTES = 1 << 31
 F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
 
 

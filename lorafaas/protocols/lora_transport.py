@@ -36,6 +36,7 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUFFER_BYTES = 1 << 20
 BUFFER_PREFIX = "lorafaas-lora."  # the memfd's name (in /proc/PID/fd links only: a memfd is in no directory)
 BUFFER_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+MAX_BUFFER_BYTES = 1 << 31  # the largest buffer the server maps
 ALIGNMENT = 64
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -272,7 +273,7 @@ class LoraServerClient:
         self._buffer = buffer
 
     def _grow_buffer(self, needed: int) -> None:
-        self._attach_buffer(max(needed, 2 * self._buffer.size))
+        self._attach_buffer(max(needed, min(2 * self._buffer.size, MAX_BUFFER_BYTES)))
 
     def _call(self, request: m.Request, expected: type[T], fds: list[int] | None = None) -> T:
         try:
