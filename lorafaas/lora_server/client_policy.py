@@ -71,7 +71,9 @@ class ClientPolicy:
         """The calls (peer, rows, deferred before) to compute in the next batch, by index: those of clients with
         budget left, at most `max_rows_per_batch` rows of each client (its first call always fits); and the calls
         that wait for their client's budget."""
-        chosen, waiting, rows_of = [], [], {}
+        chosen: list[int] = []
+        waiting: list[int] = []
+        rows_of: dict[Peer, int] = {}
         for i, (peer, rows, deferred) in enumerate(calls):
             bucket = self._bucket(peer, now)
             if bucket.seconds <= 0:

@@ -111,9 +111,14 @@ class Connection:
                 return b""
 
     async def _readable(self) -> None:
-        future = self._loop.create_future()
+        future: asyncio.Future[None] = self._loop.create_future()
         fd = self.sock.fileno()
-        self._loop.add_reader(fd, lambda: future.done() or future.set_result(None))
+
+        def ready() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        self._loop.add_reader(fd, ready)
         try:
             await future
         finally:

@@ -112,7 +112,7 @@ class LoraServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._sessions: set[asyncio.Task] = set()
-        self._num_connections = 0
+        self.num_connections = 0
         self._started_s = time.monotonic()
 
     # -- compute -------------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class LoraServer:
             server_pid=os.getpid(),
             device=self.config.device,
             uptime_s=time.monotonic() - self._started_s,
-            num_connections=self._num_connections,
+            num_connections=self.num_connections,
             num_adapters=len(self.registry),
             num_calls=stats.num_calls,
             num_batches=stats.num_batches,

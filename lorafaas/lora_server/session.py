@@ -24,14 +24,15 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import torch
 
 from lorafaas.errors import AdapterIncompatible, InvalidInput, LorafaasError, ProtocolError, ServerError
-from lorafaas.lora_server.adapters import ConnectionAdapters
-from lorafaas.lora_server.client_policy import Peer
+from lorafaas.formats.expert_adapters import ExpertLayout
+from lorafaas.lora_server.adapters import AdapterRegistry, ConnectionAdapters
+from lorafaas.lora_server.client_policy import ClientLimits, ClientPolicy, Peer
 from lorafaas.lora_server.compute import LoraWork
 from lorafaas.lora_server.connection import ClientGone, ClientStalled, Connection, close_fds
 from lorafaas.protocols import lora_server_messages as m
@@ -40,13 +41,43 @@ from lorafaas.protocols.lora_transport import MAX_BUFFER_BYTES, TORCH_DTYPES, bu
 from lorafaas.protocols.shared_mapping import map_shared
 from lorafaas.wire import encode_frame
 
-if TYPE_CHECKING:
-    from lorafaas.lora_server.server import LoraServer
-
 log = logging.getLogger(__name__)
 MAX_ROWS_PER_CALL = 1 << 16
 MAX_CALL_BYTES = 1 << 30  # rows and deltas of one call
 F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
+
+
+class _Config(Protocol):
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def dtype(self) -> m.DType: ...
+
+    @property
+    def limits(self) -> ClientLimits: ...
+
+
+class SessionHost(Protocol):
+    """What a session needs of the server (`LoraServer`)."""
+
+    @property
+    def config(self) -> _Config: ...
+
+    layout: ExpertLayout
+    registry: AdapterRegistry
+    policy: ClientPolicy
+    token: str
+    num_refused: int
+    num_connections: int
+
+    async def submit(self, work: LoraWork, peer: Peer) -> None: ...
+
+    def status(self, own: dict[str, str] | None = None) -> m.ServerStatus: ...
+
+    def forget(self, keys: list[str]) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class Refused(Exception):
@@ -80,7 +111,7 @@ class ServerBuffer:
 
 
 class Session:
-    def __init__(self, server: LoraServer, sock: socket.socket, transport: str) -> None:
+    def __init__(self, server: SessionHost, sock: socket.socket, transport: str) -> None:
         self.server = server
         self.transport = transport  # "shm" (Unix socket) | "tcp"
         limits = server.config.limits
@@ -105,7 +136,7 @@ class Session:
                     message=f"{server.config.limits.max_connections} connections of this client are open already")))
             self.conn.close()
             return
-        server._num_connections += 1
+        server.num_connections += 1
         try:
             await self._serve()
         except (ClientGone, ConnectionError):
@@ -121,7 +152,7 @@ class Session:
             self._hang_up(repr(exc))
             await self._try_reply(m.ErrorReply(code=ServerError.code, message=f"the LoRA server failed: {exc!r}"))
         finally:
-            server._num_connections -= 1
+            server.num_connections -= 1
             server.policy.disconnect(self.peer)
             self.buffer = None  # unmapped once the last view of it goes (`map_shared`)
             server.forget(self.adapters.release_all())
@@ -217,7 +248,8 @@ class Session:
         return self.adapters.register(request.adapter_id, request.adapter_dir, fd)
 
     async def _call(self, call: m.LoraCall) -> None:
-        inline = isinstance(call.rows, m.InlinePayload)
+        source = call.rows
+        inline = isinstance(source, m.InlinePayload)
         if inline and self.transport != "tcp":
             raise ProtocolError("inline rows on a Unix socket connection (its rows go in its buffer)")
         try:
@@ -227,41 +259,41 @@ class Session:
                 raise ProtocolError(f"{exc.message} (and its inline rows cannot be skipped)") from exc
             raise
         dtype = TORCH_DTYPES[call.dtype]
-        if inline:
+        data = None
+        if isinstance(source, m.InlinePayload):
             expected = num_rows * in_features * dtype.itemsize
-            if call.rows.nbytes != expected:
-                raise ProtocolError(f"{call.rows.nbytes} bytes of inline rows announced; {num_rows} rows x "
+            if source.nbytes != expected:
+                raise ProtocolError(f"{source.nbytes} bytes of inline rows announced; {num_rows} rows x "
                                     f"{in_features} {call.dtype} are {expected}")
             data = await self.conn.read_payload(expected)  # read before the adapter's checks: stay in step
         key = self.adapters.key(call.adapter_id)
         if call.projection not in self.server.registry.info(key).projections.get(call.layer, ()):
             raise AdapterIncompatible(
                 f"adapter {call.adapter_id!r} does not adapt {call.projection} of layer {call.layer}")
-        if inline:
+        result_offset = call.result_offset
+        if data is not None:
             rows = torch.frombuffer(data, dtype=dtype).view(num_rows, in_features)
             result = torch.empty(num_rows, out_features, dtype=dtype)
         else:
-            if self.buffer is None or call.result_offset is None:
+            if self.buffer is None or result_offset is None or not isinstance(source, m.ShmPayload):
                 raise InvalidInput("a shared-memory call needs an attached buffer and a result offset")
-            rows = self.buffer.tensor(call.rows.offset, dtype, (num_rows, in_features))
-            result = self.buffer.tensor(call.result_offset, dtype, (num_rows, out_features))
-            if call.rows.offset < call.result_offset + result.nbytes and \
-                    call.result_offset < call.rows.offset + rows.nbytes:
+            rows = self.buffer.tensor(source.offset, dtype, (num_rows, in_features))
+            result = self.buffer.tensor(result_offset, dtype, (num_rows, out_features))
+            if source.offset < result_offset + result.nbytes and result_offset < source.offset + rows.nbytes:
                 raise InvalidInput("a call's rows and result overlap in the buffer")
         work = LoraWork(adapter_id=key, layer=call.layer, projection=call.projection,
                         expert_counts=call.expert_counts, rows=rows, result=result)
         try:
             await self.server.submit(work, self.peer)
-        except LorafaasError:
-            raise
-        except asyncio.CancelledError:
+        except (LorafaasError, asyncio.CancelledError):
             raise
         except Exception as exc:
             raise ServerError(f"computing the deltas of adapter {call.adapter_id} failed: {exc}") from exc
-        payload = m.InlinePayload(nbytes=result.nbytes) if inline else m.ShmPayload(offset=call.result_offset)
+        payload: m.Payload = m.ShmPayload(offset=result_offset) if result_offset is not None and data is None \
+            else m.InlinePayload(nbytes=result.nbytes)
         frame = encode_frame(m.LoraResult(seq=call.seq, num_rows=num_rows, out_features=out_features, result=payload))
-        if inline:  # the deltas follow the frame
-            await self.conn.send(frame, memoryview(result.view(torch.uint8).numpy()).cast("B"))
+        if data is not None:  # the deltas follow the frame
+            await self.conn.send(frame, memoryview(result.view(torch.uint8).numpy().data).cast("B"))
         else:
             await self.conn.send(frame)
 
