@@ -114,6 +114,7 @@ def test_remote_mode_equals_local_mode_for_several_adapters_served_concurrently_
     with LoraServerClient.connect(addresses["socket"]) as client:
         status = client.status()
     assert status.num_adapters == 0  # the probes are gone, and their adapters with them
+    assert status.num_deferred == 0 and status.num_refused == 0  # honest functions stay within their budgets
     # probes x forwards x MoE layers x (gate/up, down)
     assert status.num_calls - before.num_calls == NUM_ADAPTERS * REPEATS * 2 * 2
     # capacity 2 for 3 adapters: evicted, or forgotten with the last connection that registered them (eviction
