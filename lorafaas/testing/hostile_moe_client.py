@@ -5,6 +5,7 @@ a hello never sent or a frame never finished. Blocking sockets; every read has a
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
 import socket
@@ -141,18 +142,39 @@ def flood(address: str, adapter_dir: str, *, rows: int, connections: int, second
     return {"served": sum(served), "refused": sum(refused)}
 
 
+def hold_connections(address: str, count: int) -> dict:
+    """Open `count` connections and say hello on each; report how many were welcomed, then hold them until stdin
+    closes (so a test can check the server while they are open)."""
+    import sys
+
+    welcomed, refused, clients = 0, 0, []
+    for _ in range(count):
+        try:
+            clients.append(HostileMoeClient(address))
+            welcomed += 1
+        except (AssertionError, OSError):
+            refused += 1
+    print(json.dumps({"welcomed": welcomed, "refused": refused}), flush=True)
+    sys.stdin.read()
+    for client in clients:
+        client.close()
+    return {"welcomed": welcomed, "refused": refused}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(prog="python -m lorafaas.testing.hostile_moe_client")
-    parser.add_argument("attack", choices=("flood",))
+    parser.add_argument("attack", choices=("flood", "connections"))
     parser.add_argument("address")
-    parser.add_argument("adapter_dir")
+    parser.add_argument("adapter_dir", nargs="?")
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
+    if args.attack == "connections":
+        hold_connections(args.address, args.connections)
+        return 0
     print(json.dumps(flood(args.address, args.adapter_dir, rows=args.rows, connections=args.connections,
                            seconds=args.seconds)), flush=True)
     return 0

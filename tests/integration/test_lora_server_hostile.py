@@ -412,3 +412,20 @@ def test_a_client_cannot_stop_the_server(server, honest) -> None:
     finally:
         hostile.close()
     assert server[0].poll() is None
+
+
+def test_a_process_holding_many_connections_is_refused_past_its_cap(server, honest) -> None:
+    """Another process opens 40 connections (each one descriptor of the server's): past 32 it is refused, and other
+    processes still connect and are served."""
+    holder = subprocess.Popen([sys.executable, "-m", "lorafaas.testing.hostile_moe_client", "connections",
+                               server[1]["socket"], "--connections", "40"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        report = json.loads(holder.stdout.readline())
+        assert report == {"welcomed": 32, "refused": 8}, report
+        with LoraServerClient.connect(server[1]["socket"]) as other:  # this process: its own cap
+            assert other.status().num_connections >= 33
+        honest.check()
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
