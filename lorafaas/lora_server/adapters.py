@@ -4,9 +4,10 @@ A client names an adapter by an id of its own choosing that means something on i
 id its connection registered, so one function cannot reach another's adapter by guessing its id, nor squat an id to
 stop another from registering. Behind the ids, the server keys an adapter by what it reads: on the Unix socket a
 directory the client opened itself and sent as a descriptor (its device and inode), read through that descriptor
-(`/proc/self/fd/N`, never by a path the client could later swap), so the server reads no adapter the client could not
-open; over TCP (no descriptors) a path, which the server reads with its own rights. Connections that registered the
-same directory share its cache entry (the factors are the same); it is forgotten when the last of them goes.
+(`/proc/self/fd/N`, never by a path the client could later swap; the weights opened without following a link), so
+the server reads no adapter the client could not open; over TCP (no descriptors) a path, which the server reads with
+its own rights. Connections that registered the same directory share its cache entry (the factors are the same); it
+is forgotten when the last of them goes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafaas.errors import AdapterInvalid, InvalidInput
+from lorafaas.formats.adapter_files import WEIGHTS_FILE
 from lorafaas.formats.expert_adapters import (
     ExpertAdapterInfo,
     ExpertLayout,
@@ -94,6 +96,19 @@ class AdapterRegistry:
 
     def info(self, key: str) -> ExpertAdapterInfo:
         return self._entries[key].info
+
+    def open_weights(self, key: str) -> int | None:
+        """A descriptor of the adapter's weights file, opened through its directory's descriptor without following a
+        link (a client that can write its directory may have swapped the file for a link since it registered); None
+        for an adapter registered by path. The caller closes it."""
+        entry = self._entries[key]
+        if entry.fd is None:
+            return None
+        try:
+            return os.open(WEIGHTS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=entry.fd)
+        except OSError as exc:
+            raise AdapterInvalid(f"{WEIGHTS_FILE} of a registered adapter cannot be opened (not a link): "
+                                 f"{exc.strerror}") from exc
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -118,7 +118,13 @@ class LoraServer:
     # -- compute -------------------------------------------------------------------------------------------------
 
     def _load_layer(self, key: str, layer: int):
-        factors = load_expert_layer(self.registry.info(key), layer, self.config.device)
+        fd = self.registry.open_weights(key)
+        try:
+            weights = None if fd is None else Path(f"/proc/self/fd/{fd}")
+            factors = load_expert_layer(self.registry.info(key), layer, self.config.device, weights)
+        finally:
+            if fd is not None:
+                os.close(fd)
         return {p: type(f)(a=f.a.to(self.dtype), b=f.b.to(self.dtype), scaling=f.scaling) for p, f in factors.items()}
 
     async def submit(self, work: LoraWork, peer: Peer) -> None:

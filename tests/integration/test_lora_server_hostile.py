@@ -10,6 +10,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -429,3 +430,27 @@ def test_a_process_holding_many_connections_is_refused_past_its_cap(server, hone
     finally:
         holder.stdin.close()
         holder.wait(30)
+
+
+def test_a_link_swapped_into_a_registered_directory_does_not_reach_another_adapter(
+    server, adapters, honest, tmp_path
+) -> None:
+    """A client that can write its own adapter directory registers it, then swaps its weights for a link to another
+    adapter's (layers are read on first call): the server opens the weights through the directory's descriptor
+    without following links, so the call fails and never carries the other adapter's deltas."""
+    from lorafaas.errors import LorafaasError
+    from lorafaas.formats.adapter_files import WEIGHTS_FILE
+
+    mine = tmp_path / "mine"
+    shutil.copytree(adapters[1], mine)
+    with LoraServerClient.connect(server[1]["socket"]) as client:
+        client.register("x", str(mine))
+        (mine / WEIGHTS_FILE).unlink()
+        (mine / WEIGHTS_FILE).symlink_to(adapters[0] / WEIGHTS_FILE)
+        try:
+            delta = client.start_call("x", 0, "gate_up_proj", honest.rows["gate_up_proj"], COUNTS).wait().clone()
+        except LorafaasError:
+            delta = None
+        assert delta is None or not torch.equal(delta, honest.alone[0, "gate_up_proj"]), "another adapter's deltas"
+        assert client.status().server_pid == server[0].pid  # the connection goes on
+    honest.check()
