@@ -10,7 +10,8 @@ connection over TCP.
   `share` of the compute thread, whoever else is served.
 - **Batches.** One client's calls in one batch carry at most `max_rows_per_batch` rows (the rest wait for the next
   batch): a client with many connections does not stretch one batch for everyone.
-- **Connections.** A client holds at most `max_connections` connections (Unix: per process; TCP: per host).
+- **Connections and adapters.** A client holds at most `max_connections` connections and `max_adapters` adapter
+  registrations across them (each holds a descriptor of the server's: no client runs the server out of them).
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ class ClientLimits:
     burst_s: float = 0.25
     max_rows_per_batch: int = 1 << 16
     max_connections: int = 32
+    max_adapters: int = 64  # registered ids, across the client's connections
     hello_timeout_s: float = 10.0  # from accept to a complete hello
     frame_timeout_s: float = 10.0  # from a frame's first byte to its last
     send_timeout_s: float = 10.0  # for a reply to be taken whole
 
     def __post_init__(self) -> None:
-        if not (0 < self.share <= 1 and self.burst_s > 0 and self.max_rows_per_batch > 0 and self.max_connections > 0):
+        if not (0 < self.share <= 1 and self.burst_s > 0 and self.max_rows_per_batch > 0 and self.max_connections > 0
+                and self.max_adapters > 0):
             raise ValueError(f"client limits out of range: {self}")
         if min(self.hello_timeout_s, self.frame_timeout_s, self.send_timeout_s) <= 0:
             raise ValueError(f"client timeouts must be positive: {self}")
@@ -42,7 +45,7 @@ class _Bucket:
     seconds: float
     at: float
     connections: int = 0
-    deferred: int = 0
+    adapters: int = 0
 
 
 @dataclass
@@ -64,8 +67,21 @@ class ClientPolicy:
         if bucket is None:
             return
         bucket.connections -= 1
-        if bucket.connections <= 0 and bucket.seconds >= self.limits.burst_s:
+        if bucket.connections <= 0 and bucket.adapters <= 0 and bucket.seconds >= self.limits.burst_s:
             del self._clients[peer]  # nothing owed: forget it (a debt stays until it is paid back)
+
+    def take_adapter(self, peer: Peer, now: float) -> bool:
+        """One more registered id for `peer`; False (and not counted) beyond `max_adapters`."""
+        bucket = self._bucket(peer, now)
+        if bucket.adapters >= self.limits.max_adapters:
+            return False
+        bucket.adapters += 1
+        return True
+
+    def give_adapters(self, peer: Peer, count: int) -> None:
+        bucket = self._clients.get(peer)
+        if bucket is not None:
+            bucket.adapters = max(0, bucket.adapters - count)
 
     def select(self, calls: list[tuple[Peer, int, bool]], now: float) -> tuple[list[int], list[int]]:
         """The calls (peer, rows, deferred before) to compute in the next batch, by index: those of clients with

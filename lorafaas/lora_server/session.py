@@ -153,9 +153,10 @@ class Session:
             await self._try_reply(m.ErrorReply(code=ServerError.code, message=f"the LoRA server failed: {exc!r}"))
         finally:
             server.num_connections -= 1
-            server.policy.disconnect(self.peer)
             self.buffer = None  # unmapped once the last view of it goes (`map_shared`)
+            server.policy.give_adapters(self.peer, len(self.adapters.ids))
             server.forget(self.adapters.release_all())
+            server.policy.disconnect(self.peer)
             self.conn.close()
 
     def _hang_up(self, why: str) -> None:
@@ -239,13 +240,24 @@ class Session:
         self.buffer = buffer  # the previous one (a smaller buffer) is unmapped with its last view
 
     def _register(self, request: m.RegisterAdapter, fds: list[int]):
-        if self.transport == "tcp":
-            return self.adapters.register(request.adapter_id, request.adapter_dir, None)
-        if len(fds) != 1:
-            raise InvalidInput("on the Unix socket, RegisterAdapter carries a descriptor of the adapter's directory; "
-                               "the server reads no adapter by a path a client names")
-        fd = fds.pop()  # the registry owns it now
-        return self.adapters.register(request.adapter_id, request.adapter_dir, fd)
+        fd = None
+        if self.transport == "shm":
+            if len(fds) != 1:
+                raise InvalidInput("on the Unix socket, RegisterAdapter carries a descriptor of the adapter's "
+                                   "directory; the server reads no adapter by a path a client names")
+            fd = fds.pop()  # the registry owns it now
+        new = request.adapter_id not in self.adapters.ids
+        if new and not self.server.policy.take_adapter(self.peer, time.monotonic()):
+            if fd is not None:
+                os.close(fd)
+            raise InvalidInput(f"this client has {self.server.config.limits.max_adapters} adapters registered "
+                               "already (across its connections)")
+        try:
+            return self.adapters.register(request.adapter_id, request.adapter_dir, fd)
+        except BaseException:
+            if new:
+                self.server.policy.give_adapters(self.peer, 1)
+            raise
 
     async def _call(self, call: m.LoraCall) -> None:
         source = call.rows

@@ -454,3 +454,25 @@ def test_a_link_swapped_into_a_registered_directory_does_not_reach_another_adapt
         assert delta is None or not torch.equal(delta, honest.alone[0, "gate_up_proj"]), "another adapter's deltas"
         assert client.status().server_pid == server[0].pid  # the connection goes on
     honest.check()
+
+
+def test_a_process_cannot_hold_more_than_its_share_of_adapter_descriptors(server, adapters, honest, tmp_path) -> None:
+    """Each adapter registered over the Unix socket holds a directory descriptor of the server's: one process
+    registering distinct directories on two connections is refused at 64 in all (the honest client's one included),
+    so no client runs the server out of descriptors."""
+    from lorafaas.errors import InvalidInput
+
+    registered = 0
+    with LoraServerClient.connect(server[1]["socket"]) as one, LoraServerClient.connect(server[1]["socket"]) as two:
+        for i in range(80):
+            directory = tmp_path / f"copy{i}"
+            shutil.copytree(adapters[1], directory)
+            try:
+                (one if i < 40 else two).register(f"c{i}", str(directory))
+                registered += 1
+            except InvalidInput as exc:
+                assert "registered already" in str(exc)
+        assert registered == 63, registered
+        honest.check()
+    with LoraServerClient.connect(server[1]["socket"]) as three:  # given back with their connections
+        three.register("again", str(adapters[1]))

@@ -60,3 +60,13 @@ def test_limits_out_of_range_are_refused() -> None:
         ClientLimits(share=0.0)
     with pytest.raises(ValueError):
         ClientLimits(send_timeout_s=0)
+
+
+def test_adapter_registrations_per_client_are_capped_across_connections() -> None:
+    policy = ClientPolicy(ClientLimits(max_adapters=2))
+    assert policy.connect(A, 0.0) and policy.connect(A, 0.0)
+    assert policy.take_adapter(A, 0.0) and policy.take_adapter(A, 0.0)
+    assert not policy.take_adapter(A, 0.0)
+    assert policy.take_adapter(B, 0.0)
+    policy.give_adapters(A, 1)
+    assert policy.take_adapter(A, 0.0)
