@@ -244,8 +244,11 @@ class ExpertFactors:
         return self.a.nbytes + self.b.nbytes
 
 
-def load_expert_layer(info: ExpertAdapterInfo, layer: int, device: str = "cpu") -> dict[str, ExpertFactors]:
-    """Read one MoE layer's factors (only its tensors) from the adapter file; {} if the adapter skips the layer."""
+def load_expert_layer(
+    info: ExpertAdapterInfo, layer: int, device: str = "cpu", weights: Path | None = None
+) -> dict[str, ExpertFactors]:
+    """Read one MoE layer's factors (only its tensors) from the adapter file (`weights`, if given, instead of the
+    one in `info.path`: the LoRA server passes a file it opened itself); {} if the adapter skips the layer."""
     import torch
     from safetensors import safe_open
 
@@ -254,7 +257,7 @@ def load_expert_layer(info: ExpertAdapterInfo, layer: int, device: str = "cpu") 
         return {}
     experts_path = info.experts_paths[layer]
     factors = {}
-    with safe_open(str(Path(info.path) / WEIGHTS_FILE), framework="pt") as f:
+    with safe_open(str(weights or Path(info.path) / WEIGHTS_FILE), framework="pt") as f:
         for projection in projections:
             names = [f"{PEFT_PREFIX}{experts_path}.{e}.{projection}" for e in range(info.num_experts)]
             a = torch.stack([f.get_tensor(f"{n}.lora_A.weight") for n in names]).to(device)

@@ -2,12 +2,17 @@
 
 A connection opens with `Hello`; the server answers `Welcome` (its MoE layout) or an `ErrorReply` and closes. Then:
 
-    AttachBuffer(segment, size)     -> BufferAttached      shm only: the client's duplex buffer in /dev/shm
-    RegisterAdapter(id, dir)        -> AdapterRegistered   checked against the server's backbone, not loaded yet
+    AttachBuffer(size) + memfd      -> BufferAttached      Unix socket only: the client's duplex buffer, a memfd
+                                                           sealed against shrinking, sent with the frame (SCM_RIGHTS)
+    RegisterAdapter(id, dir)        -> AdapterRegistered   checked against the server's backbone, not loaded yet; on
+             [+ directory fd]                              the Unix socket the frame carries a descriptor of the
+                                                           adapter's directory, the only way the server reads it
     LoraCall(seq, adapter, layer,   -> LoraResult          the deltas of the routed rows of one MoE projection
              projection, rows...)
     Status()                        -> ServerStatus
-    Shutdown()                      -> ShuttingDown
+    Shutdown(token)                 -> ShuttingDown        the token the server printed when it started
+
+Adapter ids are the connection's own: a call names an id this connection registered, never another's.
 
 Tensors never travel inside a message. A call's rows and result live either in the client's shared-memory buffer
 (`ShmPayload`: an offset; the frame is the notification) or, over TCP between nodes, as raw bytes right after the
@@ -20,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Projection = Literal["gate_up_proj", "down_proj"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -48,13 +53,13 @@ class Hello(_Message, tag="hello"):
 
 
 class AttachBuffer(_Message, tag="attach_buffer"):
-    segment: str  # /dev/shm name; the server maps it read-write, the client unlinks it once attached
-    size: int
+    size: int  # bytes of the memfd that comes with the frame; the server maps it read-write and closes its descriptor
 
 
 class RegisterAdapter(_Message, tag="register_adapter"):
     adapter_id: str
-    adapter_dir: str  # readable by the server (the same node, or a shared adapter store)
+    adapter_dir: str  # Unix socket: for messages only (the directory's descriptor comes with the frame); TCP: a
+    # path the server reads (the same node, or a shared adapter store)
 
 
 class LoraCall(_Message, tag="lora_call"):
@@ -73,7 +78,7 @@ class Status(_Message, tag="status"):
 
 
 class Shutdown(_Message, tag="shutdown"):
-    pass
+    token: str = ""  # the server's shutdown token (its ready line): a function does not have it
 
 
 Request = Hello | AttachBuffer | RegisterAdapter | LoraCall | Status | Shutdown
@@ -92,7 +97,7 @@ class Welcome(_Message, tag="welcome"):
 
 
 class BufferAttached(_Message, tag="buffer_attached"):
-    segment: str
+    size: int
 
 
 class AdapterRegistered(_Message, tag="adapter_registered"):
@@ -130,6 +135,8 @@ class ServerStatus(_Message, tag="server_status"):
     num_groups: int  # (adapter, layer, projection, expert) low-rank products run
     compute_s: float  # time the compute thread spent on batches
     cache: CacheStatus
+    num_deferred: int = 0  # calls that waited for their client's budget
+    num_refused: int = 0  # connections refused or hung up on (a bad buffer, a stall, a malformed stream)
 
 
 class ShuttingDown(_Message, tag="shutting_down"):
