@@ -42,22 +42,22 @@ Payload = ShmPayload | InlinePayload
 
 
 # Requests
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     protocol_version: int
     client: str = ""  # for logs: the function instance
 
 
-class AttachBuffer(_Message, tag="attach_buffer"):
+class AttachBuffer(_Message, frozen=True, tag="attach_buffer"):
     segment: str  # /dev/shm name; the server maps it read-write, the client unlinks it once attached
     size: int
 
 
-class RegisterAdapter(_Message, tag="register_adapter"):
+class RegisterAdapter(_Message, frozen=True, tag="register_adapter"):
     adapter_id: str
     adapter_dir: str  # readable by the server (the same node, or a shared adapter store)
 
 
-class LoraCall(_Message, tag="lora_call"):
+class LoraCall(_Message, frozen=True, tag="lora_call"):
     seq: int
     adapter_id: str
     layer: int
@@ -68,11 +68,11 @@ class LoraCall(_Message, tag="lora_call"):
     result_offset: int | None = None  # shm: where the server writes the [rows, out_features] deltas
 
 
-class Status(_Message, tag="status"):
+class Status(_Message, frozen=True, tag="status"):
     pass
 
 
-class Shutdown(_Message, tag="shutdown"):
+class Shutdown(_Message, frozen=True, tag="shutdown"):
     pass
 
 
@@ -80,7 +80,7 @@ Request = Hello | AttachBuffer | RegisterAdapter | LoraCall | Status | Shutdown
 
 
 # Responses
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     protocol_version: int
     server_pid: int
     device: str
@@ -91,17 +91,17 @@ class Welcome(_Message, tag="welcome"):
     layers: tuple[int, ...]  # the MoE layer numbers
 
 
-class BufferAttached(_Message, tag="buffer_attached"):
+class BufferAttached(_Message, frozen=True, tag="buffer_attached"):
     segment: str
 
 
-class AdapterRegistered(_Message, tag="adapter_registered"):
+class AdapterRegistered(_Message, frozen=True, tag="adapter_registered"):
     adapter_id: str
     rank: int
     expert_bytes: int
 
 
-class LoraResult(_Message, tag="lora_result"):
+class LoraResult(_Message, frozen=True, tag="lora_result"):
     seq: int
     num_rows: int
     out_features: int
@@ -118,7 +118,7 @@ class CacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     num_evictions: int
 
 
-class ServerStatus(_Message, tag="server_status"):
+class ServerStatus(_Message, frozen=True, tag="server_status"):
     server_pid: int
     device: str
     uptime_s: float
@@ -132,11 +132,11 @@ class ServerStatus(_Message, tag="server_status"):
     cache: CacheStatus
 
 
-class ShuttingDown(_Message, tag="shutting_down"):
+class ShuttingDown(_Message, frozen=True, tag="shutting_down"):
     pass
 
 
-class ErrorReply(_Message, tag="error"):
+class ErrorReply(_Message, frozen=True, tag="error"):
     code: str  # a LorafaasError code
     message: str
     seq: int | None = None
