@@ -36,7 +36,9 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUFFER_BYTES = 1 << 20
 BUFFER_PREFIX = "lorafaas-lora."
 ALIGNMENT = 64
-TORCH_DTYPES: dict[m.DType, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES: dict[m.DType, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16
+}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
@@ -214,8 +216,9 @@ class LoraServerClient:
         projection_name = cast(m.Projection, projection)
 
         def call(rows_payload: m.Payload, result_offset: int | None = None) -> m.LoraCall:
-            return m.LoraCall(seq=self._seq, adapter_id=adapter_id, layer=layer, projection=projection_name, dtype=dtype,
-                              expert_counts=tuple(expert_counts), rows=rows_payload, result_offset=result_offset)
+            return m.LoraCall(seq=self._seq, adapter_id=adapter_id, layer=layer, projection=projection_name,
+                              dtype=dtype, expert_counts=tuple(expert_counts), rows=rows_payload,
+                              result_offset=result_offset)
 
         result: torch.Tensor | None
         try:

@@ -424,7 +424,8 @@ class KubernetesBackend:
             for name in list(self._adoptable):
                 pod = self.cache.get(name)
                 theirs = _spec_of(pod) if pod is not None else None
-                if pod is None or theirs is None or pod_failure(pod) is not None or pod_meta(pod).deletion_timestamp is not None:
+                if (pod is None or theirs is None or pod_failure(pod) is not None
+                        or pod_meta(pod).deletion_timestamp is not None):
                     del self._adoptable[name]
                     continue
                 if (msgspec.structs.replace(theirs, instance_id=spec.instance_id) == spec and is_ready(pod)
@@ -514,7 +515,8 @@ class KubernetesBackend:
                     self.instances.remove(instance)
             if not ours and failure is None:
                 self._record(PodFailure(
-                    labels.get(LABEL_FUNCTION, "?"), (pod_meta(pod).annotations or {}).get(ANNOTATION_INSTANCE_ID, name),
+                    labels.get(LABEL_FUNCTION, "?"),
+                    (pod_meta(pod).annotations or {}).get(ANNOTATION_INSTANCE_ID, name),
                     name, "Deleted", "the pod was deleted by someone else (kubectl drain or delete, an eviction, its "
                     "node removed); a replacement starts on the next request or reconcile"))
 
