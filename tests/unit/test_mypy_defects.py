@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from lorafaas.errors import ClusterInvalid
@@ -20,3 +23,13 @@ def test_a_cluster_whose_functions_are_not_a_list_is_refused_by_name() -> None:
                 "decode_ms_per_extra_seq": 1, "kv_kb_per_token": 1}
     with pytest.raises(ClusterInvalid, match=r"c\.functions is .*expected a list"):
         parse_cluster({"backbones": {"b": backbone}, "functions": {"f": {}}}, "c")
+
+
+def test_requires_python_is_the_python_mypy_checks_against() -> None:
+    # Was ">=3.10" while the package uses datetime.UTC, asyncio.timeout and Task.uncancel (3.11): mypy run for 3.10
+    # reported them, and `import lorafaas.platform.usage` fails on 3.10.
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    requires = re.search(r'^requires-python = ">=([0-9.]+)"', text, re.MULTILINE)
+    checked = re.search(r'^python_version = "([0-9.]+)"', text, re.MULTILINE)
+    assert requires is not None and checked is not None
+    assert requires.group(1) == checked.group(1)
