@@ -36,10 +36,8 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUFFER_BYTES = 1 << 20
 BUFFER_PREFIX = "lorafaas-lora."
 ALIGNMENT = 64
-TORCH_DTYPES: dict[m.DType, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16
-}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES: dict[torch.dtype, m.DType] = {v: cast(m.DType, k) for k, v in TORCH_DTYPES.items()}  # (m.DType's names)
 
 
 def align(n: int) -> int:
