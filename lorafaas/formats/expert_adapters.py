@@ -23,10 +23,14 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid
 from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, read_adapter
 from lorafaas.formats.weights import read_safetensors_header
+
+if TYPE_CHECKING:  # torch is imported where the factors are loaded, not by the format checks
+    import torch
 
 EXPERTS_KEY = "lorafaas_experts"
 FORMAT_VERSION = 1
@@ -235,8 +239,8 @@ def check_expert_adapter(path: Path, model_dir: Path, backbone: str) -> dict[str
 class ExpertFactors:
     """One projection of one MoE layer, every expert stacked: a [experts, r, in], b [experts, out, r]."""
 
-    a: object  # torch.Tensor
-    b: object
+    a: torch.Tensor
+    b: torch.Tensor
     scaling: float
 
     @property

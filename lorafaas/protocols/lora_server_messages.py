@@ -47,22 +47,22 @@ Payload = ShmPayload | InlinePayload
 
 
 # Requests
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     protocol_version: int
     client: str = ""  # for logs: the function instance
 
 
-class AttachBuffer(_Message, tag="attach_buffer"):
+class AttachBuffer(_Message, frozen=True, tag="attach_buffer"):
     size: int  # bytes of the memfd that comes with the frame; the server maps it read-write and closes its descriptor
 
 
-class RegisterAdapter(_Message, tag="register_adapter"):
+class RegisterAdapter(_Message, frozen=True, tag="register_adapter"):
     adapter_id: str
     adapter_dir: str  # Unix socket: for messages only (the directory's descriptor comes with the frame); TCP: a
     # path the server reads (the same node, or a shared adapter store)
 
 
-class LoraCall(_Message, tag="lora_call"):
+class LoraCall(_Message, frozen=True, tag="lora_call"):
     seq: int
     adapter_id: str
     layer: int
@@ -73,11 +73,11 @@ class LoraCall(_Message, tag="lora_call"):
     result_offset: int | None = None  # shm: where the server writes the [rows, out_features] deltas
 
 
-class Status(_Message, tag="status"):
+class Status(_Message, frozen=True, tag="status"):
     pass
 
 
-class Shutdown(_Message, tag="shutdown"):
+class Shutdown(_Message, frozen=True, tag="shutdown"):
     token: str = ""  # the server's shutdown token (its ready line): a function does not have it
 
 
@@ -85,7 +85,7 @@ Request = Hello | AttachBuffer | RegisterAdapter | LoraCall | Status | Shutdown
 
 
 # Responses
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     protocol_version: int
     server_pid: int
     device: str
@@ -96,17 +96,17 @@ class Welcome(_Message, tag="welcome"):
     layers: tuple[int, ...]  # the MoE layer numbers
 
 
-class BufferAttached(_Message, tag="buffer_attached"):
+class BufferAttached(_Message, frozen=True, tag="buffer_attached"):
     size: int
 
 
-class AdapterRegistered(_Message, tag="adapter_registered"):
+class AdapterRegistered(_Message, frozen=True, tag="adapter_registered"):
     adapter_id: str
     rank: int
     expert_bytes: int
 
 
-class LoraResult(_Message, tag="lora_result"):
+class LoraResult(_Message, frozen=True, tag="lora_result"):
     seq: int
     num_rows: int
     out_features: int
@@ -123,7 +123,7 @@ class CacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     num_evictions: int
 
 
-class ServerStatus(_Message, tag="server_status"):
+class ServerStatus(_Message, frozen=True, tag="server_status"):
     server_pid: int
     device: str
     uptime_s: float
@@ -139,11 +139,11 @@ class ServerStatus(_Message, tag="server_status"):
     num_refused: int = 0  # connections refused or hung up on (a bad buffer, a stall, a malformed stream)
 
 
-class ShuttingDown(_Message, tag="shutting_down"):
+class ShuttingDown(_Message, frozen=True, tag="shutting_down"):
     pass
 
 
-class ErrorReply(_Message, tag="error"):
+class ErrorReply(_Message, frozen=True, tag="error"):
     code: str  # a LorafaasError code
     message: str
     seq: int | None = None

@@ -22,7 +22,7 @@ import mmap
 import os
 import socket
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 import torch
@@ -39,7 +39,7 @@ BUFFER_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 MAX_BUFFER_BYTES = 1 << 31  # the largest buffer the server maps
 ALIGNMENT = 64
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, m.DType] = {v: cast(m.DType, k) for k, v in TORCH_DTYPES.items()}  # (m.DType's names)
 
 
 def align(n: int) -> int:
@@ -62,7 +62,7 @@ class DuplexBuffer:
             os.close(self.fd)
             raise SegmentError(f"cannot make a {size}-byte LoRA buffer: {exc}") from exc
         self.size = size
-        self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     @classmethod
     def create(cls, size: int) -> DuplexBuffer:
@@ -70,13 +70,17 @@ class DuplexBuffer:
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of the buffer; raises SegmentError if it does not fit."""
+        if self._bytes is None:
+            raise SegmentError("the LoRA buffer is closed")
         return buffer_view(self._bytes, self.size, offset, dtype, shape)
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         """Copy a tensor's bytes in with one plain memcpy (torch's copy_ may wake its thread pool for this)."""
-        data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+        data = tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
         if offset < 0 or offset % ALIGNMENT or offset + data.nbytes > self.size:
             raise SegmentError(f"{data.nbytes} bytes at offset {offset} do not fit the {self.size}-byte LoRA buffer")
+        if self._mmap is None:
+            raise SegmentError("the LoRA buffer is closed")
         self._mmap[offset : offset + data.nbytes] = data
 
     def close_fd(self) -> None:
@@ -126,7 +130,7 @@ class LoraServerClient:
         self._sock = sock
         self.address = address
         self.transport = transport  # "shm" | "tcp"
-        self.welcome: m.Welcome | None = None
+        self._welcome: m.Welcome | None = None  # set by connect
         self._buffer: DuplexBuffer | None = None
         self._seq = 0
         self._in_flight: PendingCall | None = None
@@ -141,6 +145,7 @@ class LoraServerClient:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> LoraServerClient:
         """`address`: a Unix socket path (shared-memory transport) or `tcp://host:port`."""
+        target: tuple[str, int] | str
         if address.startswith("tcp://"):
             host, _, port = address.removeprefix("tcp://").rpartition(":")
             if not host or not port.isdigit():
@@ -157,13 +162,20 @@ class LoraServerClient:
             raise DaemonUnavailable(f"no LoRA server is listening at {address} ({exc})") from exc
         self = cls(sock, address, transport)
         try:
-            self.welcome = self._call(m.Hello(protocol_version=m.PROTOCOL_VERSION, client=client), m.Welcome)
+            self._welcome = self._call(m.Hello(protocol_version=m.PROTOCOL_VERSION, client=client), m.Welcome)
             if transport == "shm":
                 self._attach_buffer(buffer_bytes)
         except BaseException:
             self.close()
             raise
         return self
+
+    @property
+    def welcome(self) -> m.Welcome:
+        """The server's answer to our Hello (every client `connect` returns has one)."""
+        if self._welcome is None:
+            raise ProtocolError("the LoRA server has not welcomed this client")
+        return self._welcome
 
     def __enter__(self) -> LoraServerClient:
         return self
@@ -214,30 +226,31 @@ class LoraServerClient:
         out_features = 2 * welcome.intermediate_size if projection == "gate_up_proj" else welcome.hidden_size
         num_rows = rows.shape[0]
         self._seq += 1
-        call = dict(
-            seq=self._seq,
-            adapter_id=adapter_id,
-            layer=layer,
-            projection=projection,
-            dtype=dtype,
-            expert_counts=tuple(expert_counts),
-        )
+        # Sent as given: the server validates the projection (and answers an error for an unknown one).
+        projection_name = cast(m.Projection, projection)
+
+        def call(rows_payload: m.Payload, result_offset: int | None = None) -> m.LoraCall:
+            return m.LoraCall(seq=self._seq, adapter_id=adapter_id, layer=layer, projection=projection_name,
+                              dtype=dtype, expert_counts=tuple(expert_counts), rows=rows_payload,
+                              result_offset=result_offset)
+
+        result: torch.Tensor | None
         try:
             if self.transport == "shm":
                 rows_bytes = align(rows.nbytes)
                 needed = rows_bytes + num_rows * out_features * rows.dtype.itemsize
-                if needed > self._buffer.size:
+                buffer = self._shared_buffer()
+                if needed > buffer.size:
                     self._grow_buffer(needed)
-                self._buffer.write(0, rows)
-                result = self._buffer.tensor(rows_bytes, rows.dtype, (num_rows, out_features))
-                self._sock.sendall(
-                    encode_frame(m.LoraCall(**call, rows=m.ShmPayload(offset=0), result_offset=rows_bytes))
-                )
+                    buffer = self._shared_buffer()
+                buffer.write(0, rows)
+                result = buffer.tensor(rows_bytes, rows.dtype, (num_rows, out_features))
+                self._sock.sendall(encode_frame(call(m.ShmPayload(offset=0), rows_bytes)))
             else:
                 result = None
                 payload = rows.contiguous().view(torch.uint8).numpy()
-                self._sock.sendall(encode_frame(m.LoraCall(**call, rows=m.InlinePayload(nbytes=payload.nbytes))))
-                self._sock.sendall(memoryview(payload).cast("B"))
+                self._sock.sendall(encode_frame(call(m.InlinePayload(nbytes=payload.nbytes))))
+                self._sock.sendall(payload.data.cast("B"))
         except OSError as exc:
             raise DaemonUnavailable(f"the LoRA server at {self.address} stopped answering: {exc}") from exc
         self._in_flight = PendingCall(self, self._seq, rows.dtype, result)
@@ -251,6 +264,8 @@ class LoraServerClient:
         if reply.seq != pending.seq:
             raise ProtocolError(f"the LoRA server answered call {reply.seq}, expected {pending.seq}")
         if isinstance(reply.result, m.ShmPayload):
+            if pending._result is None:
+                raise ProtocolError(f"the LoRA server answered call {reply.seq} in shared memory; it was sent inline")
             return pending._result
         expected_bytes = reply.num_rows * reply.out_features * pending.dtype.itemsize
         if reply.result.nbytes != expected_bytes:
@@ -273,7 +288,12 @@ class LoraServerClient:
         self._buffer = buffer
 
     def _grow_buffer(self, needed: int) -> None:
-        self._attach_buffer(max(needed, min(2 * self._buffer.size, MAX_BUFFER_BYTES)))
+        self._attach_buffer(max(needed, min(2 * self._shared_buffer().size, MAX_BUFFER_BYTES)))
+
+    def _shared_buffer(self) -> DuplexBuffer:
+        if self._buffer is None:  # connect attaches one on the shm transport; close detaches it
+            raise ProtocolError(f"no LoRA buffer is attached to the connection to {self.address}")
+        return self._buffer
 
     def _call(self, request: m.Request, expected: type[T], fds: list[int] | None = None) -> T:
         try:

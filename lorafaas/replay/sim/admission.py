@@ -5,12 +5,13 @@ instances. The lorafaas policies and their ablations admit this way; the baselin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
     ComputeTurns,
+    InstanceId,
     InstanceLoad,
     StartOption,
     can_join,
@@ -45,7 +46,7 @@ class SimAdmission:
              excluded: frozenset[str] = frozenset()) -> AdmissionView:
         sim = self.sim
         waiting_others, waiting_ahead = self.turns.counts(name, sim.now)
-        loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
+        loads = tuple(InstanceLoad(InstanceId(i.instance_id), i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
                                    i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots,
                                    any(o.function != name for o in i.device.instances))
                       for i in fs.instances)
@@ -91,7 +92,7 @@ class SimAdmission:
             decision = decide_admission(self.view(name, fs, queue_length, excluded))
             self.turns.note(name, decision, sim.now)
             if decision.action == "start":
-                device = sim.mem.by_id[decision.device]
+                device = sim.mem.by_id[_given(decision.device, "device")]
                 instance = sim.start_on(name, fs, device, queue_length)
                 if instance is None:  # no memory could be made there: the policy chooses again without it
                     excluded |= {device.device_id}
@@ -108,11 +109,11 @@ class SimAdmission:
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
                 sim.start_on(name, fs, sim.mem.by_id[decision.device], decision.size)
-            self._send(fs, by_id[decision.instance_id], decision.size)
+            self._send(fs, by_id[_given(decision.instance_id, "instance")], decision.size)
             return True
         self.waits[decision.reason] = self.waits.get(decision.reason, 0) + 1
         if decision.action == "await_start":
-            sim.recheck(name, fs, by_id[decision.instance_id].ready_at_s)
+            sim.recheck(name, fs, by_id[_given(decision.instance_id, "instance")].ready_at_s)
         else:  # every instance is full and none can start: a request's end or freed memory wakes it
             fs.blocked = True
             sim.blocked[name] = None
@@ -124,3 +125,13 @@ class SimAdmission:
     def _send(self, fs: FunctionState, instance, size: int) -> None:
         batch = [fs.queue.popleft() for _ in range(max(1, min(size, len(fs.queue))))]
         self.sim.run_batch(instance, batch)
+
+
+T = TypeVar("T")
+
+
+def _given(value: T | None, what: str) -> T:
+    """What a decision of its action always names (a start its device; a dispatch or an await its instance)."""
+    if value is None:
+        raise ValueError(f"an admission decision without its {what}")
+    return value

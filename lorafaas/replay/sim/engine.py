@@ -27,6 +27,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from lorafaas.errors import ClusterInvalid
 from lorafaas.replay.results import RequestResult
@@ -383,7 +384,7 @@ class Simulator:
             waiting = self.admission.turns.waiting(self.now)
             for name in [*waiting, *(n for n in self.blocked if n not in waiting)]:
                 if name in self.blocked:
-                    self._pump(name)
+                    self._pump(FunctionName(name))
             return
         for name in list(self.blocked):
             if name in self.blocked:
@@ -392,7 +393,7 @@ class Simulator:
                     return
 
     def _on_expire(self, payload: object) -> None:
-        inst, token = payload  # type: ignore[misc]
+        inst, token = cast(tuple[SimInstance, int], payload)  # as `push`ed with "expire"
         if inst.running or inst.expire_token != token or inst not in self.fns[inst.function].instances:
             return
         self._retire(inst)
@@ -407,7 +408,7 @@ class Simulator:
         the next retirement; stale once it has run a batch since."""
         if self._idle_retire_stale(payload):
             return
-        name, idle_since = payload  # type: ignore[misc]
+        name, idle_since = cast(tuple[FunctionName, float], payload)  # as `push`ed with "idle_retire"
         fs = self.fns[name]
         idle = sorted((i for i in fs.instances if not i.permanent and not i.running and i.ready_at_s <= self.now),
                       key=lambda i: i.last_used_s)
@@ -420,7 +421,7 @@ class Simulator:
 
     def _idle_retire_stale(self, payload: object) -> bool:
         """The function ran a batch since it went idle, or has no idle instance left to retire."""
-        name, idle_since = payload  # type: ignore[misc]
+        name, idle_since = cast(tuple[FunctionName, float], payload)
         fs = self.fns[name]
         return (fs.last_end_s != idle_since or bool(fs.queue) or any(i.running for i in fs.instances)
                 or all(i.permanent for i in fs.instances))
@@ -456,7 +457,7 @@ class Simulator:
 
     def busy(self, device: DeviceState) -> int:
         """Instances on `device` running a batch or starting (the agent's `InstanceTable.busy_on_device`)."""
-        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)  # type: ignore[attr-defined]
+        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)

@@ -18,6 +18,7 @@ from lorafaas.replay.sim.cluster import ClusterSpec
 from lorafaas.replay.sim.costmodel import CostModel
 from lorafaas.replay.sim.state import DeviceState, slot_of
 from lorafaas.scheduler import (
+    BackboneName,
     ClusterView,
     DeviceView,
     FunctionName,
@@ -44,7 +45,7 @@ class ViewBuilder:
         self.profiles = {
             f: FunctionProfile(
                 f,
-                self.mem.backbone_of[f],
+                BackboneName(self.mem.backbone_of[f]),
                 0.0,
                 costs.artifact_costs(s.spec),
                 s.spec.slo_ttft_s,

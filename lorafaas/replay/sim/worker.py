@@ -14,7 +14,7 @@ needs; its slot is released then, as the node agent releases each request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from lorafaas.replay.sim.state import DeviceState
 from lorafaas.scheduler import FunctionName
@@ -114,7 +114,7 @@ class WorkerModel:
 
     def on_done(self, payload: object) -> list[DecodeRow]:
         """The rows of the instance whose last token came now (none if the event is stale); removed from it."""
-        inst, token = payload  # type: ignore[misc]
+        inst, token = cast(tuple[SimInstance, int], payload)  # as pushed with "done"
         if token != inst.done_token:
             return []
         self._advance(inst)
