@@ -58,7 +58,7 @@ class LoraServerConfig:
     tcp: str | None = None  # "HOST:PORT" (port 0: any free port): the TCP transport
     capacity: int = 8  # adapters resident at once (M)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: m.DType = "float32"
     num_threads: int | None = None  # torch intra-op threads of the compute thread
     half_life_accesses: float = 1024.0
     http_baseline_port: int | None = None  # the naive HTTP+JSON transport, for `bench moe-transport` only
@@ -178,6 +178,8 @@ class LoraServer:
     def compute_from_thread(self, work: LoraWork) -> None:
         """`submit` for threads outside the event loop (the HTTP baseline: its adapter ids are its own)."""
         work.adapter_id = self._http_adapters.key(work.adapter_id)
+        if self._loop is None:
+            raise ServerError("the LoRA server is not serving yet")
         asyncio.run_coroutine_threadsafe(self.submit(work, ("http",)), self._loop).result()
 
     def register(self, adapter_id: str, adapter_dir: str) -> ExpertAdapterInfo:
@@ -219,7 +221,8 @@ class LoraServer:
         )
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
 
     # -- serving -------------------------------------------------------------------------------------------------
 
@@ -279,9 +282,10 @@ class LoraServer:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _accept(self, listener: socket.socket, transport: str) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await self._loop.sock_accept(listener)
+                sock, _ = await loop.sock_accept(listener)
             except OSError as exc:  # out of descriptors, say: this connection is lost, not the listener
                 log.warning("LoRA server: accept failed: %s", exc)
                 await asyncio.sleep(0.1)
@@ -354,6 +358,7 @@ def spawn_lora_server(
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     import selectors
 
+    assert process.stdout is not None  # started with stdout=PIPE
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout_s):

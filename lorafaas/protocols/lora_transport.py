@@ -278,6 +278,7 @@ class LoraServerClient:
     def _attach_buffer(self, size: int) -> None:
         buffer = DuplexBuffer.create(size)
         try:
+            assert buffer.fd is not None  # a new buffer holds its descriptor until close_fd
             self._call(m.AttachBuffer(size=buffer.size), m.BufferAttached, fds=[buffer.fd])
         except BaseException:
             buffer.close()
