@@ -173,7 +173,7 @@ class Simulator:
             self._on_idle_retire(event)
         elif isinstance(event, PlanTick):
             self._on_plan(tick=True)
-        else:
+        else:  # Background, the last kind of `SimEvent`
             self._on_background()
 
     def run(self) -> SimOutcome:
