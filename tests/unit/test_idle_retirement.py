@@ -15,7 +15,7 @@ from lorafaas.replay.sim.engine import Simulator
 from lorafaas.replay.sim.model import Expire, IdleRetire, SimInstance
 from lorafaas.replay.sim.policies import POLICIES
 from lorafaas.replay.workload import Request, Workload
-from lorafaas.scheduler import SchedulerConfig
+from lorafaas.scheduler import FunctionName, SchedulerConfig
 
 STEP_S = 180.0
 # idle times of a bursty function: mostly seconds within a burst, a few hours-long gaps between bursts; the
@@ -121,10 +121,11 @@ def test_the_simulator_retires_the_same_way() -> None:
         device.instances.add(instance)
     fs.last_end_s = 2.0
     sim.now = 2.0 + STEP_S
-    sim._on_idle_retire(IdleRetire("llama2-7b-a", 2.0))
+    sim._on_idle_retire(IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     assert [i.instance_id for i in fs.instances] == ["i1", "i2"]
     at_s, _, event = sim.events[0]
-    assert (at_s, event) == (2.0 + 2 * STEP_S, IdleRetire("llama2-7b-a", 2.0))
+    assert isinstance(event, IdleRetire)
+    assert (at_s, event) == (2.0 + 2 * STEP_S, IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     fs.last_end_s = 300.0  # it ran a batch since: the planned retirement is stale
     sim.now = at_s
     sim._on_idle_retire(event)

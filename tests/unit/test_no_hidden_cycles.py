@@ -72,10 +72,10 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> tuple[set[str], 
 
     def visit(node: ast.AST, under_type_checking: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.body:
-                visit(child, True)
-            for child in node.orelse:
-                visit(child, under_type_checking)
+            for stmt in node.body:
+                visit(stmt, True)
+            for stmt in node.orelse:
+                visit(stmt, under_type_checking)
             return
         if isinstance(node, ast.Import | ast.ImportFrom):
             for target in targets(node):
@@ -98,10 +98,11 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> tuple[set[str], 
 def hidden_cycles(root: Path, package: str) -> dict[tuple[str, str], list[str]]:
     """(importing module, module imported under TYPE_CHECKING) -> the run-time import path back to the importer."""
     known = modules(root, package)
-    runtime, typing_only = {}, {}
-    for name, path in known.items():
-        runtime[name], typing_only[name] = imports(name, path, known)
-    found = {}
+    runtime: dict[str, set[str]] = {}
+    typing_only: dict[str, set[str]] = {}
+    for name, file in known.items():
+        runtime[name], typing_only[name] = imports(name, file, known)
+    found: dict[tuple[str, str], list[str]] = {}
     for importer, targets in typing_only.items():
         for target in sorted(targets):
             back: dict[str, str | None] = {target: None}  # breadth first from the target, over run-time imports
@@ -113,11 +114,12 @@ def hidden_cycles(root: Path, package: str) -> dict[tuple[str, str], list[str]]:
                         back[nxt] = current
                         todo.append(nxt)
             if importer in back:
-                path, step = [], importer
+                chain: list[str] = []
+                step: str | None = importer
                 while step is not None:
-                    path.append(step)
+                    chain.append(step)
                     step = back[step]
-                found[importer, target] = [importer, *reversed(path)]
+                found[importer, target] = [importer, *reversed(chain)]
     return found
 
 
