@@ -5,14 +5,21 @@ instances. The lorafaas policies and their ablations admit this way; the baselin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
+from lorafaas.replay.sim.cluster import ClusterSpec
+from lorafaas.replay.sim.model import FunctionState, SimInstance
+from lorafaas.replay.sim.policies import PolicySpec
+from lorafaas.replay.sim.state import DeviceState, MemoryState
+from lorafaas.replay.sim.views import ViewBuilder
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
     ComputeTurns,
+    FunctionName,
     InstanceId,
     InstanceLoad,
+    Scheduler,
     StartOption,
     can_join,
     decide_admission,
@@ -20,15 +27,33 @@ from lorafaas.scheduler import (
     worth_offering,
 )
 
-if TYPE_CHECKING:
-    from lorafaas.replay.sim.engine import FunctionState, Simulator
-    from lorafaas.scheduler import FunctionName
-
 EPS_S = 1e-9
 
 
+class AdmissionHost(Protocol):
+    """What the admission side reads and calls of the simulator (`Simulator` is one)."""
+
+    now: float
+    cluster: ClusterSpec
+    policy: PolicySpec
+    scheduler: Scheduler
+    mem: MemoryState
+    views: ViewBuilder
+    compute_slots: int
+    blocked: dict[FunctionName, None]
+
+    def busy(self, device: DeviceState) -> int: ...
+
+    def start_on(self, name: FunctionName, fs: FunctionState, device: DeviceState, batch_size: int
+                 ) -> SimInstance | None: ...
+
+    def recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None: ...
+
+    def run_batch(self, inst: SimInstance, batch: list[int]) -> None: ...
+
+
 class SimAdmission:
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: AdmissionHost) -> None:
         self.sim = sim
         self.waits: dict[str, int] = {}  # reason -> times a queue had to wait for it (the report's "why it waited")
         # strict compute where the cluster says so (`device.strict_compute`), as the agent's --strict-compute:
@@ -122,7 +147,7 @@ class SimAdmission:
                 sim.recheck(name, fs, sim.now + max_wait_s - self.turns.waited_s(name, sim.now))
         return False
 
-    def _send(self, fs: FunctionState, instance, size: int) -> None:
+    def _send(self, fs: FunctionState, instance: SimInstance, size: int) -> None:
         batch = [fs.queue.popleft() for _ in range(max(1, min(size, len(fs.queue))))]
         self.sim.run_batch(instance, batch)
 
