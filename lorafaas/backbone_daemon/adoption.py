@@ -97,7 +97,10 @@ def maps_inode(pid: int, inode: int) -> bool:
 
 def adopt(record: m.SegmentRecord, fd: int) -> tuple[MemfdExport, tuple[m.LeaseRecord, ...]]:
     """Own the recorded segment (descriptor `fd`); returns it and the recorded leases whose processes still map it."""
+    location = record.manifest.location
+    if not isinstance(location, MemfdLocation):  # `refusal` refuses the record first
+        raise SegmentError(f"the record's segment is a {record.manifest.transport} segment")
     segment = MemfdExport.adopt(record.manifest, fd)
-    inode = record.manifest.location.inode
+    inode = location.inode
     attached = tuple(lease for lease in record.leases if maps_inode(lease.pid, inode))
     return segment, attached

@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
@@ -98,6 +99,12 @@ class _Member:
     output_offset: int = 0  # in elements
     max_rows: int = 0
     id: int = 0  # its name in the round policy
+
+    def mapped(self) -> torch.Tensor:
+        """`flat`, which a member has from its hello until it is dropped."""
+        if self.flat is None:
+            raise RuntimeError(f"base pass member pid {self.pid} has no buffer mapped")
+        return self.flat
 
 
 class BasePassExecutor:
@@ -193,7 +200,8 @@ class BasePassExecutor:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(64)
                 else:
-                    member = self._members.get(key.fileobj)  # type: ignore[arg-type]
+                    # every other registered file is a member's socket
+                    member = self._members.get(cast(socket.socket, key.fileobj))
                     if member is not None:
                         self._read_guarded(member)
             try:
@@ -234,7 +242,7 @@ class BasePassExecutor:
         except Exception:  # the lease table did not answer: nobody joins unchecked
             log.exception("base pass: could not check pid %s against the leases", pid)
             allowed = False
-        if not allowed:
+        if pid is None or not allowed:
             self.stats.refused += 1
             log.warning("base pass: refused pid %s (it holds no lease on this backbone)", pid)
             sock.close()
@@ -379,7 +387,8 @@ class BasePassExecutor:
             layers = [[(pack(weight), bias) for weight, bias in layer] for layer in self._layers]
             downs = [None if down is None else pack(down) for down in self._downs]
             tails = [None if tail is None else dataclasses.replace(
-                tail, o_proj=pack(tail.o_proj), mlp=tuple(map(pack, tail.mlp))) for tail in self._tails]
+                tail, o_proj=pack(tail.o_proj), mlp=(pack(tail.mlp[0]), pack(tail.mlp[1]), pack(tail.mlp[2])))
+                for tail in self._tails]
         except RuntimeError as exc:  # oneDNN refused a shape: the plain layout computes the same
             log.warning("base pass: bf16 weights not packed (%s); computing from the segment's layout", exc)
             return
@@ -443,7 +452,7 @@ class BasePassExecutor:
     def _resolve(self, group: bp.GroupSpec) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         if not group.weights or len(group.weights) != len(group.biases):
             raise ValueError("a group needs its weights and one bias entry per weight")
-        layers = []
+        layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for weight_name, bias_name in zip(group.weights, group.biases, strict=True):
             weight = self.tensors.get(weight_name)
             if weight is None or weight.dim() != 2:
@@ -514,7 +523,7 @@ class BasePassExecutor:
         width = self._in_width(key)
         computing = [(m, rows) for m, rows in zip(members, rows_of, strict=True) if rows > 0]
         if computing:
-            inputs = [m.flat[: rows * width].view(rows, width) for m, rows in computing]  # type: ignore[union-attr]
+            inputs = [m.mapped()[: rows * width].view(rows, width) for m, rows in computing]
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             if tail is not None:
                 outputs = self._tail(tail, layer, x)
@@ -529,7 +538,7 @@ class BasePassExecutor:
                 offset = member.output_offset
                 for out in outputs:
                     size = rows * out.shape[1]
-                    member.flat[offset:offset + size].view(rows, out.shape[1]).copy_(out[row:row + rows])  # type: ignore[index]
+                    member.mapped()[offset:offset + size].view(rows, out.shape[1]).copy_(out[row:row + rows])
                     offset += size
                 row += rows
         self.stats.compute_s += time.monotonic() - started

@@ -30,7 +30,14 @@ from lorafaas.backbone_daemon.base_pass import BasePassExecutor
 from lorafaas.backbone_daemon.loader import load_into_segment
 from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
-from lorafaas.errors import DaemonAlreadyRunning, LeaseRefused, LeasesHeld, LorafaasError, ProtocolError
+from lorafaas.errors import (
+    DaemonAlreadyRunning,
+    DaemonUnavailable,
+    LeaseRefused,
+    LeasesHeld,
+    LorafaasError,
+    ProtocolError,
+)
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.base_pass_groups import backbone_groups
 from lorafaas.models.binding import bind_backbone
@@ -86,7 +93,7 @@ class BackboneDaemon:
         cuda_ipc.check_transport(self.config.device)  # no GPU or driver: say so before loading anything
         cpu_linear = self.config.cpu_linear or os.environ.get(CPU_LINEAR_ENV) or "auto"
         check_cpu_linear(cpu_linear, f"${CPU_LINEAR_ENV}")
-        self._acquire_lock()
+        lock_fd = self._acquire_lock()
         name = self.paths.segment_name(os.getpid())
         self._adopt(manifest)
         self._remove_stale_segments()
@@ -110,14 +117,14 @@ class BackboneDaemon:
             cpu_linear=self._choose_cpu_linear(cpu_linear),
         )
         self._save_record()
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()} {name}\n".encode(), 0)
 
     def _choose_cpu_linear(self, setting: str) -> str:
         """The kernel of the float32 products of every function attached here (lorafaas/models/cpu_linear.py)."""
         if self.config.device != "cpu":
             return "torch"
-        attachment = cuda_ipc.attach(self.segment.manifest, self.segment.fd)  # read-only views, no copy
+        attachment = cuda_ipc.attach(self._segment().manifest, self._segment_fd())  # read-only views, no copy
         try:
             choice = choose_cpu_linear(setting, list(attachment.tensors.values()))
         finally:
@@ -136,7 +143,7 @@ class BackboneDaemon:
                          os.getpid(), record.daemon_pid)
             return
         reason = "no segment record" if record is None else adoption.refusal(record, self.config, manifest, fd)
-        if reason is not None:
+        if record is None or reason is not None:
             os.close(fd)
             log.info("daemon %d: not adopting the segment handed over: %s", os.getpid(), reason)
             return
@@ -148,7 +155,7 @@ class BackboneDaemon:
             "daemon %d: adopted segment %s of killed daemon %d (%d bytes, not loaded again); %d lease(s) "
             "re-created for functions still attached: %s",
             os.getpid(),
-            record.manifest.location.label,
+            self._segment_label(),
             record.daemon_pid,
             record.manifest.size,
             len(restored),
@@ -176,12 +183,12 @@ class BackboneDaemon:
             self.config.device,
             socket_path,
             self._segment_label(),
-            self.segment.manifest.size,
+            self._segment().manifest.size,
         )
         if on_ready is not None:
             on_ready(self.paths)
         try:
-            await self._stop.wait()
+            await self._stop_event().wait()
         finally:
             reaper.cancel()
             if self.base_pass is not None:
@@ -194,7 +201,7 @@ class BackboneDaemon:
 
     def _start_base_pass(self, loop: asyncio.AbstractEventLoop) -> None:
         """Serve the shared base pass for the functions attached here (a thread; idle until one connects)."""
-        attachment = cuda_ipc.attach(self.segment.manifest, self.segment.fd)  # read-only views, no copy
+        attachment = cuda_ipc.attach(self._segment().manifest, self._segment_fd())  # read-only views, no copy
 
         async def holds_lease(pid: int) -> bool:
             return any(lease.pid == pid for lease in self.leases.snapshot())
@@ -203,9 +210,9 @@ class BackboneDaemon:
             return asyncio.run_coroutine_threadsafe(holds_lease(pid), loop).result(timeout=5)
 
         # the groups are the backbone's, derived here from the model bound to the segment: no member decides them
-        groups = backbone_groups(bind_backbone(attachment, Path(self.info.model_dir)), attachment.tensors)
+        groups = backbone_groups(bind_backbone(attachment, Path(self._backbone().model_dir)), attachment.tensors)
         self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, groups, may_join,
-                                          threads=os.cpu_count(), linear=LINEAR_KERNELS[self.info.cpu_linear])
+                                          threads=os.cpu_count(), linear=LINEAR_KERNELS[self._backbone().cpu_linear])
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping
 
@@ -252,13 +259,13 @@ class BackboneDaemon:
             )
             return m.Attached(
                 lease_id=lease.lease_id,
-                manifest=self.segment.manifest,
-                backbone=self.info,
+                manifest=self._segment().manifest,
+                backbone=self._backbone(),
                 lease_ttl_s=self.leases.ttl_s,
             )
         if isinstance(request, m.HoldSegment):
             log.info("daemon %d: pid %d holds a duplicate of segment %s", os.getpid(), peer_pid, self._segment_label())
-            return m.SegmentHeld(manifest=self.segment.manifest)
+            return m.SegmentHeld(manifest=self._segment().manifest)
         if isinstance(request, m.Heartbeat):
             return m.HeartbeatAck(lease_id=self.leases.renew(request.lease_id).lease_id)
         if isinstance(request, m.Detach):
@@ -289,7 +296,7 @@ class BackboneDaemon:
         raise ProtocolError(f"unexpected request {type(request).__name__} after the handshake")
 
     def _status(self) -> m.DaemonStatus:
-        manifest = self.segment.manifest
+        manifest = self._segment().manifest
         return m.DaemonStatus(
             backbone=self.config.backbone,
             device=self.config.device,
@@ -330,15 +337,15 @@ class BackboneDaemon:
                     daemon_pid=os.getpid(),
                 ),
             )
-            while not self._stop.is_set():
+            while not self._stop_event().is_set():
                 request = await _read_request(reader)
                 response = self.handle(request, peer_pid)
                 if isinstance(response, (m.Attached, m.SegmentHeld)):  # the segment's descriptor goes with it
-                    await send_with_fds(writer, response, [self.segment.fd])
+                    await send_with_fds(writer, response, [self._segment_fd()])
                 else:
                     await _send(writer, response)
                 if isinstance(response, m.ShuttingDown):
-                    self._stop.set()
+                    self._stop_event().set()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the peer went away
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
@@ -372,15 +379,15 @@ class BackboneDaemon:
 
     def _save_record(self) -> None:
         """What a successor needs to adopt the segment (cpu only: on a GPU the bound instances are restarted)."""
-        if not isinstance(self.segment.manifest.location, cuda_ipc.MemfdLocation):
+        if not isinstance(self._segment().manifest.location, cuda_ipc.MemfdLocation):
             return
         adoption.write_record(
             self.paths.record,
             m.SegmentRecord(
                 daemon_pid=os.getpid(),
                 device=self.config.device,
-                backbone=self.info,
-                manifest=self.segment.manifest,
+                backbone=self._backbone(),
+                manifest=self._segment().manifest,
                 leases=self.leases.records(),
             ),
         )
@@ -393,9 +400,9 @@ class BackboneDaemon:
             len(self.leases),
         )
         self._stopping = True
-        self._stop.set()
+        self._stop_event().set()
 
-    def _acquire_lock(self) -> None:
+    def _acquire_lock(self) -> int:
         self.paths.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -408,6 +415,7 @@ class BackboneDaemon:
                 f"(pid and segment: {owner}); its socket is {self.paths.socket}"
             ) from None
         self._lock_fd = fd
+        return fd
 
     def _remove_stale_segments(self) -> None:
         """Segments of earlier versions (files in /dev/shm) whose owner is dead."""
@@ -421,8 +429,32 @@ class BackboneDaemon:
             unlink_segment(name)
             log.info("removed stale segment %s of dead daemon pid %d", name, owner)
 
+    def _segment(self) -> cuda_ipc.Export:
+        """The backbone's segment (loaded or adopted by `start`)."""
+        if self.segment is None:
+            raise DaemonUnavailable(f"the daemon of {self.config.backbone} has no segment (not started, or closed)")
+        return self.segment
+
+    def _segment_fd(self) -> int:
+        fd = self._segment().fd
+        if fd is None:
+            raise DaemonUnavailable(f"the segment of {self.config.backbone}'s daemon is closed")
+        return fd
+
+    def _backbone(self) -> m.BackboneInfo:
+        """What attachers are told of the backbone (set by `start`)."""
+        if self.info is None:
+            raise DaemonUnavailable(f"the daemon of {self.config.backbone} has not loaded its backbone")
+        return self.info
+
+    def _stop_event(self) -> asyncio.Event:
+        """Set to stop serving (made by `serve`)."""
+        if self._stop is None:
+            raise RuntimeError("the daemon is not serving")
+        return self._stop
+
     def _segment_label(self) -> str:
-        location = self.segment.manifest.location if self.segment is not None else None
+        location = self._segment().manifest.location if self.segment is not None else None
         if isinstance(location, cuda_ipc.MemfdLocation):
             return location.label
         return location.device_uuid if location is not None else ""

@@ -104,6 +104,7 @@ def _standalone(model_dir: Path, adapter_dir: Path) -> dict[str, float]:
          "--threads", "1"],  # as lorafaas workers: one intra-op thread each
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
+    assert process.stdout is not None  # (a pipe: asked for above)
     line = process.stdout.readline()
     ttft = time.perf_counter() - started
     process.wait(SAMPLE_TIMEOUT_S)
@@ -142,7 +143,7 @@ def _preloaded_and_warm(launcher: LocalLauncher, backbone: str, adapter_dir: Pat
 
     async def measure() -> tuple[dict[str, float], dict[str, float]]:
         async with await instance.connect() as worker:
-            staged = {stage: (await worker.stage(stage)).seconds for stage in m.STAGES}
+            staged: dict[str, float] = {stage: (await worker.stage(stage)).seconds for stage in m.STAGES}
             results = []
             for name in ("preloaded", "warm"):
                 started = time.perf_counter()

@@ -104,6 +104,7 @@ def sample_processes(runs: list[list[str]]) -> list[BenchSample]:
                      for args, err in zip(runs, errors, strict=True)]
         try:
             for args, process, err in zip(runs, processes, errors, strict=True):  # every one ready before any goes
+                assert process.stdout is not None  # (a pipe: asked for above)
                 if process.stdout.readline().strip() != b"ready":
                     raise ServerError(f"bench process `{args[0]}` exited with {process.wait()} before it was ready: "
                                       f"{_tail(err)}")
@@ -201,7 +202,7 @@ def main(argv: list[str]) -> None:
             _wait_for_go()
         sample = _private(Path(args[0]))
     else:
-        sample = _attach(Path(args[0]), Path(args[1]), *args[2:3], wait=wait)
+        sample = _attach(Path(args[0]), Path(args[1]), args[2] if len(args) > 2 else "cpu", wait=wait)
     sys.stdout.buffer.write(msgspec.json.encode(sample) + b"\n")
 
 

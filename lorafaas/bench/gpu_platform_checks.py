@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -86,7 +88,7 @@ def _completion(url: str, key: str, model: str, prompt: tuple[int, ...]) -> list
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-async def _completions_in_flight(url: str, key: str, jobs: list[tuple[str, tuple[int, ...]]], in_flight: int):
+async def _completions_in_flight(url: str, key: str, jobs: Sequence[tuple[str, tuple[int, ...]]], in_flight: int):
     limit = asyncio.Semaphore(in_flight)
 
     async def one(model: str, prompt: tuple[int, ...]) -> list[int]:
@@ -128,7 +130,7 @@ def _trim_eos(ids: list[int], eos: int) -> list[int]:
 
 
 def _exactness(ctx: CheckContext, platform: PlatformProcess, client) -> dict:
-    figures = {}
+    figures: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
         backbone = backbone_name(ctx.small, dtype)
         adapters = ctx.adapters[backbone]
@@ -181,7 +183,7 @@ def _zero_copy(ctx: CheckContext, platform: PlatformProcess, client, memory: Dev
     backbone_bytes = ctx.store.get(backbone).bytes
     adapter_bytes = sum(sum(f.stat().st_size for f in a.iterdir()) for a in ctx.adapters[backbone][: len(names)])
     per_function = (eight - one) / (len(names) - 1)
-    figures = {
+    figures: dict[str, Any] = {
         "backbone_bytes": backbone_bytes, "adapters_bytes": adapter_bytes, "before": before, "one_function": one,
         "eight_functions": eight, "growth_per_function": int(per_function), "idle_cuda_context": idle_context,
         "per_process": {str(pid): size for pid, size in sorted(per_process.items())},
@@ -208,6 +210,7 @@ def _idle_context_bytes(ctx: CheckContext, memory: DeviceMemory) -> int:
     process = subprocess.Popen([sys.executable, "-c", code, ctx.device], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True)
     try:
+        assert process.stdout is not None  # (a pipe: asked for above)
         process.stdout.readline()
         time.sleep(0.5)
         return memory.per_process({process.pid}).get(process.pid, 0)
@@ -226,9 +229,9 @@ def _speed(ctx: CheckContext, platform: PlatformProcess, names: list[str]) -> di
         server = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/health", server, 600)
-        targets = [Target(label="lorafaas", url=platform.url, server_pid=platform.process.pid),
+        targets = [Target(label="lorafaas", url=platform.url, server_pid=platform.pid),
                    Target(label="peft", url=f"http://127.0.0.1:{port}", server_pid=server.pid)]
-        levels = []
+        levels: list[Any] = []
         for n, concurrency in enumerate(SPEED_LEVELS if not ctx.dry_run else (1, 4)):
             config = ServeBenchConfig(models=tuple(names), concurrencies=(concurrency,),
                                       requests=2 * concurrency if ctx.dry_run else max(8, 2 * concurrency),

@@ -186,10 +186,12 @@ def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: 
     # them, which is right in production but would stop the scale-to-zero this run exercises.
     with scratch_platform(store, "fixed-keep-alive", demo=False) as platform:
         names = deploy_demo(platform, {"keep_alive_s": keep_alive_s})
-        main = psutil.Process(platform.process.pid)
+        main = psutil.Process(platform.pid)
         started = time.monotonic()
         progress.stage(f"bursts and scale-to-zero for {duration_s:g} s", int(duration_s))
-        rss, cycles, requests, failed, to_zero, children, shown, errors = [], 0, 0, 0, 0, set(), 0.0, []
+        rss: list[float] = []
+        errors: list[str] = []
+        cycles, requests, failed, to_zero, children, shown = 0, 0, 0, 0, set(), 0.0
         with platform.client() as client:
             while time.monotonic() - started < duration_s:
                 tally = asyncio.run(_burst(platform, names, burst, max_tokens))

@@ -139,13 +139,15 @@ def _standalone_total(model_dirs: list[Path], adapters: list[Path], progress: Pr
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
             processes.append(process)
+            assert process.stdout is not None  # (a pipe: asked for above)
             if not process.stdout.readline():
                 raise InstanceUnavailable(f"a standalone process exited with code {process.wait()} before a token")
             progress.advance()
         return sum(read_memory(p.pid).pss_bytes for p in processes)
     finally:
         for process in processes:
-            process.stdin.close()
+            if process.stdin is not None:  # (a pipe: asked for above)
+                process.stdin.close()
         for process in processes:
             try:
                 process.wait(30)

@@ -95,6 +95,7 @@ def run_moe_transport_bench(
             capacity=1,
             num_threads=1,  # small low-rank products: one thread, no pool wake-ups
             http_baseline_port=0,
+            client_share=1.0,  # one client measuring transports: the whole compute thread is its to use
         )
         process, addresses = spawn_lora_server(config, timeout_s=120)
         try:

@@ -227,13 +227,17 @@ def build_app(worker: BatchWorker, adapters: Sequence[str]) -> FastAPI:
         text = worker.tokenizer.decode(generated.token_ids, skip_special_tokens=True)
         usage = Usage(prompt_tokens=len(ids), completion_tokens=len(generated.token_ids),
                       total_tokens=len(ids) + len(generated.token_ids))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model}
+        completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def completion(choices: list[Choice], usage: Usage | None = None) -> Completion:
+            return Completion(id=completion_id, created=created, model=body.model, choices=choices, usage=usage)
+
         choice = Choice(text=text, finish_reason=generated.finish_reason)
         if not body.stream:
-            return Completion(**head, choices=[choice], usage=usage)
-        chunks = [Completion(**head, choices=[choice])]
+            return completion([choice], usage)
+        chunks = [completion([choice])]
         if body.stream_options is not None and body.stream_options.include_usage:
-            chunks.append(Completion(**head, choices=[], usage=usage))
+            chunks.append(completion([], usage))
         events = [f"data: {chunk.model_dump_json()}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
         return StreamingResponse(iter(events), media_type="text/event-stream")
 
@@ -252,7 +256,8 @@ def load_model(model_dir: Path, adapters: dict[str, Path], device: str, dtype: s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    base = base.to(device)  # type: ignore[arg-type]  # transformers' wrapper of `to` types its first argument as the model
     (first, first_dir), *rest = adapters.items()
     model = PeftModel.from_pretrained(base, first_dir, adapter_name=first)
     for name, adapter_dir in rest:

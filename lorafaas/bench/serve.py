@@ -101,9 +101,9 @@ async def one_request(http: httpx.AsyncClient, target: Target, model: str, promp
                 await reply.aread()
                 return _failed(model, f"HTTP {reply.status_code}: {reply.text[:300]}")
             async for event in aevents(reply):
-                if event.done:
-                    break
                 document = event.data
+                if document is None:  # the closing [DONE]
+                    break
                 if event.error is not None:
                     return _failed(model, f"error event: {json.dumps(event.error)[:300]}")
                 usage = document.get("usage") or usage
@@ -111,7 +111,7 @@ async def one_request(http: httpx.AsyncClient, target: Target, model: str, promp
                     now = time.perf_counter()
                     if first is None:
                         first = now
-                    else:
+                    elif last is not None:  # (set with first)
                         gaps.append(now - last)
                     last = now
                     chunks += 1

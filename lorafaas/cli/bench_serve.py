@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import typer
@@ -146,8 +147,8 @@ def new_adapter(
     from lorafaas.bench.new_adapter import NewAdapterConfig, NewAdapterTarget, run_new_adapter_bench
     from lorafaas.bench.serve import parse_target
 
-    targets = [NewAdapterTarget(kind=kind, url=parse_target(url, 0).url)
-               for kind, url in (("lorafaas", lorafaas_url), ("vllm", vllm_url)) if url]
+    sources: list[tuple[Literal["lorafaas", "vllm"], str | None]] = [("lorafaas", lorafaas_url), ("vllm", vllm_url)]
+    targets = [NewAdapterTarget(kind=kind, url=parse_target(url, 0).url) for kind, url in sources if url]
     if not targets:
         raise typer.BadParameter("give --lorafaas URL, --vllm URL or both", param_hint="--lorafaas")
     config = NewAdapterConfig(adapter_dir=str(adapter), backbone=backbone, repeats=repeats, output_len=output_len,

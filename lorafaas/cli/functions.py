@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -40,8 +41,8 @@ def hint(ctx: typer.Context, url: str | None, command: str) -> str:
     in the home still hold there)."""
     home = f" --home {shlex.quote(str(ctx.obj.home))}" if ctx.find_root().params.get("home") is not None else ""
     source = ctx.get_parameter_source("url")  # typer's own copy of click's ParameterSource: compared by name
-    given_url = url and source is not None and source.name == "COMMANDLINE"
-    return f"lorafaas{home} {command}" + (f" --url {shlex.quote(url)}" if given_url else "")
+    given_url = source is not None and source.name == "COMMANDLINE"
+    return f"lorafaas{home} {command}" + (f" --url {shlex.quote(url)}" if url and given_url else "")
 
 
 def deploy(
@@ -214,8 +215,8 @@ def invoke(
         raise InvalidInput("the prompt is empty")
     if raw and system is not None:
         raise InvalidInput("--system needs the chat template; it cannot go with --raw")
-    body = {k: v for k, v in {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                              "stop": stop or None}.items() if v is not None}
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop or None}
+    body: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if raw:
         body["prompt"] = prompt
     else:

@@ -67,7 +67,8 @@ def provision(
         return
     table = Table(show_header=False, title=f"LoRA server for {adapters} adapters (Zipf {zipf}), {instances}x{batch}")
     table.add_row("minimum cache M*", f"{model.cache_size} adapters (IAR {model.iar:.3f} >= {alpha})")
-    table.add_row("memory", f"{human_bytes(document['memory_bytes'])} ({human_bytes(shape.adapter_bytes)} each)")
+    memory = human_bytes(model.cache_size * shape.adapter_bytes)
+    table.add_row("memory", f"{memory} ({human_bytes(shape.adapter_bytes)} each)")
     table.add_row("devices for memory", str(plan.memory_devices))
     table.add_row("devices for TPOT", str(plan.tpot_devices) if plan.tpot_devices else "infeasible")
     table.add_row("server devices", str(plan.devices) if plan.devices else "infeasible (the link alone is too slow)")

@@ -16,11 +16,15 @@ namespaces, it needs hostIPC, it has no read-only mapping, and its allocations d
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from lorafaas.cuda_ipc import cuda_driver
 from lorafaas.cuda_ipc.layout import check_manifest, segment_contains, tensor_views
 from lorafaas.cuda_ipc.messages import CudaVmmLocation, SegmentManifest, TensorEntry
 from lorafaas.errors import InsufficientMemory, SegmentError, TransportUnavailable
+
+if TYPE_CHECKING:  # imported where used: a CPU-only process never loads torch's CUDA parts for this module
+    import torch
 
 STAGING_BYTES = 64 * 1024 * 1024  # the pinned host buffer for file -> device copies
 
@@ -61,7 +65,7 @@ class _DeviceBytes:
         self.owner = owner
 
 
-def _as_tensor(ptr: int, size: int, index: int, owner: object):
+def _as_tensor(ptr: int, size: int, index: int, owner: object) -> torch.Tensor:
     import torch
 
     return torch.as_tensor(_DeviceBytes(ptr, size, owner), device=f"cuda:{index}")
@@ -98,8 +102,8 @@ class CudaExport:
             alignment=alignment,
             tensors=entries,
         )
-        self._base = _as_tensor(self._ptr, size, self.index, self)
-        self._staging = None
+        self._base: torch.Tensor | None = _as_tensor(self._ptr, size, self.index, self)
+        self._staging: torch.Tensor | None = None
 
     def writable_views(self) -> dict:
         if self._base is None:
@@ -118,7 +122,7 @@ class CudaExport:
         if self._staging is None:  # allocated pinned (not pageable, then pinned): one buffer for every read
             self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
         staging = self._staging
-        with memoryview(staging.numpy()) as host:
+        with staging.numpy().data as host:
             done = 0
             while done < nbytes:
                 chunk = min(nbytes - done, len(host))
@@ -198,5 +202,6 @@ class CudaAttachment:
 
         torch.cuda.synchronize(self.index)
         cuda_driver.unmap_range(self._ptr, self.allocation_size)
-        cuda_driver.release(self._handle)
+        if self._handle is not None:  # (set with the mapping)
+            cuda_driver.release(self._handle)
         self._ptr = self._handle = None

@@ -63,10 +63,10 @@ def _cgroup_headroom(self_cgroup: Path, root: Path) -> int | None:
         _id, controllers, path = line.split(":", 2)
         relative = path.lstrip("/")
         if controllers == "" and (root / relative / "memory.max").exists():  # cgroup v2
-            limit = (root / relative / "memory.max").read_text().strip()
-            if limit == "max":
+            v2_limit = (root / relative / "memory.max").read_text().strip()
+            if v2_limit == "max":
                 return None
-            return int(limit) - int((root / relative / "memory.current").read_text())
+            return int(v2_limit) - int((root / relative / "memory.current").read_text())
         if "memory" in controllers.split(","):  # cgroup v1
             group = root / "memory" / relative
             try:
@@ -123,6 +123,8 @@ class MemfdExport:
         """Own an already sealed segment (a predecessor's, handed over by its supervisor); checks it first."""
         check_segment_fd(manifest, fd)
         self = cls.__new__(cls)
+        if not isinstance(manifest.location, MemfdLocation):  # (check_segment_fd refuses one, as a SegmentError)
+            raise SegmentError(f"the segment to adopt is a {manifest.transport} segment, not a memfd")
         self.fd, self._mmap, self.manifest = fd, None, manifest
         self.label = manifest.location.label
         return self
@@ -158,6 +160,8 @@ class MemfdExport:
         except BufferError as exc:
             raise SegmentError(f"writable views of segment {self.label} are still alive; drop them first") from exc
         self._mmap = None
+        if self.fd is None:  # (destroy unmaps first: a destroyed segment returned above)
+            raise SegmentError(f"segment {self.label} is destroyed")
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
 
     def destroy(self) -> None:

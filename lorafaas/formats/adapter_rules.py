@@ -236,10 +236,10 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo], patterns: Adapter
         rank = a.shape[0]
         if rank == 0:
             raise AdapterInvalid(f"adapter_model.safetensors: module {module} has rank 0 (lora_A {list(a.shape)})")
-        key = patterns.pattern_key("rank_pattern", rank_pattern, module)
-        expected = rank_pattern[key] if key is not None else config["r"]
+        rank_key = patterns.pattern_key("rank_pattern", rank_pattern, module)
+        expected = rank_pattern[rank_key] if rank_key is not None else config["r"]
         if rank != expected:
-            source = f"rank_pattern[{key!r}]" if key is not None else "r"
+            source = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "r"
             raise AdapterInvalid(f"rank mismatch: adapter_config.json says {source}={expected} but the weights have "
                                  f"rank {rank} ({module}.lora_A)")
         if bias is not None and not config.get("lora_bias"):
@@ -249,8 +249,8 @@ def plan_tensors(config: dict, tensors: dict[str, TensorInfo], patterns: Adapter
         if bias is not None and bias.shape != (b.shape[0],):
             raise AdapterInvalid(f"adapter_model.safetensors: {module}.lora_B.bias is {list(bias.shape)}; expected "
                                  f"[{b.shape[0]}]")
-        key = patterns.pattern_key("alpha_pattern", alpha_pattern, module)
-        alpha = alpha_pattern[key] if key is not None else alpha_default
+        alpha_key = patterns.pattern_key("alpha_pattern", alpha_pattern, module)
+        alpha = alpha_pattern[alpha_key] if alpha_key is not None else alpha_default
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         if not abs(scaling) <= MAX_FLOAT32:
             raise AdapterInvalid(f"lora_alpha: {alpha!r} gives {module} a scaling of {scaling!r}, which float32 "

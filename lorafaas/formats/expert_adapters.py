@@ -23,10 +23,14 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid
 from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, read_adapter
 from lorafaas.formats.weights import read_safetensors_header
+
+if TYPE_CHECKING:  # torch is imported where the factors are loaded, not by the format checks
+    import torch
 
 EXPERTS_KEY = "lorafaas_experts"
 FORMAT_VERSION = 1
@@ -235,8 +239,8 @@ def check_expert_adapter(path: Path, model_dir: Path, backbone: str) -> dict[str
 class ExpertFactors:
     """One projection of one MoE layer, every expert stacked: a [experts, r, in], b [experts, out, r]."""
 
-    a: object  # torch.Tensor
-    b: object
+    a: torch.Tensor
+    b: torch.Tensor
     scaling: float
 
     @property
@@ -244,8 +248,11 @@ class ExpertFactors:
         return self.a.nbytes + self.b.nbytes
 
 
-def load_expert_layer(info: ExpertAdapterInfo, layer: int, device: str = "cpu") -> dict[str, ExpertFactors]:
-    """Read one MoE layer's factors (only its tensors) from the adapter file; {} if the adapter skips the layer."""
+def load_expert_layer(
+    info: ExpertAdapterInfo, layer: int, device: str = "cpu", weights: Path | None = None
+) -> dict[str, ExpertFactors]:
+    """Read one MoE layer's factors (only its tensors) from the adapter file (`weights`, if given, instead of the
+    one in `info.path`: the LoRA server passes a file it opened itself); {} if the adapter skips the layer."""
     import torch
     from safetensors import safe_open
 
@@ -254,7 +261,7 @@ def load_expert_layer(info: ExpertAdapterInfo, layer: int, device: str = "cpu") 
         return {}
     experts_path = info.experts_paths[layer]
     factors = {}
-    with safe_open(str(Path(info.path) / WEIGHTS_FILE), framework="pt") as f:
+    with safe_open(str(weights or Path(info.path) / WEIGHTS_FILE), framework="pt") as f:
         for projection in projections:
             names = [f"{PEFT_PREFIX}{experts_path}.{e}.{projection}" for e in range(info.num_experts)]
             a = torch.stack([f.get_tensor(f"{n}.lora_A.weight") for n in names]).to(device)

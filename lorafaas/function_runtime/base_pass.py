@@ -18,10 +18,12 @@ products (`RemoteForward`, primed) and add their LoRA deltas as before.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
 import socket
+from typing import Any
 
 import msgspec
 import torch
@@ -74,8 +76,9 @@ class BasePassClient:
         os.ftruncate(self._fd, size)
         # the executor maps it: never shorter, nor longer
         fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        self._buffer = map_shared(self._fd, size)  # keeps no descriptor: none stays in /proc/<worker>/fd
-        self._flat = torch.frombuffer(self._buffer, dtype=dtype)
+        # keeps no descriptor: none stays in /proc/<worker>/fd
+        self._buffer: ctypes.Array | None = map_shared(self._fd, size)
+        self._flat: torch.Tensor | None = torch.frombuffer(self._buffer, dtype=dtype)
         self._output_offset = output_offset // bp.ELEMENT_BYTES[name]
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(CALL_TIMEOUT_S)
@@ -104,10 +107,13 @@ class BasePassClient:
         results: list[list[torch.Tensor]] = [[] for _ in outs]
         fuse, self._fuse_next = key == 0 and self._fuse_next, False
         try:
+            flat = self._flat
+            if flat is None:
+                raise OSError("the base pass client is closed")  # as its closed socket would say
             for start in range(0, max(rows.shape[0], 1), self.max_rows):
                 chunk = rows[start:start + self.max_rows]
                 n = chunk.shape[0]
-                self._flat[: n * width].view(n, width).copy_(chunk)
+                flat[: n * width].view(n, width).copy_(chunk)
                 flags = bp.CONTINUATION if start else bp.FUSED if fuse else 0
                 self._sock.sendall(bp.HEADER.pack(key, n, flags))
                 reply = self._sock.recv(1)
@@ -122,7 +128,7 @@ class BasePassClient:
                     self.num_fused_passes += 1
                 offset = self._output_offset
                 for i, out in enumerate(outs):
-                    results[i].append(self._flat[offset:offset + n * out].view(n, out).clone())
+                    results[i].append(flat[offset:offset + n * out].view(n, out).clone())
                     offset += n * out
         except OSError as exc:
             self._fail(exc)
@@ -281,10 +287,12 @@ class LayerTails:
 
     def _usable(self, model: nn.Module) -> bool:
         dtype = self.client.dtype
-        for layer in model.model.layers:
+        decoder: Any = model.model  # a Llama's (layer_tails found its layer tails)
+        for layer in decoder.layers:
             o_proj, attention = layer.self_attn.o_proj, layer.self_attn
             if isinstance(o_proj, LoraLinear):
-                if o_proj.lora_a is not None and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}:
+                if (o_proj.lora_a is not None and o_proj.lora_b is not None
+                        and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}):
                     return False
                 o_proj = o_proj.base
             if not is_bare_linear(o_proj) or not isinstance(layer.mlp.__dict__.get("forward"), RemoteMLP) \
@@ -319,8 +327,10 @@ class LayerTails:
 def fused_pass(model: nn.Module) -> LayerTails | None:
     """The layer tails of `model`'s decode step about to start (its first call asks for them), or None: this step
     goes group by group (or is computed here)."""
-    client = model.__dict__.get("_lorafaas_base_pass")
-    tails = None if client is None else client.tails
+    client: BasePassClient | None = model.__dict__.get("_lorafaas_base_pass")
+    if client is None:
+        return None
+    tails = client.tails
     if tails is None or client.broken or client.local or client.alone or not tails.usable(model):
         return None
     client.arm_fused()
@@ -346,16 +356,16 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     for key, (spec, layers) in enumerate(groups):
         if spec.mlp_down:
             mlp = mlp_of_gate[id(layers[0])]
-            mlp.forward = RemoteMLP(mlp, client, key)
+            mlp.__dict__["forward"] = RemoteMLP(mlp, client, key)
             continue
         shared: list = [None, None]
         shared_of[key] = shared
         for index, layer in enumerate(layers):
-            layer.forward = RemoteForward(layer, client, key, index, len(layers), shared)
+            layer.__dict__["forward"] = RemoteForward(layer, client, key, index, len(layers), shared)
     if tails:
         qkv = [[None, None]] + [shared_of[key] for _, key in tails[:-1]]  # layer 0's is never primed
         client.tails = LayerTails(client, list(range(len(groups), len(groups) + len(tails))), qkv)
-    model._lorafaas_base_pass = client
+    model.__dict__["_lorafaas_base_pass"] = client
     return client
 
 

@@ -20,6 +20,7 @@ adapter attached after the engine was made is seen.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,8 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     `model` is not a plain Llama this step can run (then run HF's forward)."""
     if not _plain_llama(model):
         return None
-    inner = model.model
+    # A LlamaModel (_plain_llama checked it); nn.Module's __getattr__ types every submodule as Tensor | Module.
+    inner: Any = model.model
     hidden = inner.embed_tokens(input_ids)
     mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                               position_ids=position_ids)
@@ -84,7 +86,8 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         hidden = hidden + attention.o_proj(attended)
         hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
         normed = None
-    return model.lm_head(_rms_norm(inner.norm, hidden))
+    lm_head: Any = model.lm_head
+    return lm_head(_rms_norm(inner.norm, hidden))
 
 
 def _plain_llama(model: nn.Module) -> bool:
@@ -100,7 +103,7 @@ def _plain_llama(model: nn.Module) -> bool:
                for layer in inner.layers)
 
 
-def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaRMSNorm.forward`'s operations, without a module call."""
     return rms_norm(norm.weight, norm.variance_epsilon, hidden)
 

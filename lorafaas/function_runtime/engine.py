@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jinja2
 import torch
@@ -106,7 +107,7 @@ class GenerationEngine:
         self._cancelled: set[str] = set()
         # The batch: one row per running sequence, all tensors aligned on dim 0.
         self._running: list[_Sequence] = []
-        self._cache = None
+        self._cache: Any = None  # a transformers Cache while a batch runs
         self._mask: torch.Tensor | None = None  # [rows, cached_len] 1 = real token, 0 = left padding
         self._positions: torch.Tensor | None = None  # [rows] position of each row's next token
         self._next_input: torch.Tensor | None = None  # [rows] last sampled token, fed at the next decode
@@ -216,24 +217,25 @@ class GenerationEngine:
 
     def _decode(self) -> list[StepOutput]:
         rows = len(self._running)
-        mask = torch.cat([self._mask, torch.ones((rows, 1), dtype=self._mask.dtype, device=self.device)], dim=1)
-        ids, positions = self._next_input.unsqueeze(1), self._positions.unsqueeze(1)
+        _, batch_mask, batch_positions, next_input = self._batch()
+        mask = torch.cat([batch_mask, torch.ones((rows, 1), dtype=batch_mask.dtype, device=self.device)], dim=1)
+        ids, positions = next_input.unsqueeze(1), batch_positions.unsqueeze(1)
         logits = decode_step(self.model, ids, mask, positions, self._cache)  # the cache updated in place
         if logits is None:  # not a plain Llama: HF's forward
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{CACHE_FIELD: self._cache})
             self._cache, logits = getattr(out, CACHE_FIELD), out.logits
         self._mask = mask
-        self._positions = self._positions + 1
+        self._positions = batch_positions + 1
         logits = logits[:, -1, :]
         outputs, done = [], set()
         for row, seq in enumerate(self._running):
             output = self._next(seq, logits[row])
             outputs.append(output)
-            if output.finish_reason is not None:
+            if output.finish_reason is not None or output.token_id is None:  # no token without a finish reason
                 done.add(row)
             else:
-                self._next_input[row] = output.token_id
+                next_input[row] = output.token_id
         self._remove_rows(done)
         return outputs
 
@@ -255,7 +257,7 @@ class GenerationEngine:
             output = dataclasses.replace(self._next(seq, out.logits[row, -1, :]), prefill_s=prefill_s,
                                          prefill_batch=len(seqs), prompt_tokens=len(seq.prompt_ids))
             outputs.append(output)
-            if output.finish_reason is None:
+            if output.finish_reason is None and output.token_id is not None:  # (no token: a finish reason)
                 joining.append((row, seq, output.token_id))
         if joining:
             self._join(joining, getattr(out, CACHE_FIELD), mask)
@@ -352,15 +354,16 @@ class GenerationEngine:
         if not self._running:
             self._cache, self._mask, self._positions, self._next_input = cache, new_mask, lengths, tokens
         else:
-            width = max(self._mask.shape[1], new_mask.shape[1])
-            for batch_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            batch_cache, batch_mask, positions, next_input = self._batch()
+            width = max(batch_mask.shape[1], new_mask.shape[1])
+            for batch_layer, new_layer in zip(batch_cache.layers, cache.layers, strict=True):
                 batch_layer.keys = torch.cat([_left_pad(batch_layer.keys, width), _left_pad(new_layer.keys, width)])
                 batch_layer.values = torch.cat(
                     [_left_pad(batch_layer.values, width), _left_pad(new_layer.values, width)]
                 )
-            self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(new_mask, width)])
-            self._positions = torch.cat([self._positions, lengths])
-            self._next_input = torch.cat([self._next_input, tokens])
+            self._mask = torch.cat([_left_pad(batch_mask, width), _left_pad(new_mask, width)])
+            self._positions = torch.cat([positions, lengths])
+            self._next_input = torch.cat([next_input, tokens])
         self._running.extend(seq for _, seq, _ in joining)
 
     def _remove_rows(self, rows: set[int]) -> None:
@@ -372,14 +375,21 @@ class GenerationEngine:
             self._cache = self._mask = self._positions = self._next_input = None
             return
         index = torch.tensor(keep, device=self.device)
+        cache, mask, positions, next_input = self._batch()
         # Columns that are padding in every remaining row can go (from host-side lengths: no device sync).
-        first_real = self._mask.shape[1] - max(_cached_len(self._running[i]) for i in range(len(keep)))
-        for layer in self._cache.layers:
+        first_real = mask.shape[1] - max(_cached_len(self._running[i]) for i in range(len(keep)))
+        for layer in cache.layers:
             layer.keys = layer.keys[index, :, first_real:]
             layer.values = layer.values[index, :, first_real:]
-        self._mask = self._mask[index, first_real:]
-        self._positions = self._positions[index]
-        self._next_input = self._next_input[index]
+        self._mask = mask[index, first_real:]
+        self._positions = positions[index]
+        self._next_input = next_input[index]
+
+    def _batch(self) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The running batch's KV cache, mask, positions and next inputs (all set while a sequence runs)."""
+        if self._cache is None or self._mask is None or self._positions is None or self._next_input is None:
+            raise RuntimeError("no batch is running")
+        return self._cache, self._mask, self._positions, self._next_input
 
 
 def _cached_len(seq: _Sequence) -> int:

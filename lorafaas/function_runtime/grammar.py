@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import collections
 import json
+from typing import TYPE_CHECKING
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in the stubs only
 
 from lorafaas.errors import InvalidInput
 
 # Compact JSON (no whitespace between tokens, `,` and `:` bare): a small model never loops on whitespace, and an
 # output is one canonical text. The schema itself may still override this under its "x-guidance" key.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
 MAX_CACHED_GRAMMARS = 64
 
@@ -102,7 +106,7 @@ class GrammarCompiler:
             if len(self._compiled) > self._max_cached:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(schema_text)
-        return GrammarMatcher(compiled.deep_copy(), self._lltokenizer.vocab_size)
+        return GrammarMatcher(compiled.deep_copy(), self._llguidance_tokenizer().vocab_size)
 
     @property
     def num_cached(self) -> int:

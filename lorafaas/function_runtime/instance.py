@@ -16,9 +16,19 @@ import importlib
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lorafaas.errors import InvalidInput
 from lorafaas.function_runtime.messages import AdapterStats, StageName, UnstageName, WorkerSpec
+
+if TYPE_CHECKING:  # imported by the stages that need them (a cold start pays for torch once, in `libraries`)
+    from torch import nn
+    from typing_extensions import TypeIs
+
+    from lorafaas.function_runtime.base_pass import BasePassClient
+    from lorafaas.function_runtime.engine import GenerationEngine
+    from lorafaas.models.lora import HostAdapter
+    from lorafaas.models.moe_lora import MoeAdapter
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +69,12 @@ class FunctionInstance:
         self._pool_tokenizer = tokenizer
         self.loaded: list[StageName] = []
         self.stage_seconds: dict[str, float] = {}
-        self.model = None
-        self.tokenizer = None
-        self.host_adapter = None
-        self.engine = None
-        self.base_pass = None  # a BasePassClient while the backbone's linear layers go to the shared base pass
+        self.model: nn.Module | None = None
+        self.tokenizer: Any = None  # a transformers tokenizer
+        self.host_adapter: HostAdapter | MoeAdapter | None = None
+        self.engine: GenerationEngine | None = None
+        # while the backbone's linear layers go to the shared base pass
+        self.base_pass: BasePassClient | None = None
         self._lease_id: str | None = None
 
     @property
@@ -88,7 +99,7 @@ class FunctionInstance:
 
     def load_for_request(self) -> dict[str, float]:
         """Load every missing step a request needs, in order (a cold start); returns their seconds."""
-        ran = {stage: self.load(stage) for stage in REQUIRED_STAGES if stage not in self.loaded}
+        ran: dict[str, float] = {stage: self.load(stage) for stage in REQUIRED_STAGES if stage not in self.loaded}
         if self.engine is None:
             self.engine = self._new_engine()
         return ran
@@ -130,13 +141,14 @@ class FunctionInstance:
             with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
-            self.model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
+            model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
+            self.model = model
             if attached.backbone.cpu_linear == "onednn":  # the daemon measured it faster here
                 from lorafaas.models.cpu_linear import use_onednn_linears
 
-                use_onednn_linears(self.model)
+                use_onednn_linears(model)
             if self.spec.base_pass:
-                self._join_base_pass()
+                self._join_base_pass(model, self.spec.base_pass)
         else:
             from lorafaas.models.reference import load_backbone
 
@@ -151,7 +163,7 @@ class FunctionInstance:
         if self.model is not None:
             self._place_adapter()
 
-    def _read_adapter(self, adapter_dir: Path):
+    def _read_adapter(self, adapter_dir: Path) -> HostAdapter | MoeAdapter:
         """A dense adapter into host memory, or an expert adapter opened in the spec's LoRA mode (`MoeAdapter`:
         its attention part here, its experts here or on the LoRA server)."""
         from lorafaas.formats.expert_adapters import is_expert_adapter
@@ -174,7 +186,7 @@ class FunctionInstance:
         adapter = self.host_adapter
         if adapter is None:
             return None
-        if self._adapter_kind() == "dense":
+        if _is_dense(adapter):
             return AdapterStats(kind="dense", held_bytes=adapter.num_bytes)
         info = adapter.info
         return AdapterStats(
@@ -190,56 +202,65 @@ class FunctionInstance:
 
         if self.engine is None:
             self.engine = self._new_engine()
+        engine = self.engine
         # One prefill and one decode step, so kernels, thread pools and allocators are ready for the first request.
-        self.engine.add("warmup", list(range(1, 1 + WARMUP_TOKENS)), SamplingParams(max_tokens=2))
-        while self.engine.has_work():
-            self.engine.step()
+        engine.add("warmup", list(range(1, 1 + WARMUP_TOKENS)), SamplingParams(max_tokens=2))
+        while engine.has_work():
+            engine.step()
 
-    def _new_engine(self):
+    def _new_engine(self) -> GenerationEngine:
         from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
 
-        return GenerationEngine(self.model, self.tokenizer, EngineConfig(max_batch_size=self.spec.max_batch_size))
+        config = EngineConfig(max_batch_size=self.spec.max_batch_size)
+        return GenerationEngine(self._bound_model(), self.tokenizer, config)
 
     # -- undoing -------------------------------------------------------------------------------------------------
 
     def _place_adapter(self) -> None:
         from lorafaas.models.lora import attach_adapter
 
-        kind = self._adapter_kind()
-        if kind is None:
+        adapter = self.host_adapter
+        if adapter is None:
             self._detach_adapter()
-        elif kind == "dense":
-            attach_adapter(self.model, self.host_adapter, self.spec.device)
+        elif _is_dense(adapter):
+            attach_adapter(self._bound_model(), adapter, self.spec.device)
         else:
             from lorafaas.models.moe_lora import install_expert_lora
 
-            install_expert_lora(self.model, self.host_adapter.source, self.host_adapter.info)
-            attach_adapter(self.model, self.host_adapter.attention, self.spec.device)
+            install_expert_lora(self._bound_model(), adapter.source, adapter.info)
+            attach_adapter(self._bound_model(), adapter.attention, self.spec.device)
 
     def _detach_adapter(self) -> None:
         from lorafaas.models.lora import detach_adapter
 
-        detach_adapter(self.model)
-        if self._adapter_kind() not in (None, "dense"):
+        model = self._bound_model()
+        detach_adapter(model)
+        if self.host_adapter is not None and not _is_dense(self.host_adapter):
             from lorafaas.models.moe_lora import remove_expert_lora
 
-            remove_expert_lora(self.model)
+            remove_expert_lora(model)
 
     def _release_host_adapter(self) -> None:
         """Forget the host copy; an expert adapter closes its source: local factors freed, or the server connection
         and its shared-memory buffer closed (the protocol has no unregister: the server's cache evicts the adapter
         when others need the room)."""
         adapter, self.host_adapter = self.host_adapter, None
-        if adapter is not None and _kind_of(adapter) != "dense":
+        if adapter is not None and not _is_dense(adapter):
             adapter.close()
 
-    def _join_base_pass(self) -> None:
+    def _join_base_pass(self, model: nn.Module, path: str) -> None:
         from lorafaas.function_runtime.base_pass import BasePassUnavailable, install
 
         try:
-            self.base_pass = install(self.model, self.model._lorafaas_attachment.tensors, self.spec.base_pass)
+            # bind_backbone keeps its attachment in the model's __dict__ (nn.Module stores plain objects there)
+            self.base_pass = install(model, model.__dict__["_lorafaas_attachment"].tensors, path)
         except BasePassUnavailable as exc:  # slower alone, never wrong
             log.warning("%s/%s: %s; computing every layer here", self.spec.function, self.spec.instance_id, exc)
+
+    def _bound_model(self) -> nn.Module:
+        if self.model is None:
+            raise InvalidInput(f"{self.spec.function}/{self.spec.instance_id}: the backbone is not loaded")
+        return self.model
 
     def _unbind(self) -> None:
         if self.base_pass is not None:
@@ -255,7 +276,11 @@ class FunctionInstance:
         self.loaded = [s for s in self.loaded if s not in ("backbone", "warmup")]
 
 
-def _kind_of(adapter) -> str:
+def _is_dense(adapter: HostAdapter | MoeAdapter) -> TypeIs[HostAdapter]:
+    return _kind_of(adapter) == "dense"
+
+
+def _kind_of(adapter: HostAdapter | MoeAdapter) -> str:
     """`dense` for a HostAdapter, the mode of a MoeAdapter (checked without importing moe_lora and torch)."""
     return getattr(adapter, "mode", "dense")
 

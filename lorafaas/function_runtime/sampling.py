@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tokenizers.decoders import DecodeStream
 
@@ -30,7 +32,8 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-               prompt_ids: list[int] = (), output_ids: list[int] = (), allowed: torch.Tensor | None = None) -> int:
+               prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
+               allowed: torch.Tensor | None = None) -> int:
     """The next token from one row's `logits` ([vocab]) in vLLM's order: logit_bias, then the penalties (repetition
     over prompt + output, frequency and presence over the output), then the grammar's mask (`allowed`, a bool
     [vocab]: a token outside it is never chosen), then greedy below MIN_TEMPERATURE, otherwise a draw from
@@ -62,8 +65,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int] = (),
-                     output_ids: list[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] = (),
+                     output_ids: Sequence[int] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
     """`logits` in float32 with logit_bias, the penalties and the grammar's mask applied (what greedy decoding takes
     the argmax of)."""
     logits = logits.float()
@@ -96,7 +99,7 @@ def allowed_from_bitmask(bitmask: bytes, vocab_size: int, device: torch.device |
     return allowed[:vocab_size].to(device)
 
 
-def _token_counts(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+def _token_counts(token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
     """How often each vocabulary entry occurs in `token_ids`, as a float [vocab] tensor on the logits' device."""
     ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
     return torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
@@ -162,7 +165,7 @@ class TextStream:
         return None
 
     def _decode_incrementally(self, output_ids: list[int]) -> str:
-        if self._decoder is None:
+        if self._decoder is None or self._backend is None:  # (both or neither)
             return self._tokenizer.decode(output_ids, skip_special_tokens=True)
         for token_id in output_ids[self._fed:]:
             chunk = self._decoder.step(self._backend, token_id)

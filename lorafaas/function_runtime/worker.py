@@ -161,12 +161,16 @@ class WorkerServer:
         if not self.instance.ready or self.instance.engine is None:  # a cold start: load what is not pre-loaded
             await self._run(self.instance.load_for_request)
         engine = self.instance.engine
+        if engine is None:  # load_for_request makes one; an unload in between took it away
+            raise InvalidInput("the instance's backbone is not loaded")
         if request.messages is not None:
             prompt_ids = engine.encode_chat([msg.template_dict() for msg in request.messages], request.tools)
         elif request.prompt_token_ids is not None:
             prompt_ids = engine.check_token_ids(request.prompt_token_ids)
-        else:
+        elif request.prompt is not None:
             prompt_ids = engine.encode_text(request.prompt)
+        else:  # (checked above: exactly one is given)
+            raise InvalidInput("give exactly one of prompt, prompt_token_ids and messages")
         engine.add(request.request_id, prompt_ids, request.params)
         self._routes[request.request_id] = _Route(connection, arrived)
         connection.request_ids.add(request.request_id)

@@ -70,8 +70,8 @@ class LoraCompute:
         for work in works:
             groups.setdefault((work.adapter_id, work.layer, work.projection), []).append(work)
         pinned = {work.adapter_id for work in works}
-        for adapter_id, adapter_groups in itertools.groupby(sorted(groups.items()), key=lambda item: item[0][0]):
-            adapter_groups = list(adapter_groups)
+        for adapter_id, grouped in itertools.groupby(sorted(groups.items()), key=lambda item: item[0][0]):
+            adapter_groups = list(grouped)
             adapter_works = [w for _, group in adapter_groups for w in group]
             try:
                 for _ in adapter_works:

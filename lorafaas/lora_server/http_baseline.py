@@ -14,20 +14,29 @@ import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from lorafaas.errors import ClientError, LorafaasError
+from lorafaas.formats.expert_adapters import ExpertAdapterInfo, ExpertLayout
 from lorafaas.lora_server.compute import LoraWork
-
-if TYPE_CHECKING:
-    from lorafaas.lora_server.server import LoraServer
 
 log = logging.getLogger(__name__)
 
 
-def start_http_baseline(server: LoraServer, port: int) -> str:
+class BaselineTarget(Protocol):
+    """What the baseline needs of the LoRA server (`LoraServer` is one)."""
+
+    layout: ExpertLayout
+    dtype: torch.dtype
+
+    def register(self, adapter_id: str, adapter_dir: str) -> ExpertAdapterInfo: ...
+
+    def compute_from_thread(self, work: LoraWork) -> None: ...
+
+
+def start_http_baseline(server: BaselineTarget, port: int) -> str:
     """Serve the baseline on 127.0.0.1:`port` (0: any free port) in a thread; returns its URL."""
 
     class Handler(BaseHTTPRequestHandler):

@@ -3,10 +3,16 @@
     python -m lorafaas.lora_server.server --model-dir DIR --socket PATH [--tcp HOST:PORT] [--capacity M]
 
 It never holds the backbone, only expert adapters: an `AdapterCache` of capacity M (layer-wise loading, frequency
-based eviction). Instances connect over a Unix socket (shared-memory buffers, `lora_transport.py`) or, from other
+based eviction). Instances connect over a Unix socket (memfd buffers, `lora_transport.py`) or, from other
 nodes, over TCP; each MoE layer they push two calls (gate/up, then down) and get the deltas back. An asyncio loop owns
 the sockets; one compute thread runs batches: every call that arrived while the previous batch ran, from any
-instance, grouped by (adapter, expert) (`lora_compute.py`). When ready it prints one JSON line with its addresses.
+instance, grouped by (adapter, expert) (`compute.py`). When ready it prints one JSON line with its addresses
+and its shutdown token.
+
+Isolation (docs/moe.md, "Against a hostile client"): each connection is a `Session` (`session.py`) on a socket of its
+own, every wait a client controls bounded (`connection.py`); a buffer arrives as a sealed memfd descriptor, never a
+name; adapters are the connection's own (`adapters.py`); each client's calls are charged to its budget
+(`client_policy.py`); whatever fails while serving one connection refuses or hangs up on that connection alone.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,27 +34,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import torch
 
 from lorafaas.cuda_ipc import check_device
-from lorafaas.errors import AdapterIncompatible, AdapterInvalid, InvalidInput, LorafaasError, ProtocolError, ServerError
-from lorafaas.formats.expert_adapters import (
-    ExpertAdapterInfo,
-    check_against_layout,
-    load_expert_layer,
-    read_expert_adapter_info,
-    read_expert_layout,
-)
+from lorafaas.errors import InvalidInput, LorafaasError, ServerError
+from lorafaas.formats.expert_adapters import ExpertAdapterInfo, load_expert_layer, read_expert_layout
+from lorafaas.lora_server.adapters import AdapterRegistry, ConnectionAdapters
 from lorafaas.lora_server.cache import AdapterCache
+from lorafaas.lora_server.client_policy import ClientLimits, ClientPolicy, Peer
 from lorafaas.lora_server.compute import LoraCompute, LoraWork
+from lorafaas.lora_server.session import Session
 from lorafaas.protocols import lora_server_messages as m
-from lorafaas.protocols.lora_transport import TORCH_DTYPES, DuplexBuffer
-from lorafaas.wire import encode_frame, read_message
+from lorafaas.protocols.lora_transport import TORCH_DTYPES
+from lorafaas.protocols.process_guard import forbid_dumping
 
 log = logging.getLogger(__name__)
-MAX_ROWS_PER_CALL = 1 << 16
-MAX_INLINE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,20 @@ class LoraServerConfig:
     tcp: str | None = None  # "HOST:PORT" (port 0: any free port): the TCP transport
     capacity: int = 8  # adapters resident at once (M)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: m.DType = "float32"
     num_threads: int | None = None  # torch intra-op threads of the compute thread
     half_life_accesses: float = 1024.0
     http_baseline_port: int | None = None  # the naive HTTP+JSON transport, for `bench moe-transport` only
+    client_share: float = 0.25  # of the compute thread's time, per client (`client_policy.py`)
+    client_burst_s: float = 0.25
+    hello_timeout_s: float = 10.0
+    frame_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0
+
+    @property
+    def limits(self) -> ClientLimits:
+        return ClientLimits(share=self.client_share, burst_s=self.client_burst_s, hello_timeout_s=self.hello_timeout_s,
+                            frame_timeout_s=self.frame_timeout_s, send_timeout_s=self.send_timeout_s)
 
     def __post_init__(self) -> None:
         if self.socket_path is None and self.tcp is None:
@@ -73,6 +85,10 @@ class LoraServerConfig:
             host, _, port = self.tcp.rpartition(":")
             if not host or not port.isdigit() or int(port) > 65535:
                 raise InvalidInput(f"TCP address {self.tcp!r} is not HOST:PORT")
+        try:
+            self.limits  # noqa: B018 - checks the client limits
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
 
 
 class LoraServer:
@@ -80,29 +96,45 @@ class LoraServer:
         self.config = config
         self.layout = read_expert_layout(config.model_dir)
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.adapters: dict[str, ExpertAdapterInfo] = {}
+        self.registry = AdapterRegistry(self.layout, str(config.model_dir))
+        self.policy = ClientPolicy(config.limits)
         self.cache = AdapterCache(config.capacity, self._load_layer, config.half_life_accesses)
         self.compute = LoraCompute(self.cache)
         self.addresses: dict[str, str] = {}
+        self.token = secrets.token_hex(16)  # what Shutdown must carry: the spawner has it, no function does
+        self.num_refused = 0
+        self._http_adapters = ConnectionAdapters(self.registry)  # the HTTP baseline's ids (bench only)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-compute")
-        self._pending: list[tuple[LoraWork, asyncio.Future]] = []
+        self._pending: list[_Queued] = []
         self._draining = False
         self._drainer: asyncio.Task | None = None
+        self._arrived: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._num_connections = 0
+        self._sessions: set[asyncio.Task] = set()
+        self.num_connections = 0
         self._started_s = time.monotonic()
 
     # -- compute -------------------------------------------------------------------------------------------------
 
-    def _load_layer(self, adapter_id: str, layer: int):
-        factors = load_expert_layer(self.adapters[adapter_id], layer, self.config.device)
+    def _load_layer(self, key: str, layer: int):
+        fd = self.registry.open_weights(key)
+        try:
+            weights = None if fd is None else Path(f"/proc/self/fd/{fd}")
+            factors = load_expert_layer(self.registry.info(key), layer, self.config.device, weights)
+        finally:
+            if fd is not None:
+                os.close(fd)
         return {p: type(f)(a=f.a.to(self.dtype), b=f.b.to(self.dtype), scaling=f.scaling) for p, f in factors.items()}
 
-    async def submit(self, work: LoraWork) -> None:
-        """Queue one call for the next batch and wait for its deltas (raises what computing it raised)."""
+    async def submit(self, work: LoraWork, peer: Peer) -> None:
+        """Queue one call (its `adapter_id` a registry key) for a coming batch, as `peer`'s budget allows, and wait
+        for its deltas (raises what computing it raised)."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((work, future))
+        in_features, out_features = work.rows.shape[1], work.result.shape[1]
+        self._pending.append(_Queued(work, future, peer, work.rows.shape[0] * (in_features + out_features)))
+        if self._arrived is not None:
+            self._arrived.set()
         if not self._draining:
             self._draining = True
             self._drainer = asyncio.create_task(self._drain())
@@ -110,49 +142,66 @@ class LoraServer:
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
+        self._arrived = asyncio.Event()
         try:
             while self._pending:
-                batch, self._pending = self._pending, []
+                now = time.monotonic()
+                calls = [(q.peer, q.work.rows.shape[0], q.deferred) for q in self._pending]
+                chosen, waiting = self.policy.select(calls, now)
+                for i in waiting:
+                    self._pending[i].deferred = True
+                if not chosen:  # every queued call waits for its client's budget: until one refills or a call comes
+                    self._arrived.clear()
+                    wake = self.policy.next_refill([self._pending[i].peer for i in waiting], now)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._arrived.wait(), max(wake - now, 0.001))
+                    continue
+                taken = set(chosen)
+                batch = [self._pending[i] for i in chosen]
+                self._pending = [q for i, q in enumerate(self._pending) if i not in taken]
+                started = time.monotonic()
                 try:
-                    await loop.run_in_executor(self._executor, self.compute.run, [w for w, _ in batch])
+                    await loop.run_in_executor(self._executor, self.compute.run, [q.work for q in batch])
                 except Exception as exc:  # the batch itself failed: fail its calls, keep serving
                     log.exception("LoRA server: a batch of %d calls failed", len(batch))
-                    for work, _ in batch:
-                        work.error = work.error or exc
-                for work, future in batch:
-                    if not future.done():
-                        future.set_exception(work.error) if work.error else future.set_result(None)
+                    for queued in batch:
+                        queued.work.error = queued.work.error or exc
+                now = time.monotonic()
+                self.policy.charge([(q.peer, q.cost) for q in batch], now - started, now)
+                for queued in batch:
+                    if not queued.future.done():
+                        error = queued.work.error
+                        queued.future.set_exception(error) if error else queued.future.set_result(None)
         finally:
             self._draining = False
 
     def compute_from_thread(self, work: LoraWork) -> None:
-        """`submit` for threads outside the event loop (the HTTP baseline)."""
-        asyncio.run_coroutine_threadsafe(self.submit(work), self._loop).result()
-
-    # -- adapters ------------------------------------------------------------------------------------------------
+        """`submit` for threads outside the event loop (the HTTP baseline: its adapter ids are its own)."""
+        work.adapter_id = self._http_adapters.key(work.adapter_id)
+        if self._loop is None:
+            raise ServerError("the LoRA server is not serving yet")
+        asyncio.run_coroutine_threadsafe(self.submit(work, ("http",)), self._loop).result()
 
     def register(self, adapter_id: str, adapter_dir: str) -> ExpertAdapterInfo:
-        known = self.adapters.get(adapter_id)
-        if known is not None:
-            if Path(known.path) != Path(adapter_dir):
-                raise InvalidInput(f"adapter id {adapter_id!r} is registered with {known.path}, not {adapter_dir}")
-            return known
-        info = read_expert_adapter_info(Path(adapter_dir))
-        check_against_layout(info, self.layout, str(self.config.model_dir))
-        self.adapters[adapter_id] = info
-        log.info(
-            "LoRA server: registered adapter %s (rank %d, %d expert bytes)", adapter_id, info.rank, info.expert_bytes
-        )
-        return info
+        """Register for the HTTP baseline (by path; `bench moe-transport` only)."""
+        return self._http_adapters.register(adapter_id, adapter_dir, None)
 
-    def status(self) -> m.ServerStatus:
+    def forget(self, keys: list[str]) -> None:
+        """Adapters no connection holds any more leave the cache (on the compute thread, which owns it)."""
+        for key in keys:
+            self._executor.submit(self.cache.forget, key)
+
+    def status(self, own: dict[str, str] | None = None) -> m.ServerStatus:
+        """`own`: the asking connection's ids -> keys; its adapters are shown by its ids, others' by a number."""
+        names = {key: adapter_id for adapter_id, key in (own or {}).items()}
+        resident = self.cache.resident_layers()
         stats, cache = self.compute.stats, self.cache
         return m.ServerStatus(
             server_pid=os.getpid(),
             device=self.config.device,
             uptime_s=time.monotonic() - self._started_s,
-            num_connections=self._num_connections,
-            num_adapters=len(self.adapters),
+            num_connections=self.num_connections,
+            num_adapters=len(self.registry),
             num_calls=stats.num_calls,
             num_batches=stats.num_batches,
             max_calls_per_batch=stats.max_calls_per_batch,
@@ -160,14 +209,20 @@ class LoraServer:
             compute_s=stats.compute_s,
             cache=m.CacheStatus(
                 capacity=cache.capacity,
-                resident=cache.resident_layers(),
+                resident={names.get(key, f"#{i}"): layers for i, (key, layers) in enumerate(resident.items())},
                 resident_bytes=cache.resident_bytes,
                 num_hits=cache.num_hits,
                 num_misses=cache.num_misses,
                 num_layer_loads=cache.num_layer_loads,
                 num_evictions=cache.num_evictions,
             ),
+            num_deferred=self.policy.num_deferred,
+            num_refused=self.num_refused,
         )
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
 
     # -- serving -------------------------------------------------------------------------------------------------
 
@@ -176,19 +231,26 @@ class LoraServer:
         self._stop = asyncio.Event()
         if self.config.num_threads:
             await self._loop.run_in_executor(self._executor, torch.set_num_threads, self.config.num_threads)
-        servers = []
+        listeners: list[tuple[socket.socket, str]] = []
         if self.config.socket_path is not None:
             path = Path(self.config.socket_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
-            servers.append(await asyncio.start_unix_server(lambda r, w: self._handle(r, w, "shm"), path=str(path)))
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(path))
             path.chmod(0o600)
+            listeners.append((listener, "shm"))
             self.addresses["socket"] = str(path)
         if self.config.tcp is not None:
             host, _, port = self.config.tcp.rpartition(":")
-            server = await asyncio.start_server(lambda r, w: self._handle(r, w, "tcp"), host=host, port=int(port))
-            servers.append(server)
-            self.addresses["tcp"] = f"tcp://{host}:{server.sockets[0].getsockname()[1]}"
+            listener = socket.create_server((host, int(port)))
+            listeners.append((listener, "tcp"))
+            self.addresses["tcp"] = f"tcp://{host}:{listener.getsockname()[1]}"
+        accepting = []
+        for listener, transport in listeners:
+            listener.listen(128)
+            listener.setblocking(False)
+            accepting.append(asyncio.create_task(self._accept(listener, transport)))
         if self.config.http_baseline_port is not None:
             from lorafaas.lora_server.http_baseline import start_http_baseline
 
@@ -205,156 +267,47 @@ class LoraServer:
             self.addresses,
         )
         if on_ready is not None:
-            on_ready(self.addresses)
+            on_ready({**self.addresses, "token": self.token})
         try:
             await self._stop.wait()
         finally:
-            for server in servers:
-                server.close()
+            for task in accepting:
+                task.cancel()
+            for listener, _ in listeners:
+                listener.close()
+            for task in list(self._sessions):
+                task.cancel()
             if self.config.socket_path is not None:
                 Path(self.config.socket_path).unlink(missing_ok=True)
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
-        self._num_connections += 1
-        buffer: DuplexBuffer | None = None
-        try:
-            hello = await read_message(reader, m.request_decoder)
-            if not isinstance(hello, m.Hello) or hello.protocol_version != m.PROTOCOL_VERSION:
-                raise ProtocolError(f"expected hello with protocol version {m.PROTOCOL_VERSION}, got {hello!r}")
-            layout = self.layout
-            writer.write(
-                encode_frame(
-                    m.Welcome(
-                        protocol_version=m.PROTOCOL_VERSION,
-                        server_pid=os.getpid(),
-                        device=self.config.device,
-                        dtype=self.config.dtype,
-                        num_experts=layout.num_experts,
-                        hidden_size=layout.hidden_size,
-                        intermediate_size=layout.intermediate_size,
-                        layers=tuple(sorted(layout.experts_paths)),
-                    )
-                )
-            )
-            while (request := await read_message(reader, m.request_decoder)) is not None:
-                try:
-                    if isinstance(request, m.LoraCall):
-                        await self._call(request, buffer, transport, reader, writer)
-                    elif isinstance(request, m.AttachBuffer):
-                        if transport != "shm":
-                            raise InvalidInput("shared-memory buffers are for local (Unix socket) connections")
-                        if buffer is not None:
-                            buffer.close()
-                        buffer = None
-                        buffer = DuplexBuffer(request.segment, request.size, create=False)
-                        writer.write(encode_frame(m.BufferAttached(segment=request.segment)))
-                    elif isinstance(request, m.RegisterAdapter):
-                        info = self.register(request.adapter_id, request.adapter_dir)
-                        writer.write(
-                            encode_frame(
-                                m.AdapterRegistered(
-                                    adapter_id=request.adapter_id, rank=info.rank, expert_bytes=info.expert_bytes
-                                )
-                            )
-                        )
-                    elif isinstance(request, m.Status):
-                        writer.write(encode_frame(self.status()))
-                    elif isinstance(request, m.Shutdown):
-                        writer.write(encode_frame(m.ShuttingDown()))
-                        self._stop.set()
-                    else:
-                        raise ProtocolError(f"unexpected {type(request).__name__} after the handshake")
-                except LorafaasError as exc:
-                    if isinstance(exc, ProtocolError):
-                        raise
-                    seq = request.seq if isinstance(request, m.LoraCall) else None
-                    writer.write(encode_frame(m.ErrorReply(code=exc.code, message=exc.message, seq=seq)))
-                await writer.drain()
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, ProtocolError) as exc:
-            writer.write(encode_frame(m.ErrorReply(code=ProtocolError.code, message=str(exc))))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self._num_connections -= 1
-            if buffer is not None:
-                buffer.close()
-            writer.close()
+    async def _accept(self, listener: socket.socket, transport: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: this connection is lost, not the listener
+                log.warning("LoRA server: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(Session(self, sock, transport).run())
+            self._sessions.add(task)
+            task.add_done_callback(self._sessions.discard)
 
-    async def _call(
-        self,
-        call: m.LoraCall,
-        buffer: DuplexBuffer | None,
-        transport: str,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        inline = None
-        if isinstance(call.rows, m.InlinePayload):
-            if transport != "tcp" or not 0 < call.rows.nbytes <= MAX_INLINE_BYTES:
-                raise ProtocolError(f"inline rows of {call.rows.nbytes} bytes on a {transport} connection")
-            inline = bytearray(await reader.readexactly(call.rows.nbytes))  # read before checks: stay in sync
-        in_features, out_features = self._check_call(call)
-        num_rows = sum(call.expert_counts)
-        dtype = TORCH_DTYPES[call.dtype]
-        if inline is not None:
-            if len(inline) != num_rows * in_features * dtype.itemsize:
-                raise InvalidInput(
-                    f"{len(inline)} bytes of rows; {num_rows} rows x {in_features} {call.dtype} need "
-                    f"{num_rows * in_features * dtype.itemsize}"
-                )
-            rows = torch.frombuffer(inline, dtype=dtype).view(num_rows, in_features)
-            result = torch.empty(num_rows, out_features, dtype=dtype)
-        else:
-            if buffer is None or call.result_offset is None:
-                raise InvalidInput("a shared-memory call needs an attached buffer and a result offset")
-            rows = buffer.tensor(call.rows.offset, dtype, (num_rows, in_features))
-            result = buffer.tensor(call.result_offset, dtype, (num_rows, out_features))
-            if (
-                call.rows.offset < call.result_offset + result.nbytes
-                and call.result_offset < call.rows.offset + rows.nbytes
-            ):
-                raise InvalidInput("a call's rows and result overlap in the buffer")
-        work = LoraWork(
-            adapter_id=call.adapter_id,
-            layer=call.layer,
-            projection=call.projection,
-            expert_counts=call.expert_counts,
-            rows=rows,
-            result=result,
-        )
-        try:
-            await self.submit(work)
-        except LorafaasError:
-            raise
-        except Exception as exc:
-            raise ServerError(f"computing the deltas of adapter {call.adapter_id} failed: {exc}") from exc
-        payload = m.ShmPayload(offset=call.result_offset) if inline is None else m.InlinePayload(nbytes=result.nbytes)
-        writer.write(
-            encode_frame(m.LoraResult(seq=call.seq, num_rows=num_rows, out_features=out_features, result=payload))
-        )
-        if inline is not None:  # the deltas follow the frame
-            writer.write(memoryview(result.view(torch.uint8).numpy()).cast("B"))
 
-    def _check_call(self, call: m.LoraCall) -> tuple[int, int]:
-        info = self.adapters.get(call.adapter_id)
-        if info is None:
-            raise AdapterInvalid(f"adapter {call.adapter_id!r} is not registered with this LoRA server")
-        if call.projection not in info.projections.get(call.layer, ()):
-            raise AdapterIncompatible(
-                f"adapter {call.adapter_id!r} does not adapt {call.projection} of layer {call.layer}"
-            )
-        if call.dtype != self.config.dtype:
-            raise InvalidInput(f"rows are {call.dtype}; this LoRA server computes in {self.config.dtype}")
-        counts = call.expert_counts
-        if len(counts) != self.layout.num_experts or any(c < 0 for c in counts):
-            raise InvalidInput(f"expert_counts must be {self.layout.num_experts} non-negative counts, got {counts}")
-        if not 0 < sum(counts) <= MAX_ROWS_PER_CALL:
-            raise InvalidInput(f"a call carries {sum(counts)} rows; it must carry 1 to {MAX_ROWS_PER_CALL}")
-        return self.layout.features(call.projection)
+@dataclass
+class _Queued:
+    work: LoraWork
+    future: asyncio.Future
+    peer: Peer
+    cost: float  # rows x (in + out): its part of its batch's time
+    deferred: bool = False
 
 
 def serve(config: LoraServerConfig, on_ready: Callable[[dict[str, str]], None] | None = None) -> None:
+    """Serve until stopped. This process becomes not dumpable first: it maps every client's buffer and holds every
+    client's adapter directory open, which no other process of the uid may reach through its /proc/PID."""
+    forbid_dumping()
     asyncio.run(LoraServer(config).serve(on_ready))
 
 
@@ -383,6 +336,9 @@ def spawn_lora_server(
         command += ["--threads", str(config.num_threads)]
     if config.http_baseline_port is not None:
         command += ["--http-baseline-port", str(config.http_baseline_port)]
+    command += ["--client-share", str(config.client_share), "--client-burst", str(config.client_burst_s),
+                "--hello-timeout", str(config.hello_timeout_s), "--frame-timeout", str(config.frame_timeout_s),
+                "--send-timeout", str(config.send_timeout_s)]
     process = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
@@ -402,6 +358,7 @@ def spawn_lora_server(
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     import selectors
 
+    assert process.stdout is not None  # started with stdout=PIPE
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout_s):
@@ -421,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--http-baseline-port", type=int, default=None)
+    parser.add_argument("--client-share", type=float, default=0.25, help="of the compute time, per client")
+    parser.add_argument("--client-burst", type=float, default=0.25, help="seconds of compute a client may bank")
+    parser.add_argument("--hello-timeout", type=float, default=10.0)
+    parser.add_argument("--frame-timeout", type=float, default=10.0)
+    parser.add_argument("--send-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -436,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             num_threads=args.threads,
             http_baseline_port=args.http_baseline_port,
+            client_share=args.client_share,
+            client_burst_s=args.client_burst,
+            hello_timeout_s=args.hello_timeout,
+            frame_timeout_s=args.frame_timeout,
+            send_timeout_s=args.send_timeout,
         )
         serve(config, on_ready=lambda addresses: print(json.dumps(addresses), flush=True))
     except LorafaasError as exc:

@@ -27,7 +27,7 @@ def backbone_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple
     return tuple([spec for spec, _ in groups] + [spec for spec, _ in layer_tails(model, tensors, groups)])
 
 
-def bare_linear(layer: nn.Module | None) -> nn.Linear | None:
+def bare_linear(layer: object) -> nn.Linear | None:
     """The backbone's linear layer in `layer` (itself, or the `base` of a LoRA wrapper), or None."""
     base = getattr(layer, "base", layer)
     return base if is_bare_linear(base) else None
@@ -99,7 +99,7 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
         return []
     key_of = {spec.weights[0]: key for key, (spec, _) in enumerate(groups) if not spec.mlp_down}
     mlps = {id(mlp) for mlp in gated_mlps(model, names).values()}
-    tails = []
+    tails: list[tuple[bp.GroupSpec, int]] = []
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         attention, post_norm = getattr(layer, "self_attn", None), getattr(layer, "post_attention_layernorm", None)

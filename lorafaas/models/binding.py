@@ -16,7 +16,7 @@ import inspect
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorafaas.cuda_ipc import Attachment
 from lorafaas.errors import BindingFailed
@@ -99,15 +99,17 @@ def _assign(model: nn.Module, tensors: dict) -> None:
 
 def tied_weight_keys(model: nn.Module) -> dict[str, str]:
     """{target: source} of the parameters the model's config ties (e.g. lm_head.weight -> embed_tokens.weight)."""
-    if hasattr(model, "get_expanded_tied_weights_keys"):
-        return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+    hf: Any = model  # a transformers model (nn.Module's __getattr__ types its methods as Tensor | Module)
+    if hasattr(hf, "get_expanded_tied_weights_keys"):
+        return dict(hf.get_expanded_tied_weights_keys(all_submodels=True))
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 def _tie_weights(model: nn.Module, present: set[str]) -> None:
     """Point each tied parameter missing from the segment at the one present (either direction, as transformers)."""
     if not hasattr(model, "get_expanded_tied_weights_keys") and not hasattr(model, "all_tied_weights_keys"):
-        model.tie_weights()  # transformers 4: ties the output embeddings to the input embeddings per the config
+        hf: Any = model  # a transformers model
+        hf.tie_weights()  # transformers 4: ties the output embeddings to the input embeddings per the config
         return
     for target, source in tied_weight_keys(model).items():
         if source in present and target not in present:
@@ -122,7 +124,8 @@ def contiguous_head_input(model: nn.Module) -> None:
     fold that view. It runs a batched product over an expanded weight instead, which in bf16 on a CPU is a plain loop:
     157 ms against 5 ms for SmolLM2's head at one thread, two thirds of a 48-token prefill (float32: 6.5 against
     5.2 ms, MKL's batched product)."""
-    head = model.get_output_embeddings()
+    hf: Any = model  # a transformers model
+    head = hf.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(_contiguous_first_argument)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ class OneDnnLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.bias)
 
 
-def is_bare_linear(module: nn.Module) -> bool:
+def is_bare_linear(module: object) -> TypeGuard[nn.Linear]:
     """A backbone's plain linear layer, whichever kernel computes it (not a subclass that changes what it computes,
     not an adapter's wrapper)."""
     return type(module) is nn.Linear or type(module) is OneDnnLinear

@@ -99,7 +99,8 @@ def module_table(model: nn.Module) -> ModuleTable:
             visit(path + ".", base)
 
     visit("", model)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)  # a transformers model's
+    output = get_output_embeddings() if get_output_embeddings is not None else None
     output_name = next((n for n, m in model.named_modules() if output is not None and m is output), None)
     if output_name is not None and output_name.endswith(".base"):  # lm_head already wrapped by a LoraLinear
         output_name = output_name.removesuffix(".base")
@@ -127,6 +128,8 @@ class LoraLinear(nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA's part of the output for x, in the adapter's dtype (an adapter must be attached)."""
+        if self.lora_a is None or self.lora_b is None:
+            raise RuntimeError("no adapter is attached to this layer")
         return F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b, self.lora_bias) * self.scaling
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,7 @@ class ExpertLoraForward:
     """The forward of one fused-experts module with its LoRA deltas added (see the module docstring)."""
 
     def __init__(self, experts: nn.Module, layer: int, source: ExpertLoraSource) -> None:
-        self.experts = experts
+        self.experts: Any = experts  # a Mixtral experts block (num_experts, gate_up_proj, down_proj, act_fn)
         self.layer = layer
         self.source = source
 

@@ -154,11 +154,12 @@ def train_adapter(
         progress.advance(1)
 
     progress.stage(f"saving adapter to {out_dir}")
-    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
     set_base_model(out_dir, manifest.name)
     for path in out_dir.iterdir():  # safetensors writes 0600; platform processes of other users must read it
         path.chmod(0o644)
     (out_dir / "README.md").unlink(missing_ok=True)  # PEFT's model-card stub says nothing true about this adapter
+    first_loss, final_loss = round(losses[0], 4), round(sum(losses[-10:]) / len(losses[-10:]), 4)
     record = {
         "backbone": manifest.name,
         "backbone_sha256": manifest.weights_sha256,
@@ -166,11 +167,11 @@ def train_adapter(
         "data_sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(),
         "num_examples": len(examples),
         "config": {**asdict(config), "target_modules": list(config.target_modules)},
-        "first_loss": round(losses[0], 4),
-        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "first_loss": first_loss,
+        "final_loss": final_loss,
     }
     (out_dir / TRAIN_RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    return TrainResult(out_dir, record["first_loss"], record["final_loss"], time.perf_counter() - started)
+    return TrainResult(out_dir, first_loss, final_loss, time.perf_counter() - started)
 
 
 def _lr_factor(step: int, total: int) -> float:

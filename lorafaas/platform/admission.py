@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from lorafaas.errors import InstanceUnavailable, LorafaasError, ServerError
 from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler
+from lorafaas.scheduler import FunctionName, Scheduler
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05  # a queue whose instances are all full looks again this often (and at every request's end)
@@ -105,7 +105,7 @@ class Admission:
         return failed
 
     def max_batch_size(self, spec: FunctionSpec) -> int:
-        return self.scheduler.batch_policy(spec.name, spec.slo_ttft_ms / 1e3).max_batch_size
+        return self.scheduler.batch_policy(FunctionName(spec.name), spec.slo_ttft_ms / 1e3).max_batch_size
 
     async def _dispatch(self, identity: Identity, queue: _Queue) -> None:
         waiters = queue.waiters
@@ -120,7 +120,7 @@ class Admission:
                 wanted = len(queue)
                 if self.fill_or_expire:
                     now = self.clock()
-                    decision = self.scheduler.decide_batch(spec.name, spec.slo_ttft_ms / 1e3, wanted,
+                    decision = self.scheduler.decide_batch(FunctionName(spec.name), spec.slo_ttft_ms / 1e3, wanted,
                                                            now - waiters[0].enqueued_s, now)
                     if not decision.dispatch:
                         await _wait(queue.wakeup, decision.wait_s)
@@ -156,7 +156,7 @@ def _fail(waiters: collections.deque[_Waiter], exc: Exception) -> int:
 
 
 def _release(waiters: collections.deque[_Waiter], instance: Instance, size: int) -> None:
-    taken = []
+    taken: list[_Waiter] = []
     while waiters and len(taken) < max(1, size):
         waiter = waiters.popleft()
         if not waiter.future.done():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 from collections.abc import Iterator
@@ -117,7 +118,7 @@ class ApiClient:
         return self._call("DELETE", f"/v1/invocations/{quote(invocation_id, safe='')}").json()
 
     def invocations(self, function: str | None = None, status: str | None = None, limit: int | None = None
-                    ) -> list[dict]:
+                    ) -> builtins.list[dict]:
         params = {k: v for k, v in {"function": function, "status": status, "limit": limit}.items() if v is not None}
         return self._call("GET", "/v1/invocations", params=params).json()["invocations"]
 
@@ -131,7 +132,8 @@ class ApiClient:
                 for event in events(reply):
                     if event.error is not None:
                         raise error_class(event.error["code"])(event.error["message"])
-                    yield event.data
+                    if event.data is not None:  # (None: an OpenAI stream's closing [DONE], not sent here)
+                        yield event.data
         except httpx.TransportError as exc:
             raise PlatformUnavailable(f"lost the connection to lorafaas at {self.url}: {exc}") from exc
 
@@ -140,7 +142,7 @@ class ApiClient:
     def create_key(self, tenant: str) -> dict:
         return self._call("POST", "/v1/keys", json={"tenant": tenant}).json()
 
-    def list_keys(self) -> list[dict]:
+    def list_keys(self) -> builtins.list[dict]:
         return self._call("GET", "/v1/keys").json()["keys"]
 
     def revoke_key(self, key_id: str) -> dict:

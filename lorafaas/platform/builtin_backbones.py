@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lorafaas.errors import InvalidName, SourceUnavailable
 from lorafaas.formats.model_store import BackboneManifest, ModelStore, check_name
@@ -80,7 +81,7 @@ def import_builtin(
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         progress.stage(f"reading {gguf_path.name}")
         with _tensor_progress(progress, f"dequantizing {gguf_path.name} to float32"):
-            model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
             )
         # The weights are plain float32 now; drop the GGUF quantizer so the model saves as ordinary safetensors.

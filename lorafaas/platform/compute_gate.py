@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class ComputeGate:
-    def __init__(self, path: Path, grants: CoreGrants, is_worker: Callable[[int], bool],
+    def __init__(self, path: Path, grants: CoreGrants[int], is_worker: Callable[[int], bool],
                  is_member: Callable[[int], bool] = lambda pid: False) -> None:
         self.path = path
         self.grants = grants

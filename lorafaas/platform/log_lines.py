@@ -55,7 +55,8 @@ def render(sections: list[list[LogLine]]) -> str:
 
 def parse(text: str) -> list[LogLine]:
     """`render`'s text back into lines (what the CLI reads from `GET /v1/functions/{name}/logs`)."""
-    lines, instance, logged_at = [], "", None
+    lines: list[LogLine] = []
+    instance, logged_at = "", None
     for line in text.splitlines():
         header = HEADER.match(line)
         if header:

@@ -11,12 +11,13 @@ replaced one and a failed deploy.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -252,7 +253,7 @@ class FunctionService:
     # -- invocations -----------------------------------------------------------------------------------------------
 
     async def invoke(self, caller: ApiKeyRecord, name: str, request: InvocationRequest, charge_prompt: bool = True
-                     ) -> AsyncIterator[m.Token | m.Finished]:
+                     ) -> AsyncGenerator[m.Token | m.Finished, None]:
         """`charge_prompt` False: the request's prompt is charged to another invocation (choice 0 of OpenAI's `n`)."""
         spec = await self.aget(caller, name)
         request.check(spec.max_tokens_limit)
@@ -266,7 +267,7 @@ class FunctionService:
             self.in_flight.close(ticket)
 
     async def _metered(self, spec: FunctionSpec, request: m.Generate, ticket: Ticket, charge_prompt: bool = True
-                       ) -> AsyncIterator[m.Token | m.Finished]:
+                       ) -> AsyncGenerator[m.Token | m.Finished, None]:
         """The invocation's events, until it ends or its ticket is cancelled (its key revoked, its tenant cancelled
         it). Its usage is recorded (in the background) however it ends: when `Finished` comes, or what it produced
         until then when its client leaves, its wall time runs out or it is cancelled. An invocation the platform
@@ -323,7 +324,7 @@ class FunctionService:
         return record
 
     async def list_invocations(self, caller: ApiKeyRecord, function: str | None, status: str | None, limit: int
-                               ) -> list[InvocationRecord]:
+                               ) -> builtins.list[InvocationRecord]:
         """The caller's invocations still retained (a tenant's own; every tenant's for the admin), newest first."""
         records = await asyncio.to_thread(self.store.list_invocations, status)
         mine = [r for r in reversed(records) if (caller.is_admin or r.tenant == caller.tenant)
@@ -402,7 +403,7 @@ class FunctionService:
         return self.store.delete_expired_invocations(time.time())
 
 
-async def within_wall_time(events: AsyncIterator, spec: FunctionSpec) -> AsyncIterator:
+async def within_wall_time(events: AsyncGenerator, spec: FunctionSpec) -> AsyncGenerator:
     """The events of one invocation until its function's `max_request_s` runs out, then InvocationTimedOut; the
     generation behind it is cancelled (the instance drops the request) either way."""
     loop = asyncio.get_running_loop()

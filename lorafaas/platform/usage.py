@@ -117,7 +117,7 @@ def parse_time(field: str, value: TimeBound) -> float | None:
         seconds = float(value)
     except ValueError:
         try:
-            moment = datetime.fromisoformat(value)
+            moment = datetime.fromisoformat(str(value))  # (a str: float() takes any number)
         except ValueError:
             raise InvalidInput(f"{field} is {value!r}; give unix seconds (1732435200) or ISO 8601 "
                                "(2026-11-24T07:00:00Z)") from None

@@ -35,32 +35,32 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 
 # Requests
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     protocol_version: int
     client: str = ""  # free text for logs, e.g. the function name
 
 
-class Attach(_Message, tag="attach"):
+class Attach(_Message, frozen=True, tag="attach"):
     function: str
 
 
-class Heartbeat(_Message, tag="heartbeat"):
+class Heartbeat(_Message, frozen=True, tag="heartbeat"):
     lease_id: str
 
 
-class Detach(_Message, tag="detach"):
+class Detach(_Message, frozen=True, tag="detach"):
     lease_id: str
 
 
-class Status(_Message, tag="status"):
+class Status(_Message, frozen=True, tag="status"):
     pass
 
 
-class HoldSegment(_Message, tag="hold_segment"):
+class HoldSegment(_Message, frozen=True, tag="hold_segment"):
     """The supervisor asks for a duplicate of the sealed segment's descriptor, to hand to a successor."""
 
 
-class Shutdown(_Message, tag="shutdown"):
+class Shutdown(_Message, frozen=True, tag="shutdown"):
     force: bool = False
 
 
@@ -85,14 +85,14 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float  # since the lease was granted or last renewed
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     protocol_version: int
     backbone: str
     device: str
     daemon_pid: int
 
 
-class Attached(_Message, tag="attached"):
+class Attached(_Message, frozen=True, tag="attached"):
     """Sent with the segment's descriptor (SCM_RIGHTS); the client owns it from then on."""
 
     lease_id: str
@@ -101,21 +101,21 @@ class Attached(_Message, tag="attached"):
     lease_ttl_s: float | None  # renew with Heartbeat more often than this; None: the lease lives with the pid
 
 
-class SegmentHeld(_Message, tag="segment_held"):
+class SegmentHeld(_Message, frozen=True, tag="segment_held"):
     """Sent with a duplicate of the segment's descriptor (SCM_RIGHTS)."""
 
     manifest: SegmentManifest
 
 
-class HeartbeatAck(_Message, tag="heartbeat_ack"):
+class HeartbeatAck(_Message, frozen=True, tag="heartbeat_ack"):
     lease_id: str
 
 
-class Detached(_Message, tag="detached"):
+class Detached(_Message, frozen=True, tag="detached"):
     lease_id: str
 
 
-class DaemonStatus(_Message, tag="daemon_status"):
+class DaemonStatus(_Message, frozen=True, tag="daemon_status"):
     backbone: str
     device: str
     transport: str
@@ -131,11 +131,11 @@ class DaemonStatus(_Message, tag="daemon_status"):
     dumpable: bool | None = None  # prctl(PR_GET_DUMPABLE): False, the daemon forbids it (protocols.process_guard)
 
 
-class ShuttingDown(_Message, tag="shutting_down"):
+class ShuttingDown(_Message, frozen=True, tag="shutting_down"):
     num_leases_dropped: int
 
 
-class ErrorReply(_Message, tag="error"):
+class ErrorReply(_Message, frozen=True, tag="error"):
     code: str  # a LorafaasError code
     message: str
 

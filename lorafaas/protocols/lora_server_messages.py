@@ -2,12 +2,17 @@
 
 A connection opens with `Hello`; the server answers `Welcome` (its MoE layout) or an `ErrorReply` and closes. Then:
 
-    AttachBuffer(segment, size)     -> BufferAttached      shm only: the client's duplex buffer in /dev/shm
-    RegisterAdapter(id, dir)        -> AdapterRegistered   checked against the server's backbone, not loaded yet
+    AttachBuffer(size) + memfd      -> BufferAttached      Unix socket only: the client's duplex buffer, a memfd
+                                                           sealed against shrinking, sent with the frame (SCM_RIGHTS)
+    RegisterAdapter(id, dir)        -> AdapterRegistered   checked against the server's backbone, not loaded yet; on
+             [+ directory fd]                              the Unix socket the frame carries a descriptor of the
+                                                           adapter's directory, the only way the server reads it
     LoraCall(seq, adapter, layer,   -> LoraResult          the deltas of the routed rows of one MoE projection
              projection, rows...)
     Status()                        -> ServerStatus
-    Shutdown()                      -> ShuttingDown
+    Shutdown(token)                 -> ShuttingDown        the token the server printed when it started
+
+Adapter ids are the connection's own: a call names an id this connection registered, never another's.
 
 Tensors never travel inside a message. A call's rows and result live either in the client's shared-memory buffer
 (`ShmPayload`: an offset; the frame is the notification) or, over TCP between nodes, as raw bytes right after the
@@ -20,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Projection = Literal["gate_up_proj", "down_proj"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -42,22 +47,22 @@ Payload = ShmPayload | InlinePayload
 
 
 # Requests
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     protocol_version: int
     client: str = ""  # for logs: the function instance
 
 
-class AttachBuffer(_Message, tag="attach_buffer"):
-    segment: str  # /dev/shm name; the server maps it read-write, the client unlinks it once attached
-    size: int
+class AttachBuffer(_Message, frozen=True, tag="attach_buffer"):
+    size: int  # bytes of the memfd that comes with the frame; the server maps it read-write and closes its descriptor
 
 
-class RegisterAdapter(_Message, tag="register_adapter"):
+class RegisterAdapter(_Message, frozen=True, tag="register_adapter"):
     adapter_id: str
-    adapter_dir: str  # readable by the server (the same node, or a shared adapter store)
+    adapter_dir: str  # Unix socket: for messages only (the directory's descriptor comes with the frame); TCP: a
+    # path the server reads (the same node, or a shared adapter store)
 
 
-class LoraCall(_Message, tag="lora_call"):
+class LoraCall(_Message, frozen=True, tag="lora_call"):
     seq: int
     adapter_id: str
     layer: int
@@ -68,19 +73,19 @@ class LoraCall(_Message, tag="lora_call"):
     result_offset: int | None = None  # shm: where the server writes the [rows, out_features] deltas
 
 
-class Status(_Message, tag="status"):
+class Status(_Message, frozen=True, tag="status"):
     pass
 
 
-class Shutdown(_Message, tag="shutdown"):
-    pass
+class Shutdown(_Message, frozen=True, tag="shutdown"):
+    token: str = ""  # the server's shutdown token (its ready line): a function does not have it
 
 
 Request = Hello | AttachBuffer | RegisterAdapter | LoraCall | Status | Shutdown
 
 
 # Responses
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     protocol_version: int
     server_pid: int
     device: str
@@ -91,17 +96,17 @@ class Welcome(_Message, tag="welcome"):
     layers: tuple[int, ...]  # the MoE layer numbers
 
 
-class BufferAttached(_Message, tag="buffer_attached"):
-    segment: str
+class BufferAttached(_Message, frozen=True, tag="buffer_attached"):
+    size: int
 
 
-class AdapterRegistered(_Message, tag="adapter_registered"):
+class AdapterRegistered(_Message, frozen=True, tag="adapter_registered"):
     adapter_id: str
     rank: int
     expert_bytes: int
 
 
-class LoraResult(_Message, tag="lora_result"):
+class LoraResult(_Message, frozen=True, tag="lora_result"):
     seq: int
     num_rows: int
     out_features: int
@@ -118,7 +123,7 @@ class CacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     num_evictions: int
 
 
-class ServerStatus(_Message, tag="server_status"):
+class ServerStatus(_Message, frozen=True, tag="server_status"):
     server_pid: int
     device: str
     uptime_s: float
@@ -130,13 +135,15 @@ class ServerStatus(_Message, tag="server_status"):
     num_groups: int  # (adapter, layer, projection, expert) low-rank products run
     compute_s: float  # time the compute thread spent on batches
     cache: CacheStatus
+    num_deferred: int = 0  # calls that waited for their client's budget
+    num_refused: int = 0  # connections refused or hung up on (a bad buffer, a stall, a malformed stream)
 
 
-class ShuttingDown(_Message, tag="shutting_down"):
+class ShuttingDown(_Message, frozen=True, tag="shutting_down"):
     pass
 
 
-class ErrorReply(_Message, tag="error"):
+class ErrorReply(_Message, frozen=True, tag="error"):
     code: str  # a LorafaasError code
     message: str
     seq: int | None = None

@@ -1,6 +1,7 @@
 """Moving a call's rows and deltas between a function instance and the LoRA server: shared memory or TCP.
 
-On one node (address: a Unix socket path) the client owns a duplex shared-memory buffer that the server maps too;
+On one node (address: a Unix socket path) the client owns a duplex shared-memory buffer (a sealed memfd whose
+descriptor it sends over the socket) that the server maps too;
 a call writes the routed rows into it and sends one small frame (the notification); the server computes straight from
 the buffer and writes the deltas into it, then answers with one frame. No tensor is serialized: one memcpy in, the
 deltas read in place. Between nodes (address: `tcp://host:port`) the same messages travel over TCP and the tensors
@@ -16,17 +17,16 @@ follow their frame as raw bytes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
-import secrets
 import socket
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 import torch
 
-from lorafaas.cuda_ipc.shm import segment_path
 from lorafaas.errors import DaemonUnavailable, InvalidInput, ProtocolError, SegmentError
 from lorafaas.protocols import lora_server_messages as m
 from lorafaas.wire import encode_frame, error_class, recv_message
@@ -34,10 +34,12 @@ from lorafaas.wire import encode_frame, error_class, recv_message
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUFFER_BYTES = 1 << 20
-BUFFER_PREFIX = "lorafaas-lora."
+BUFFER_PREFIX = "lorafaas-lora."  # the memfd's name (in /proc/PID/fd links only: a memfd is in no directory)
+BUFFER_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+MAX_BUFFER_BYTES = 1 << 31  # the largest buffer the server maps
 ALIGNMENT = 64
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_NAMES: dict[torch.dtype, m.DType] = {v: cast(m.DType, k) for k, v in TORCH_DTYPES.items()}  # (m.DType's names)
 
 
 def align(n: int) -> int:
@@ -45,61 +47,67 @@ def align(n: int) -> int:
 
 
 class DuplexBuffer:
-    """A /dev/shm buffer both sides map read-write: the client writes rows, the server writes deltas."""
+    """A memfd both sides map read-write: the client writes rows, the server writes deltas. It has no name: the client
+    hands its descriptor to the server over the Unix socket (SCM_RIGHTS), so no other process can open it, and it is
+    sealed against shrinking and growing, so its size cannot change under the server's mapping (a shrink would fault
+    the server, SIGBUS, and every function's calls with it)."""
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
-        path = segment_path(name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    def __init__(self, size: int) -> None:
+        self.fd: int | None = os.memfd_create(f"{BUFFER_PREFIX}{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            fd = os.open(path, flags, 0o600)
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, BUFFER_SEALS)
+            self._mmap: mmap.mmap | None = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            raise SegmentError(f"cannot open the LoRA buffer {path}: {exc.strerror}") from exc
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise SegmentError(f"LoRA buffer {path} has {os.fstat(fd).st_size} bytes, not {size}")
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            if create:
-                path.unlink(missing_ok=True)
-            raise SegmentError(f"cannot map the LoRA buffer {path}: {exc}") from exc
-        finally:
-            os.close(fd)
-        self.name = name
+            os.close(self.fd)
+            raise SegmentError(f"cannot make a {size}-byte LoRA buffer: {exc}") from exc
         self.size = size
-        self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     @classmethod
     def create(cls, size: int) -> DuplexBuffer:
-        return cls(f"{BUFFER_PREFIX}{os.getpid()}.{secrets.token_hex(4)}", align(size), create=True)
+        return cls(align(size))
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of the buffer; raises SegmentError if it does not fit."""
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        if offset < 0 or offset % ALIGNMENT or offset + nbytes > self.size:
-            raise SegmentError(
-                f"{nbytes} bytes at offset {offset} do not fit the {self.size}-byte LoRA buffer "
-                f"(offsets are multiples of {ALIGNMENT})"
-            )
-        return self._bytes[offset : offset + nbytes].view(dtype).view(shape)
+        if self._bytes is None:
+            raise SegmentError("the LoRA buffer is closed")
+        return buffer_view(self._bytes, self.size, offset, dtype, shape)
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         """Copy a tensor's bytes in with one plain memcpy (torch's copy_ may wake its thread pool for this)."""
-        data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+        data = tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
         if offset < 0 or offset % ALIGNMENT or offset + data.nbytes > self.size:
             raise SegmentError(f"{data.nbytes} bytes at offset {offset} do not fit the {self.size}-byte LoRA buffer")
+        if self._mmap is None:
+            raise SegmentError("the LoRA buffer is closed")
         self._mmap[offset : offset + data.nbytes] = data
 
-    def unlink(self) -> None:
-        segment_path(self.name).unlink(missing_ok=True)
+    def close_fd(self) -> None:
+        """The descriptor is needed only until the server has its own (the mapping stays)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def close(self) -> None:
+        self.close_fd()
         self._bytes = None
         if self._mmap is not None:
             with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping goes with it
                 self._mmap.close()
             self._mmap = None
+
+
+def buffer_view(flat: torch.Tensor, size: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """`shape` elements of `dtype` at byte `offset` of a byte tensor of `size` bytes; SegmentError if they do not
+    fit."""
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    if offset < 0 or offset % ALIGNMENT or offset + nbytes > size:
+        raise SegmentError(
+            f"{nbytes} bytes at offset {offset} do not fit the {size}-byte LoRA buffer "
+            f"(offsets are multiples of {ALIGNMENT})"
+        )
+    return flat[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class PendingCall:
@@ -122,7 +130,7 @@ class LoraServerClient:
         self._sock = sock
         self.address = address
         self.transport = transport  # "shm" | "tcp"
-        self.welcome: m.Welcome | None = None
+        self._welcome: m.Welcome | None = None  # set by connect
         self._buffer: DuplexBuffer | None = None
         self._seq = 0
         self._in_flight: PendingCall | None = None
@@ -137,6 +145,7 @@ class LoraServerClient:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> LoraServerClient:
         """`address`: a Unix socket path (shared-memory transport) or `tcp://host:port`."""
+        target: tuple[str, int] | str
         if address.startswith("tcp://"):
             host, _, port = address.removeprefix("tcp://").rpartition(":")
             if not host or not port.isdigit():
@@ -153,13 +162,20 @@ class LoraServerClient:
             raise DaemonUnavailable(f"no LoRA server is listening at {address} ({exc})") from exc
         self = cls(sock, address, transport)
         try:
-            self.welcome = self._call(m.Hello(protocol_version=m.PROTOCOL_VERSION, client=client), m.Welcome)
+            self._welcome = self._call(m.Hello(protocol_version=m.PROTOCOL_VERSION, client=client), m.Welcome)
             if transport == "shm":
                 self._attach_buffer(buffer_bytes)
         except BaseException:
             self.close()
             raise
         return self
+
+    @property
+    def welcome(self) -> m.Welcome:
+        """The server's answer to our Hello (every client `connect` returns has one)."""
+        if self._welcome is None:
+            raise ProtocolError("the LoRA server has not welcomed this client")
+        return self._welcome
 
     def __enter__(self) -> LoraServerClient:
         return self
@@ -170,18 +186,30 @@ class LoraServerClient:
     def close(self) -> None:
         self._sock.close()
         if self._buffer is not None:
-            self._buffer.unlink()
             self._buffer.close()
             self._buffer = None
 
     def register(self, adapter_id: str, adapter_dir: str) -> m.AdapterRegistered:
-        return self._call(m.RegisterAdapter(adapter_id=adapter_id, adapter_dir=str(adapter_dir)), m.AdapterRegistered)
+        """Register an adapter under this connection's `adapter_id`. On the Unix socket the server reads it through a
+        descriptor of `adapter_dir` opened here (so it reads nothing this process could not), over TCP by path."""
+        request = m.RegisterAdapter(adapter_id=adapter_id, adapter_dir=str(adapter_dir))
+        if self.transport == "tcp":
+            return self._call(request, m.AdapterRegistered)
+        try:
+            fd = os.open(adapter_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidInput(f"cannot open the adapter directory {adapter_dir}: {exc.strerror}") from exc
+        try:
+            return self._call(request, m.AdapterRegistered, fds=[fd])
+        finally:
+            os.close(fd)
 
     def status(self) -> m.ServerStatus:
         return self._call(m.Status(), m.ServerStatus)
 
-    def shutdown(self) -> m.ShuttingDown:
-        return self._call(m.Shutdown(), m.ShuttingDown)
+    def shutdown(self, token: str) -> m.ShuttingDown:
+        """Stop the server; `token` is the one in its ready line (`spawn_lora_server`'s addresses)."""
+        return self._call(m.Shutdown(token=token), m.ShuttingDown)
 
     # -- calls ---------------------------------------------------------------------------------------------------
 
@@ -198,30 +226,31 @@ class LoraServerClient:
         out_features = 2 * welcome.intermediate_size if projection == "gate_up_proj" else welcome.hidden_size
         num_rows = rows.shape[0]
         self._seq += 1
-        call = dict(
-            seq=self._seq,
-            adapter_id=adapter_id,
-            layer=layer,
-            projection=projection,
-            dtype=dtype,
-            expert_counts=tuple(expert_counts),
-        )
+        # Sent as given: the server validates the projection (and answers an error for an unknown one).
+        projection_name = cast(m.Projection, projection)
+
+        def call(rows_payload: m.Payload, result_offset: int | None = None) -> m.LoraCall:
+            return m.LoraCall(seq=self._seq, adapter_id=adapter_id, layer=layer, projection=projection_name,
+                              dtype=dtype, expert_counts=tuple(expert_counts), rows=rows_payload,
+                              result_offset=result_offset)
+
+        result: torch.Tensor | None
         try:
             if self.transport == "shm":
                 rows_bytes = align(rows.nbytes)
                 needed = rows_bytes + num_rows * out_features * rows.dtype.itemsize
-                if needed > self._buffer.size:
+                buffer = self._shared_buffer()
+                if needed > buffer.size:
                     self._grow_buffer(needed)
-                self._buffer.write(0, rows)
-                result = self._buffer.tensor(rows_bytes, rows.dtype, (num_rows, out_features))
-                self._sock.sendall(
-                    encode_frame(m.LoraCall(**call, rows=m.ShmPayload(offset=0), result_offset=rows_bytes))
-                )
+                    buffer = self._shared_buffer()
+                buffer.write(0, rows)
+                result = buffer.tensor(rows_bytes, rows.dtype, (num_rows, out_features))
+                self._sock.sendall(encode_frame(call(m.ShmPayload(offset=0), rows_bytes)))
             else:
                 result = None
                 payload = rows.contiguous().view(torch.uint8).numpy()
-                self._sock.sendall(encode_frame(m.LoraCall(**call, rows=m.InlinePayload(nbytes=payload.nbytes))))
-                self._sock.sendall(memoryview(payload).cast("B"))
+                self._sock.sendall(encode_frame(call(m.InlinePayload(nbytes=payload.nbytes))))
+                self._sock.sendall(payload.data.cast("B"))
         except OSError as exc:
             raise DaemonUnavailable(f"the LoRA server at {self.address} stopped answering: {exc}") from exc
         self._in_flight = PendingCall(self, self._seq, rows.dtype, result)
@@ -235,6 +264,8 @@ class LoraServerClient:
         if reply.seq != pending.seq:
             raise ProtocolError(f"the LoRA server answered call {reply.seq}, expected {pending.seq}")
         if isinstance(reply.result, m.ShmPayload):
+            if pending._result is None:
+                raise ProtocolError(f"the LoRA server answered call {reply.seq} in shared memory; it was sent inline")
             return pending._result
         expected_bytes = reply.num_rows * reply.out_features * pending.dtype.itemsize
         if reply.result.nbytes != expected_bytes:
@@ -247,19 +278,32 @@ class LoraServerClient:
     def _attach_buffer(self, size: int) -> None:
         buffer = DuplexBuffer.create(size)
         try:
-            self._call(m.AttachBuffer(segment=buffer.name, size=buffer.size), m.BufferAttached)
-        finally:
-            buffer.unlink()  # both sides map it now (or the attach failed): the name is no longer needed
+            assert buffer.fd is not None  # a new buffer holds its descriptor until close_fd
+            self._call(m.AttachBuffer(size=buffer.size), m.BufferAttached, fds=[buffer.fd])
+        except BaseException:
+            buffer.close()
+            raise
+        buffer.close_fd()  # the server has its own descriptor (or mapping) now
         if self._buffer is not None:
             self._buffer.close()
         self._buffer = buffer
 
     def _grow_buffer(self, needed: int) -> None:
-        self._attach_buffer(max(needed, 2 * self._buffer.size))
+        self._attach_buffer(max(needed, min(2 * self._shared_buffer().size, MAX_BUFFER_BYTES)))
 
-    def _call(self, request: m.Request, expected: type[T]) -> T:
+    def _shared_buffer(self) -> DuplexBuffer:
+        if self._buffer is None:  # connect attaches one on the shm transport; close detaches it
+            raise ProtocolError(f"no LoRA buffer is attached to the connection to {self.address}")
+        return self._buffer
+
+    def _call(self, request: m.Request, expected: type[T], fds: list[int] | None = None) -> T:
         try:
-            self._sock.sendall(encode_frame(request))
+            data = encode_frame(request)
+            if fds:
+                sent = socket.send_fds(self._sock, [data], fds)  # the descriptors ride on the frame's first byte
+                self._sock.sendall(data[sent:])
+            else:
+                self._sock.sendall(data)
         except OSError as exc:
             raise DaemonUnavailable(f"the LoRA server at {self.address} stopped answering: {exc}") from exc
         return self._receive(expected)

@@ -25,6 +25,7 @@ def map_shared(fd: int, size: int) -> ctypes.Array:
     if address in (None, MAP_FAILED):
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {size} bytes failed")
-    array = type("SharedMapping", (ctypes.c_ubyte * size,), {}).from_address(address)
+    mapping_type: type[ctypes.Array[ctypes.c_ubyte]] = type("SharedMapping", (ctypes.c_ubyte * size,), {})
+    array = mapping_type.from_address(address)
     weakref.finalize(array, _libc.munmap, address, size)
     return array

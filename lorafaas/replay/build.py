@@ -65,7 +65,7 @@ def parse_select(text: str | None) -> tuple[tuple[TraceClass, int], ...]:
         cls = cls.strip().lower()
         if cls not in CLASSES or not n.strip().isdigit():
             raise InvalidInput(f"selection {part!r} is not CLASS:N with CLASS one of {list(CLASSES)}")
-        out.append((cls, int(n)))  # type: ignore[arg-type]
+        out.append((cls, int(n)))
     return tuple(out)
 
 

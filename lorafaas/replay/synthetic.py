@@ -42,7 +42,8 @@ def _candidate(cls: TraceClass, minutes: int, rng: random.Random, rate_scale: fl
         lam = rng.uniform(1.0, 4.0) * rate_scale
         return [_poisson(rng, lam) for _ in range(minutes)]
     if cls == "normal":
-        counts, active = [], rng.random() < 0.5
+        counts: list[int] = []
+        active = rng.random() < 0.5
         lam = rng.uniform(1.0, 6.0) * rate_scale
         while len(counts) < minutes:
             span = rng.randint(5, 40) if active else rng.randint(3, 30)

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 SHARED_PASS = 0  # a grant of no cores of its own: the step's backbone products go to the device's shared base pass
+H = TypeVar("H", bound=Hashable)  # what identifies a holder (the step gate: a worker's pid)
 
 
-class CoreGrants:
+class CoreGrants(Generic[H]):
     def __init__(self, cores: int, base_threads: int = 1, max_threads: int | None = None,
                  lease_s: float = math.inf, shared_from: int | None = None, shared_window_s: float = 1.0) -> None:
         if cores < 1 or base_threads < 1:
@@ -44,11 +46,11 @@ class CoreGrants:
         self.lease_s = lease_s
         self.shared_from = shared_from
         self.shared_window_s = shared_window_s
-        self._members: dict[Hashable, float] = {}  # members of the base pass -> when each last asked for a step
-        self._sharing: dict[Hashable, None] = {}  # holders of a SHARED_PASS grant
-        self._holding: dict[Hashable, int] = {}  # holder -> threads granted
-        self._granted_s: dict[Hashable, float] = {}  # holder -> when its grant was given
-        self._waiting: dict[Hashable, None] = {}  # in the order they asked
+        self._members: dict[H, float] = {}  # members of the base pass -> when each last asked for a step
+        self._sharing: dict[H, None] = {}  # holders of a SHARED_PASS grant
+        self._holding: dict[H, int] = {}  # holder -> threads granted
+        self._granted_s: dict[H, float] = {}  # holder -> when its grant was given
+        self._waiting: dict[H, None] = {}  # in the order they asked
         self.most_holding = 0  # the most holders at once: never more than cores // base_threads
         self.num_granted = 0
         self.num_waited = 0  # grants that were not given at once (the asker waited for a core)
@@ -68,11 +70,11 @@ class CoreGrants:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def join(self, holder: Hashable) -> None:
+    def join(self, holder: H) -> None:
         """`holder` is a member of the device's base pass: its steps may be granted as SHARED_PASS."""
         self._members.setdefault(holder, -math.inf)
 
-    def leave(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
+    def leave(self, holder: H, now_s: float = 0.0) -> list[tuple[H, int]]:
         """`holder` is no longer a member (its pass went away): cores for its steps from now on."""
         self._members.pop(holder, None)
         return self._grant(now_s)
@@ -84,14 +86,14 @@ class CoreGrants:
         recent = sum(1 for asked_s in self._members.values() if now_s - asked_s <= self.shared_window_s)
         return recent >= self.shared_from
 
-    def want(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
+    def want(self, holder: H, now_s: float = 0.0) -> list[tuple[H, int]]:
         """`holder` asks for a step; returns the grants to send now: (holder, threads or SHARED_PASS)."""
         if holder not in self._holding and holder not in self._sharing:
             self._waiting.setdefault(holder, None)
             self._asked(holder, now_s)
         return self._grant(now_s, asker=holder)
 
-    def done(self, holder: Hashable, again: bool = False, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
+    def done(self, holder: H, again: bool = False, now_s: float = 0.0) -> list[tuple[H, int]]:
         """`holder`'s step ended (`again`: it asks for the next one, behind those already waiting)."""
         self._release(holder)
         if again:
@@ -99,13 +101,13 @@ class CoreGrants:
             self._asked(holder, now_s)
         return self._grant(now_s, asker=holder if again else None)
 
-    def gone(self, holder: Hashable, now_s: float = 0.0) -> list[tuple[Hashable, int]]:
+    def gone(self, holder: H, now_s: float = 0.0) -> list[tuple[H, int]]:
         self._release(holder)
         self._waiting.pop(holder, None)
         self._members.pop(holder, None)
         return self._grant(now_s)
 
-    def expire(self, now_s: float) -> list[tuple[Hashable, int]]:
+    def expire(self, now_s: float) -> list[tuple[H, int]]:
         """Holders whose lease ran out stop counting; their cores go to those waiting."""
         lapsed = [h for h, granted_s in self._granted_s.items() if now_s - granted_s > self.lease_s]
         for holder in lapsed:
@@ -113,16 +115,16 @@ class CoreGrants:
         self.num_lapsed += len(lapsed)
         return self._grant(now_s)
 
-    def _asked(self, holder: Hashable, now_s: float) -> None:
+    def _asked(self, holder: H, now_s: float) -> None:
         if holder in self._members:
             self._members[holder] = now_s
 
-    def _release(self, holder: Hashable) -> None:
+    def _release(self, holder: H) -> None:
         self._holding.pop(holder, None)
         self._sharing.pop(holder, None)
         self._granted_s.pop(holder, None)
 
-    def _grant(self, now_s: float, asker: Hashable | None = None) -> list[tuple[Hashable, int]]:
+    def _grant(self, now_s: float, asker: H | None = None) -> list[tuple[H, int]]:
         grants = []
         shared = self.sharing(now_s)
         while self._waiting:

@@ -23,7 +23,7 @@ import bisect
 import heapq
 import math
 
-from lorafaas.scheduler.messages import ClusterView, DeviceId, FunctionName, Residency, SlotId
+from lorafaas.scheduler.messages import ArtifactKind, ClusterView, DeviceId, FunctionName, Residency, SlotId
 
 NONE, HOST, DEV = 0, 1, 2
 LIB, BBH, ADH, BBD, ADD, WARM = range(6)
@@ -49,7 +49,8 @@ class GreedyKnapsack:
 
         # backbones: index, shared size on a device (the largest any function declares)
         bb_index: dict[str, int] = {}
-        self.bb_of = bb_of = []
+        self.bb_of: list[int] = []
+        bb_of = self.bb_of
         self.bb_bytes: list[int] = []
         for p in profiles:
             b = bb_index.setdefault(p.backbone, len(bb_index))
@@ -113,22 +114,22 @@ class GreedyKnapsack:
         for r in self.pinned:
             if r.slot in slot_index:
                 self.slot_owner[slot_index[r.slot]] = -2
-            p = view.functions.get(r.function)
-            if p is None:
+            pinned_profile = view.functions.get(r.function)
+            if pinned_profile is None:
                 continue
-            cost = p.costs.get(r.kind, r.tier)
+            cost = pinned_profile.costs.get(r.kind, r.tier)
             size = cost.memory_bytes if cost is not None else 0
             if r.tier == "device" and r.device in dev_index:
                 d = dev_index[r.device]
                 if r.kind == "backbone":
-                    if (p.backbone, r.device) in pinned_bb:
+                    if (pinned_profile.backbone, r.device) in pinned_bb:
                         continue
-                    pinned_bb.add((p.backbone, r.device))
-                    b = bb_index.get(p.backbone)
-                    if b is not None:
-                        self.resident_bb[d].add(b)
-                        self.devs_of_bb[b].append(d)
-                    size = max(size, self.bb_bytes[b] if b is not None else 0)
+                    pinned_bb.add((pinned_profile.backbone, r.device))
+                    pinned_b = bb_index.get(pinned_profile.backbone)
+                    if pinned_b is not None:
+                        self.resident_bb[d].add(pinned_b)
+                        self.devs_of_bb[pinned_b].append(d)
+                    size = max(size, self.bb_bytes[pinned_b] if pinned_b is not None else 0)
                 self.dev_free[d] -= size
             elif r.tier == "host" and r.slot in slot_index:
                 self.slot_free[slot_index[r.slot]] -= size
@@ -136,22 +137,22 @@ class GreedyKnapsack:
         self.cur_dev = [-1] * n
         self.pref_slot = [-1] * n
         for r in view.resident:
-            i = fn_index.get(r.function)
-            if i is None:
+            resident_i = fn_index.get(r.function)
+            if resident_i is None:
                 continue
             if r.tier == "device" and r.device in dev_index:
-                self.cur_dev[i] = dev_index[r.device]
-            if r.slot in slot_index and self.pref_slot[i] < 0:
-                self.pref_slot[i] = slot_index[r.slot]
+                self.cur_dev[resident_i] = dev_index[r.device]
+            if r.slot in slot_index and self.pref_slot[resident_i] < 0:
+                self.pref_slot[resident_i] = slot_index[r.slot]
         self.own_slots: dict[int, list[int]] = {}  # slots bound to a function (its idle instances)
         for k, s in enumerate(view.slots):
             if s.function is not None:
-                i = fn_index.get(s.function)
-                if self.slot_owner[k] == -2 or i is None:
+                owner = fn_index.get(s.function)
+                if self.slot_owner[k] == -2 or owner is None:
                     self.slot_owner[k] = -2
                 else:
-                    self.slot_owner[k] = -3 - i  # reserved for function i
-                    self.own_slots.setdefault(i, []).append(k)
+                    self.slot_owner[k] = -3 - owner  # reserved for function `owner`
+                    self.own_slots.setdefault(owner, []).append(k)
         for i, k in enumerate(self.pref_slot):
             if k >= 0 and self.slot_owner[k] not in (-1, -3 - i):
                 self.pref_slot[i] = -1
@@ -264,7 +265,8 @@ class GreedyKnapsack:
 
     def solve(self, first: tuple[int, int] | None = None) -> tuple[Residency, ...]:
         """Greedy by density; `first`: a candidate applied before anything else (see `PreloadPlanner.plan`)."""
-        self.heap = heap = []
+        self.heap: list[tuple[float, int, int, int]] = []
+        heap = self.heap
         self.stamp = [0] * (6 * len(self.names))
         # candidates whose key paid for placing their backbone, or that did not fit: a new copy may help them
         self.waits_for_backbone = [True] * (6 * len(self.names))
@@ -380,11 +382,12 @@ class GreedyKnapsack:
             if kind == LIB:
                 out.append(Residency(f, "libraries", "host", None, slot))
             elif kind in (BBH, ADH):
-                kind_name = "backbone" if kind == BBH else "adapter"
+                kind_name: ArtifactKind = "backbone" if kind == BBH else "adapter"
                 if (self.bb[i] if kind == BBH else self.ad[i]) == HOST:  # not moved up later
                     out.append(Residency(f, kind_name, "host", None, slot))
             else:
                 device: DeviceId = devs[self.dev[i]]
-                kind_name = {BBD: "backbone", ADD: "adapter", WARM: "warmup"}[kind]
+                kind_names: dict[int, ArtifactKind] = {BBD: "backbone", ADD: "adapter", WARM: "warmup"}
+                kind_name = kind_names[kind]
                 out.append(Residency(f, kind_name, "device", device, slot))
         return tuple(out)

@@ -131,10 +131,10 @@ def plan_offload(view: ClusterView, device: DeviceId, needed_bytes: int,
     evicted: set[tuple[FunctionName, str]] = set()
     chosen: list[tuple[FunctionName, str]] = []
     freed = 0
-    for _, _, _, _, members, extra in groups:
+    for _, _, _, _, group_members, extra in groups:
         if freed >= deficit:
             break
-        for f, kind, size in members:
+        for f, kind, size in group_members:
             if (f, kind) not in evicted:
                 evicted.add((f, kind))
                 chosen.append((f, kind))
@@ -150,8 +150,8 @@ def plan_offload(view: ClusterView, device: DeviceId, needed_bytes: int,
         to_host: Tier | None = None
         if kind == "adapter" and slot in room:
             host_cost = functions[f].costs.adapter_host
-            if host_cost is not None and room[slot] >= host_cost.memory_bytes:  # type: ignore[index]
-                room[slot] -= host_cost.memory_bytes  # type: ignore[index]
+            if host_cost is not None and room[slot] >= host_cost.memory_bytes:
+                room[slot] -= host_cost.memory_bytes
                 to_host = "host"
         actions.append(Offload(f, kind, "device", to_host, device, slot))  # type: ignore[arg-type]
     return OffloadDecision(True, tuple(actions), needed_bytes, free, freed, freeable)
@@ -166,5 +166,5 @@ def _slot_room(view: ClusterView, slots: set[SlotId]) -> dict[SlotId, int]:
         if r.slot in room and r.tier == "host":
             profile = view.functions.get(r.function)
             cost = profile.costs.get(r.kind, "host") if profile is not None else None
-            room[r.slot] -= cost.memory_bytes if cost is not None else 0  # type: ignore[index]
+            room[r.slot] -= cost.memory_bytes if cost is not None else 0
     return room

@@ -31,8 +31,11 @@ PROBE_INPUT_IDS = (1, 5, 7, 9, 100, 200, 300, 42, 17, 256, 511, 3)
 PROBE_THREADS = 1  # one intra-op thread everywhere, so results compare bitwise across processes
 
 
+ProbeAction = Literal["report", "write", "attack", "detach", "exit"]
+
+
 class ProbeCommand(msgspec.Struct, frozen=True):
-    action: Literal["report", "write", "attack", "detach", "exit"]
+    action: ProbeAction
 
 
 class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +67,7 @@ def attack_segment(fd: int, base_ptr: int, size: int) -> dict[str, str]:
         try:
             fn()
         except OSError as exc:
-            return errno.errorcode.get(exc.errno, str(exc.errno))
+            return str(exc.errno) if exc.errno is None else errno.errorcode.get(exc.errno, str(exc.errno))
         return "ok"
 
     def mprotect() -> None:
@@ -121,6 +124,7 @@ def _run_daemon_mode(socket_path: str, function: str) -> None:
     import torch
 
     from lorafaas import cuda_ipc
+    from lorafaas.errors import SegmentError
     from lorafaas.models.binding import bind_backbone, build_empty_model
     from lorafaas.protocols.daemon_client import DaemonClient
 
@@ -128,6 +132,8 @@ def _run_daemon_mode(socket_path: str, function: str) -> None:
     client = DaemonClient.connect(Path(socket_path), client=function)
     attached = client.attach(function)
     fd = attached.segment_fd  # kept open (a function closes it; a compromised one would keep it)
+    if fd is None:
+        raise SegmentError(f"the descriptor of lease {attached.lease_id} was closed already")
     attachment = cuda_ipc.attach(attached.manifest, fd)
     model = build_empty_model(Path(attached.backbone.model_dir))
     bind_started = time.perf_counter()
@@ -204,6 +210,9 @@ class ProbeProcess:
             [sys.executable, "-m", "lorafaas.testing.attach_probe", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, pass_fds=pass_fds,
         )
+        if self.process.stdin is None or self.process.stdout is None:  # (both pipes: asked for above)
+            raise RuntimeError("the probe's pipes were not made")
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
         self.pid = self.process.pid
         self._timeout_s = timeout_s
         self.first: ProbeReport | None = None
@@ -216,11 +225,11 @@ class ProbeProcess:
 
     def wait_report(self, timeout_s: float | None = None) -> ProbeReport:
         selector = selectors.DefaultSelector()
-        selector.register(self.process.stdout, selectors.EVENT_READ)
+        selector.register(self._stdout, selectors.EVENT_READ)
         if not selector.select(timeout_s or self._timeout_s):
             self.kill()
             raise TimeoutError(f"probe {self.pid} sent no report within {timeout_s or self._timeout_s} s")
-        line = self.process.stdout.readline()
+        line = self._stdout.readline()
         if not line:
             self.process.wait(10)
             raise RuntimeError(f"probe {self.pid} exited with {self.process.returncode}: {self.stderr()[-2000:]}")
@@ -228,11 +237,11 @@ class ProbeProcess:
         self.first = self.first or report
         return report
 
-    def send(self, action: str) -> None:
-        self.process.stdin.write(msgspec.json.encode(ProbeCommand(action)) + b"\n")  # type: ignore[arg-type]
-        self.process.stdin.flush()
+    def send(self, action: ProbeAction) -> None:
+        self._stdin.write(msgspec.json.encode(ProbeCommand(action)) + b"\n")
+        self._stdin.flush()
 
-    def request(self, action: str, timeout_s: float | None = None) -> ProbeReport:
+    def request(self, action: ProbeAction, timeout_s: float | None = None) -> ProbeReport:
         self.send(action)
         return self.wait_report(timeout_s)
 
@@ -247,7 +256,7 @@ class ProbeProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout, self._stderr):
+        for stream in (self._stdin, self._stdout, self._stderr):
             if not stream.closed:
                 stream.close()
 

@@ -25,7 +25,8 @@ class RawMember:
         self.sock.connect(path)
         self.fd = os.memfd_create("test-member", os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, size)
-        self.buffer = mmap.mmap(self.fd, size)  # mapped before the seals: F_SEAL_WRITE then fails the executor's map
+        # mapped before the seals: F_SEAL_WRITE then fails the executor's map
+        self.buffer: mmap.mmap | None = mmap.mmap(self.fd, size)
         self.size = size
         if seals & fcntl.F_SEAL_WRITE:
             self.buffer.close()

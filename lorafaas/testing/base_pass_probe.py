@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     daemon = DaemonClient.connect(Path(daemon_socket), client="base-pass-probe")
     attached = daemon.attach("base-pass-probe")
+    if attached.segment_fd is None:
+        raise SystemExit("the daemon sent no segment descriptor")
     attachment = cuda_ipc.attach(attached.manifest, attached.segment_fd)
     model = bind_backbone(attachment, Path(attached.backbone.model_dir))
     client = None if alone else base_pass.install(model, attachment.tensors, pass_socket, max_rows=64)
@@ -42,6 +44,8 @@ def main(argv: list[str]) -> int:
             if client is not None:
                 client.end_step(again=step < steps - 1)
             step_s.append(time.monotonic() - started)
+    if logits is None:
+        raise SystemExit("give at least one step")
     print(json.dumps({"tokens": ids, "logits": logits.tolist(), "step_s": step_s,
                       "broken": bool(client and client.broken),
                       "calls": client.num_calls if client else 0}), flush=True)

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             out = model(ids).logits
             logits = out if logits is None else logits
     seconds = time.perf_counter() - started
+    if logits is None:
+        raise SystemExit("give at least one repeat")
     save_file({"logits": logits.contiguous()}, args.out.with_suffix(".safetensors"))
     report = {
         "mode": args.mode,

@@ -41,6 +41,13 @@ class PlatformProcess:
     def admin_key(self) -> str:
         return (self.home / "admin.key").read_text().strip()
 
+    @property
+    def pid(self) -> int:
+        """The `lorafaas up` process's (once started)."""
+        if self.process is None:
+            raise RuntimeError("the platform process is not started")
+        return self.process.pid
+
     def client(self, key: str | None = None) -> ApiClient:
         return ApiClient(self.url, key or self.admin_key)
 

@@ -89,6 +89,7 @@ def build_tiny_model(kind: TinyKind = "dense", seed: int = 0, spec: TinySpec | N
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
+    model: LlamaForCausalLM | MixtralForCausalLM
     if kind == "dense":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "moe":
@@ -136,7 +137,7 @@ def save_tiny_adapter(
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
-    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    peft_model.save_pretrained(str(out_dir), safe_serialization=True)
     if base_model_name:
         set_base_model(out_dir, base_model_name)
     return Path(out_dir)

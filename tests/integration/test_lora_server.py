@@ -113,10 +113,13 @@ def test_remote_mode_equals_local_mode_for_several_adapters_served_concurrently_
 
     with LoraServerClient.connect(addresses["socket"]) as client:
         status = client.status()
-    assert status.num_adapters >= NUM_ADAPTERS
+    assert status.num_adapters == 0  # the probes are gone, and their adapters with them
+    assert status.num_deferred == 0 and status.num_refused == 0  # honest functions stay within their budgets
     # probes x forwards x MoE layers x (gate/up, down)
     assert status.num_calls - before.num_calls == NUM_ADAPTERS * REPEATS * 2 * 2
-    assert len(status.cache.resident) <= 2 and status.cache.num_evictions >= 1  # capacity 2 for 3 adapters
+    # capacity 2 for 3 adapters: evicted, or forgotten with the last connection that registered them (eviction
+    # itself: tests/unit/test_moe_lora_server.py)
+    assert not status.cache.resident and status.cache.num_misses >= NUM_ADAPTERS
     assert not list_segments(BUFFER_PREFIX)  # buffers are unlinked as soon as both sides map them
 
 
@@ -184,7 +187,7 @@ def test_bad_calls_get_clear_errors_and_the_connection_keeps_working(
             client.start_call("a0", 0, "gate_up_proj", torch.zeros(2, 64), [1, 1]).wait()
         with pytest.raises(AdapterIncompatible, match="layer 7"):
             client.start_call("a0", 7, "gate_up_proj", torch.zeros(1, 64), [1, 0, 0, 0]).wait()
-        with pytest.raises(InvalidInput, match="registered with"):
+        with pytest.raises(InvalidInput, match="registered on this connection with another"):
             client.register("a0", str(expert_adapters[1]))
         with pytest.raises(AdapterInvalid):
             client.register("plain", str(tmp_path))  # not an adapter at all

@@ -87,22 +87,31 @@ def test_a_worker_killed_holding_the_only_core_gives_it_back_and_strangers_are_r
             gate.sendall(WANT)
             assert gate.recv(1) == b""  # hung up: no grant
 
+        def computing() -> float | None:
+            return metrics(platform).get("lorafaas_computing_instances")
+
         async def kill_red_holding_the_core() -> None:
             async with httpx.AsyncClient(base_url=platform.url, timeout=120,
                                          headers={"Authorization": f"Bearer {platform.admin_key}"}) as http:
-                # many long generations: red computes for seconds, its steps back to back
-                tasks = [asyncio.create_task(http.post("/v1/functions/red/invoke", json=chat(f"long {i}", 200)))
-                         for i in range(8)]
-                for _ in range(100):  # stop red while it holds the one core (not between two steps)
-                    await asyncio.sleep(0.2)
-                    assert not all(t.done() for t in tasks), [t.result().text for t in tasks]
+                # Red stopped while it has generations in flight holds the one core (in its step, or granted the
+                # next one it asked for) and, stopped, cannot give it back: that state is held by the test, however
+                # fast red computes. Red is sent more long generations whenever it has finished those it had, and
+                # stopped once seen computing; stopped between two requests instead (no core held), it goes on.
+                tasks: list[asyncio.Task] = []
+                for _ in range(100):
+                    if all(t.done() for t in tasks):
+                        tasks += [asyncio.create_task(http.post("/v1/functions/red/invoke",
+                                                                json=chat(f"long {len(tasks) + i}", 200)))
+                                  for i in range(8)]
+                    while not all(t.done() for t in tasks) and computing() != 1:
+                        await asyncio.sleep(0.005)  # until red computes them (or has finished them all)
                     os.kill(red["pid"], signal.SIGSTOP)
-                    await asyncio.sleep(0.1)
-                    if metrics(platform).get("lorafaas_computing_instances") == 1:
+                    await asyncio.sleep(0.1)  # a NEXT red sent before it stopped is granted by now
+                    if computing() == 1 and not all(t.done() for t in tasks):  # red's, frozen (green is idle)
                         break
                     os.kill(red["pid"], signal.SIGCONT)
                 else:
-                    raise AssertionError("red never seen holding the core")
+                    raise AssertionError("red never seen stopped holding the core")
                 os.kill(red["pid"], signal.SIGKILL)
                 await asyncio.gather(*tasks)
 

@@ -17,8 +17,8 @@ from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.engine import Simulator
+from lorafaas.replay.sim.model import SimInstance
 from lorafaas.replay.sim.policies import POLICIES
-from lorafaas.replay.sim.worker import SimInstance
 from lorafaas.replay.workload import Request, Workload
 from lorafaas.scheduler import AdmissionDecision, SchedulerConfig, decide_admission
 

@@ -13,10 +13,10 @@ from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.engine import Simulator
+from lorafaas.replay.sim.model import Expire, IdleRetire, SimInstance
 from lorafaas.replay.sim.policies import POLICIES
-from lorafaas.replay.sim.worker import SimInstance
 from lorafaas.replay.workload import Request, Workload
-from lorafaas.scheduler import SchedulerConfig
+from lorafaas.scheduler import FunctionName, SchedulerConfig
 
 STEP_S = 180.0
 # idle times of a bursty function: mostly seconds within a burst, a few hours-long gaps between bursts; the
@@ -122,13 +122,14 @@ def test_the_simulator_retires_the_same_way() -> None:
         device.instances.add(instance)
     fs.last_end_s = 2.0
     sim.now = 2.0 + STEP_S
-    sim._on_idle_retire(("llama2-7b-a", 2.0))
+    sim._on_idle_retire(IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     assert [i.instance_id for i in fs.instances] == ["i1", "i2"]
-    at_s, _, kind, payload = sim.events[0]
-    assert (at_s, kind, payload) == (2.0 + 2 * STEP_S, "idle_retire", ("llama2-7b-a", 2.0))
+    at_s, _, event = sim.events[0]
+    assert isinstance(event, IdleRetire)
+    assert (at_s, event) == (2.0 + 2 * STEP_S, IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     fs.last_end_s = 300.0  # it ran a batch since: the planned retirement is stale
     sim.now = at_s
-    sim._on_idle_retire(payload)
+    sim._on_idle_retire(event)
     assert [i.instance_id for i in fs.instances] == ["i1", "i2"]
     assert sim.scheduler.config.idle_retire_step_s == STEP_S  # the default the simulator runs with
 
@@ -142,8 +143,8 @@ def test_a_simulated_instance_that_never_gets_a_batch_still_idles_out() -> None:
     fs = sim.fns["llama2-7b-a"]
     instance = sim._cold_start("llama2-7b-a", fs, sim.mem.devices[0])
     window_s = sim._keep_alive_s("llama2-7b-a")
-    expiries = [(at_s, payload) for at_s, _, kind, payload in sim.events if kind == "expire"]
-    assert expiries == [(instance.ready_at_s + window_s, (instance, instance.expire_token))]
+    expiries = [(at_s, event) for at_s, _, event in sim.events if isinstance(event, Expire)]
+    assert expiries == [(instance.ready_at_s + window_s, Expire(instance, instance.expire_token))]
     sim.now = instance.ready_at_s + window_s
     sim._on_expire(expiries[0][1])
     assert fs.instances == []

@@ -86,6 +86,8 @@ def build_function_pod(
     if not nodes:
         raise InvalidInput(f"no node to place {spec.function} on")
     pod: k8s.V1Pod = copy.deepcopy(template)
+    if pod.spec is None:
+        raise InvalidInput("the function pod template has no spec")
     meta = pod.metadata or k8s.V1ObjectMeta()
     meta.name = pod_name(release, spec.instance_id)
     meta.namespace = namespace
@@ -155,11 +157,14 @@ def home_mounts(spec: WorkerSpec, home: str) -> list[k8s.V1VolumeMount]:
 
 
 def template_owner(config_map: k8s.V1ConfigMap) -> k8s.V1OwnerReference:
+    meta = config_map.metadata
+    if meta is None or meta.name is None or meta.uid is None:  # set on every ConfigMap the API server returns
+        raise InvalidInput("the function pod template's ConfigMap has no name or uid")
     return k8s.V1OwnerReference(
         api_version="v1",
         kind="ConfigMap",
-        name=config_map.metadata.name,
-        uid=config_map.metadata.uid,
+        name=meta.name,
+        uid=meta.uid,
         controller=True,
         block_owner_deletion=False,
     )

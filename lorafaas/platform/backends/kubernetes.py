@@ -49,6 +49,10 @@ from lorafaas.platform.backends.pod_status import (
     is_ready,
     pending_reason,
     pod_failure,
+    pod_ip,
+    pod_meta,
+    pod_name_of,
+    pod_spec,
 )
 from lorafaas.protocols.daemon_config import DaemonPaths
 
@@ -126,7 +130,7 @@ class PodInstance:
 
     def alive(self) -> bool:
         pod = self.backend.cache.get(self.pod_name)
-        return (pod is not None and pod.metadata.deletion_timestamp is None and pod.status is not None
+        return (pod is not None and pod_meta(pod).deletion_timestamp is None and pod.status is not None
                 and pod.status.phase in ("Pending", "Running") and pod_failure(pod) is None)
 
     def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
@@ -175,8 +179,8 @@ class KubernetesBackend:
         self.check_template()
         known = {i.pod_name for i in self.instances}
         for pod in self.list_function_pods():
-            name = pod.metadata.name
-            if name in known or pod.metadata.deletion_timestamp is not None:
+            name = pod_name_of(pod)
+            if name in known or pod_meta(pod).deletion_timestamp is not None:
                 continue
             if pod_failure(pod) is not None:
                 self.delete_pod(name, grace_period_s=0)  # recorded by the watch
@@ -228,10 +232,11 @@ class KubernetesBackend:
         """node name -> the backbones its ready node-agent pod serves (from the watch: no API call)."""
         nodes: dict[str, set[str]] = {}
         for pod in self._started().pods():
-            if ((pod.metadata.labels or {}).get(LABEL_COMPONENT) == "node-agent" and pod.spec.node_name
-                    and pod.metadata.deletion_timestamp is None and is_ready(pod)):
-                served = (pod.metadata.annotations or {}).get(ANNOTATION_BACKBONES, "")
-                nodes.setdefault(pod.spec.node_name, set()).update(b for b in served.split(",") if b)
+            node = pod_spec(pod).node_name
+            if ((pod_meta(pod).labels or {}).get(LABEL_COMPONENT) == "node-agent" and node
+                    and pod_meta(pod).deletion_timestamp is None and is_ready(pod)):
+                served = (pod_meta(pod).annotations or {}).get(ANNOTATION_BACKBONES, "")
+                nodes.setdefault(node, set()).update(b for b in served.split(",") if b)
         return nodes
 
     def backbone_nodes(self, backbone: str) -> list[str]:
@@ -306,10 +311,10 @@ class KubernetesBackend:
         if not nodes:
             raise DaemonUnavailable(f"no ready node agent serves backbone {backbone!r}; cannot place {spec.function}")
         pod = self.build_pod(spec, backbone, nodes)
-        self._call(f"creating pod {pod.metadata.name}", self.core.create_namespaced_pod, self.config.namespace, pod)
-        log.info("%s: created pod %s for instance %s on one of %s", spec.function, pod.metadata.name,
+        self._call(f"creating pod {pod_name_of(pod)}", self.core.create_namespaced_pod, self.config.namespace, pod)
+        log.info("%s: created pod %s for instance %s on one of %s", spec.function, pod_name_of(pod),
                  spec.instance_id, ", ".join(nodes))
-        instance = self._wait_ready(spec, pod.metadata.name, timeout_s)
+        instance = self._wait_ready(spec, pod_name_of(pod), timeout_s)
         self.instances.append(instance)
         return instance
 
@@ -321,21 +326,21 @@ class KubernetesBackend:
             if pod is None:
                 return seen  # gone after it was seen (before, the watch has not caught up yet)
             seen = True
-            return (pod.metadata.deletion_timestamp is not None or pod_failure(pod) is not None
-                    or (is_ready(pod) and bool(pod.status.pod_ip)))
+            return (pod_meta(pod).deletion_timestamp is not None or pod_failure(pod) is not None
+                    or (is_ready(pod) and bool(pod_ip(pod))))
 
         pod = self.cache.wait_for(name, settled, timeout_s)
         if pod is None and seen:
             raise InstanceUnavailable(f"{spec.function}: pod {name} was deleted while starting")
-        if pod is not None and pod.metadata.deletion_timestamp is not None:
+        if pod is not None and pod_meta(pod).deletion_timestamp is not None:
             raise InstanceUnavailable(f"{spec.function}: pod {name} is being deleted while starting")
         failure = pod_failure(pod) if pod is not None else None
         if failure is not None:
             self._record(failure)
             self.delete_pod(name, grace_period_s=0)
             raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
-        if pod is not None and is_ready(pod) and pod.status.pod_ip:
-            return PodInstance(spec, name, pod.status.pod_ip, self)
+        if pod is not None and is_ready(pod) and (ip := pod_ip(pod)):
+            return PodInstance(spec, name, ip, self)
         reason, message = pending_reason(pod)
         self._record(PodFailure(spec.function, spec.instance_id, name, reason,
                                 f"not ready after {timeout_s:.0f} s: {message}"))
@@ -361,7 +366,7 @@ class KubernetesBackend:
         return True
 
     def list_function_pods(self) -> list[k8s.V1Pod]:
-        return [p for p in self._started().pods() if (p.metadata.labels or {}).get(LABEL_COMPONENT) == "function"]
+        return [p for p in self._started().pods() if (pod_meta(p).labels or {}).get(LABEL_COMPONENT) == "function"]
 
     def reconcile(self, wanted: Iterable[WorkerSpec], timeout_s: float = 120.0) -> ReconcileResult:
         """Make the function pods match `wanted` (by instance id): adopt the healthy ones, delete failed pods and
@@ -371,19 +376,19 @@ class KubernetesBackend:
         known = {instance.spec.instance_id for instance in self.instances}
         adopted, deleted, present = [], [], set()
         for pod in self.list_function_pods():
-            instance_id = (pod.metadata.annotations or {}).get(ANNOTATION_INSTANCE_ID)
+            instance_id = (pod_meta(pod).annotations or {}).get(ANNOTATION_INSTANCE_ID)
             failure = pod_failure(pod)
-            if instance_id not in wanted_by_id or failure is not None or pod.metadata.deletion_timestamp:
-                if not pod.metadata.deletion_timestamp and self.delete_pod(pod.metadata.name, grace_period_s=0):
-                    deleted.append(pod.metadata.name)
+            if instance_id not in wanted_by_id or failure is not None or pod_meta(pod).deletion_timestamp:
+                if not pod_meta(pod).deletion_timestamp and self.delete_pod(pod_name_of(pod), grace_period_s=0):
+                    deleted.append(pod_name_of(pod))
                 continue
             present.add(instance_id)
-            if instance_id not in known and is_ready(pod) and pod.status.pod_ip:
+            if instance_id not in known and is_ready(pod) and (ip := pod_ip(pod)):
                 self.instances.append(
-                    PodInstance(wanted_by_id[instance_id], pod.metadata.name, pod.status.pod_ip, self)
+                    PodInstance(wanted_by_id[instance_id], pod_name_of(pod), ip, self)
                 )
                 adopted.append(instance_id)
-            self._adoptable.pop(pod.metadata.name, None)
+            self._adoptable.pop(pod_name_of(pod), None)
         created = []
         for instance_id, spec in wanted_by_id.items():
             if instance_id not in present:
@@ -419,13 +424,14 @@ class KubernetesBackend:
             for name in list(self._adoptable):
                 pod = self.cache.get(name)
                 theirs = _spec_of(pod) if pod is not None else None
-                if theirs is None or pod_failure(pod) is not None or pod.metadata.deletion_timestamp is not None:
+                if (pod is None or theirs is None or pod_failure(pod) is not None
+                        or pod_meta(pod).deletion_timestamp is not None):
                     del self._adoptable[name]
                     continue
                 if (msgspec.structs.replace(theirs, instance_id=spec.instance_id) == spec and is_ready(pod)
-                        and pod.status.pod_ip):
+                        and (ip := pod_ip(pod))):
                     del self._adoptable[name]
-                    instance = PodInstance(theirs, name, pod.status.pod_ip, self)
+                    instance = PodInstance(theirs, name, ip, self)
                     self.instances.append(instance)
                     log.info("%s: adopted pod %s (instance %s) of a previous controller", spec.function, name,
                              theirs.instance_id)
@@ -496,10 +502,10 @@ class KubernetesBackend:
     def _observe(self, pod: k8s.V1Pod, deleted: bool) -> None:
         """In the watch thread: record function pods that failed, or went without our asking (a drain, an
         eviction, a node removed); the node agent sees their workers' connections close and starts replacements."""
-        labels = pod.metadata.labels or {}
+        labels = pod_meta(pod).labels or {}
         if labels.get(LABEL_COMPONENT) != "function":
             return
-        name = pod.metadata.name
+        name = pod_name_of(pod)
         failure = pod_failure(pod)
         if failure is not None:
             self._record(failure)
@@ -513,7 +519,8 @@ class KubernetesBackend:
                     self.instances.remove(instance)
             if not ours and failure is None:
                 self._record(PodFailure(
-                    labels.get(LABEL_FUNCTION, "?"), (pod.metadata.annotations or {}).get(ANNOTATION_INSTANCE_ID, name),
+                    labels.get(LABEL_FUNCTION, "?"),
+                    (pod_meta(pod).annotations or {}).get(ANNOTATION_INSTANCE_ID, name),
                     name, "Deleted", "the pod was deleted by someone else (kubectl drain or delete, an eviction, its "
                     "node removed); a replacement starts on the next request or reconcile"))
 
@@ -539,16 +546,20 @@ class KubernetesBackend:
 
 
 def _spec_of(pod: k8s.V1Pod) -> WorkerSpec | None:
-    raw = (pod.metadata.annotations or {}).get(ANNOTATION_SPEC)
+    raw = (pod_meta(pod).annotations or {}).get(ANNOTATION_SPEC)
+    if raw is None:
+        return None
     with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError, TypeError):
         return msgspec.json.decode(raw, type=WorkerSpec)
     return None
 
 
 def _api_message(exc: ApiException) -> str:
-    with contextlib.suppress(ValueError, TypeError):
+    if exc.body is None:
+        return ""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
         return json.loads(exc.body).get("message", "")
-    return str(exc.body or "")
+    return str(exc.body)
 
 
 def _load_client_config() -> k8s.ApiClient:

@@ -12,11 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import urllib3
 from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
+
+from lorafaas.platform.backends.pod_status import pod_name_of
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ class Reflector:
         list_func: Callable,
         *args,
         on_list: Callable[[list], None],
-        on_event: Callable[[str, object], None],
+        on_event: Callable[[str, Any], None],  # a model object of whatever list_func lists
         **kwargs,
     ) -> None:
         self.name = name
@@ -145,8 +148,8 @@ class PodCache:
 
     def _replace(self, items: list[k8s.V1Pod]) -> None:
         with self._changed:
-            gone = [pod for name, pod in self._pods.items() if name not in {p.metadata.name for p in items}]
-            self._pods = {pod.metadata.name: pod for pod in items}
+            self._pods, before = {pod_name_of(pod): pod for pod in items}, self._pods
+            gone = [pod for name, pod in before.items() if name not in self._pods]
             self._changed.notify_all()
         if self._on_change is not None:
             for pod in gone:
@@ -157,9 +160,9 @@ class PodCache:
     def _apply(self, kind: str, pod: k8s.V1Pod) -> None:
         with self._changed:
             if kind == "DELETED":
-                self._pods.pop(pod.metadata.name, None)
+                self._pods.pop(pod_name_of(pod), None)
             else:
-                self._pods[pod.metadata.name] = pod
+                self._pods[pod_name_of(pod)] = pod
             self._changed.notify_all()
         if self._on_change is not None:
             self._on_change(pod, kind == "DELETED")

@@ -57,17 +57,44 @@ class PodFailure:
         }
 
 
+def pod_meta(pod: k8s.V1Pod) -> k8s.V1ObjectMeta:
+    """A pod's metadata. The API server (so the watch) always sends it; the client's models type every field as
+    optional, so this is where its absence is an error."""
+    if pod.metadata is None:
+        raise ValueError("a pod without metadata")
+    return pod.metadata
+
+
+def pod_name_of(pod: k8s.V1Pod) -> str:
+    """A pod's name (always set on pods the API server returns, and on those `build_function_pod` makes)."""
+    name = pod_meta(pod).name
+    if name is None:
+        raise ValueError("a pod without a name")
+    return name
+
+
+def pod_ip(pod: k8s.V1Pod) -> str | None:
+    return pod.status.pod_ip if pod.status is not None else None
+
+
+def pod_spec(pod: k8s.V1Pod) -> k8s.V1PodSpec:
+    if pod.spec is None:
+        raise ValueError(f"pod {pod_name_of(pod)} has no spec")
+    return pod.spec
+
+
 def pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
     """Why a function pod will not serve, from its status; None while it is starting or running."""
-    meta, status = pod.metadata, pod.status
+    meta, status = pod_meta(pod), pod.status
+    name = pod_name_of(pod)
     annotations = meta.annotations or {}
     labels = meta.labels or {}
 
     def failure(reason: str, message: str, exit_code: int | None = None) -> PodFailure:
         return PodFailure(
             labels.get(LABEL_FUNCTION, "?"),
-            annotations.get(ANNOTATION_INSTANCE_ID, meta.name),
-            meta.name,
+            annotations.get(ANNOTATION_INSTANCE_ID, name),
+            name,
             reason,
             message or reason,
             exit_code,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Annotated, BinaryIO, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 import msgspec
 from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
@@ -270,7 +270,7 @@ def _spooled(upload: UploadFile) -> BinaryIO:
     return upload.file
 
 
-def _first_problem(errors: list[dict]) -> str:
+def _first_problem(errors: Sequence[Mapping[str, Any]]) -> str:  # pydantic's ErrorDetails or FastAPI's dicts
     if not errors:
         return "invalid request"
     first = errors[0]
@@ -281,7 +281,7 @@ def _first_problem(errors: list[dict]) -> str:
 def _error_response(status: int, code: str, message: str, openai_param: str | bool | None = False) -> JSONResponse:
     """The error body; on the OpenAI routes (`openai_param` not False) a 422 is a 400 and `param` names the field."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    error = {"code": code, "message": message, "type": kind}
+    error: dict[str, str | bool | None] = {"code": code, "message": message, "type": kind}
     if openai_param is not False:
         status, error["param"] = openai_status(status), openai_param
     return JSONResponse({"error": error}, status_code=status)
@@ -316,7 +316,7 @@ def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
         reply.headers.update(exc.headers or {})
         if exc.status_code == 405:  # every method of the path, not only those of the one route Starlette tried
             methods = {method for route in app.routes if isinstance(route, APIRoute)
-                       and route.matches(request.scope)[0] is not Match.NONE for method in route.methods}
+                       and route.matches(request.scope)[0] is not Match.NONE for method in route.methods or ()}
             reply.headers["Allow"] = ", ".join(sorted(methods))
         return reply
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from lorafaas.errors import (
@@ -246,7 +246,7 @@ def _content_length(headers) -> int | None:
         return None
 
 
-async def _send_error(send, exc: LorafaasError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send_error(send, exc: LorafaasError, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     kind = "invalid_request_error" if isinstance(exc, ClientError) else "server_error"
     body = json.dumps({"error": {"code": exc.code, "message": exc.message, "type": kind}})
     await send(

@@ -52,7 +52,7 @@ class LogprobsShaper:
         ]}
 
     def _completion(self, entries: list[TokenLogprobs]) -> dict:
-        shaped = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        shaped: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for entry in entries:
             token = self._token(entry.sampled)
             shaped["tokens"].append(token)

@@ -10,7 +10,7 @@ Requests follow OpenAI's and vLLM's protocol (`openai_schemas`); errors are 400s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 from fastapi import APIRouter, Depends
@@ -54,13 +54,14 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             await asyncio.gather(*(outcome.rest.aclose() for outcome in started
                                    if isinstance(outcome, InvocationEvents)))
             raise failures[0]
+        choices = [outcome for outcome in started if isinstance(outcome, InvocationEvents)]  # (all of them now)
         num_logprobs = body.num_logprobs()
         reply = ChoicesReply(body.model, chat, service, n=n, echoes=echoes,
                              logprobs=None if num_logprobs is None
                              else (num_logprobs, bool(body.return_tokens_as_token_ids)))
         if body.stream:
-            return StreamingResponse(reply.stream(started, body.include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(started))
+            return StreamingResponse(reply.stream(choices, body.include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole(choices))
 
     @router.get("/v1/models", responses=errors())
     async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
@@ -99,7 +100,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
     return router
 
 
-def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: list[Prompt | list[ChatMessage]],
+def _choices(body: OpenAIBody, spec: FunctionSpec, prompts: Sequence[Prompt | list[ChatMessage]],
              max_tokens: int, exact: bool, tools: str | None = None) -> list[InvocationRequest]:
     """One invocation per choice, prompt by prompt; sample i of a seeded request uses seed + i (as vLLM's)."""
     requests = []

@@ -182,6 +182,10 @@ class OpenAIBody(SamplerFields):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return (0: the chosen token's only), or None: no logprobs. Per endpoint."""
+        raise NotImplementedError
+
 
 class ChatBody(OpenAIBody):
     model_config = _checked_extras(_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS)

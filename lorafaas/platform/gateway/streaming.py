@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 
 from lorafaas.errors import ClientError, FunctionNotFound, LorafaasError
 from lorafaas.function_runtime import messages as m
@@ -22,7 +22,7 @@ UNKNOWN_FUNCTION = "(unknown)"  # no function name can contain parentheses
 class InvocationEvents:
     """A started invocation: its first event already received (so errors before it became HTTP errors)."""
 
-    def __init__(self, first, rest: AsyncIterator, function: str, metrics: GatewayMetrics, started: float) -> None:
+    def __init__(self, first, rest: AsyncGenerator, function: str, metrics: GatewayMetrics, started: float) -> None:
         self.first, self.rest, self.function, self.metrics, self.started = first, rest, function, metrics, started
         self.ttft_s = time.perf_counter() - started
 

@@ -21,9 +21,9 @@ supported (the scripts touch keys of several hash slots): use one Redis, with a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -211,7 +211,7 @@ class RedisStore:
     def _key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
-    def _decode(self, data: bytes, kind: type[R], key: str) -> R:
+    def _decode(self, data: bytes | str, kind: type[R], key: str) -> R:
         try:
             return msgspec.json.decode(data, type=kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -250,12 +250,13 @@ class RedisStore:
         return self._decode(data, FunctionSpec, name)
 
     def list_functions(self, tenant: str | None = None) -> list[FunctionSpec]:
+        names: Iterable[bytes | str]
         with self._redis("list functions") as client:
             if tenant is None:
                 names = client.hkeys(self._key("functions"))
             else:
                 names = client.smembers(self._key("functions", "tenant", tenant))
-        ids = sorted(n.decode() for n in names)
+        ids = sorted(_text(n) for n in names)
         return self._get_many("function", ids, FunctionSpec, "list functions")
 
     def delete_function(self, name: str) -> None:
@@ -291,18 +292,20 @@ class RedisStore:
         return self._decode(data, InvocationRecord, invocation_id)
 
     def list_invocations(self, status: str | None = None) -> list[InvocationRecord]:
+        ids: Iterable[bytes | str]
         with self._redis("list invocations") as client:
             if status is None:
                 ids = client.hkeys(self._key("invocations", "status"))
             else:
                 ids = client.smembers(self._key("invocations", "status", status))
-        records = self._get_many("invocation", [i.decode() for i in ids], InvocationRecord, "list invocations")
+        records = self._get_many("invocation", [_text(i) for i in ids], InvocationRecord, "list invocations")
         return sorted(records, key=lambda r: (r.created_at, r.invocation_id))
 
     def delete_expired_invocations(self, now: float) -> int:
         total = 0
         keys = [self._key("invocations", "expires"), self._key("invocations", "status")]
-        args = [repr(float(now)), EXPIRE_BATCH, self._key("invocation", ""), self._key("invocations", "status", "")]
+        args: list[str | int] = [repr(float(now)), EXPIRE_BATCH, self._key("invocation", ""),
+                                 self._key("invocations", "status", "")]
         with self._redis("delete expired invocations"):
             while True:
                 deleted = int(self._delete_expired(keys=keys, args=args))
@@ -326,8 +329,8 @@ class RedisStore:
         low = "-inf" if since is None else repr(float(since))
         high = "+inf" if until is None else f"({float(until)!r}"  # until is exclusive
         with self._redis("list usage") as client:
-            ids = client.zrangebyscore(index, low, high)
-        records = self._get_many("usage", [i.decode() for i in ids], UsageRecord, "list usage")
+            ids = cast(list[bytes], client.zrangebyscore(index, low, high))  # members only: no withscores
+        records = self._get_many("usage", [_text(i) for i in ids], UsageRecord, "list usage")
         return sorted(records, key=lambda r: (r.finished_at, r.invocation_id))
 
     # API keys
@@ -359,13 +362,14 @@ class RedisStore:
         return _with_last_use(self._decode(data, ApiKeyRecord, key_hash[:12]), used)
 
     def list_keys(self, tenant: str | None = None) -> list[ApiKeyRecord]:
+        ids: Iterable[bytes | str]
         with self._redis("list API keys") as client:
             if tenant is None:
                 ids = client.hkeys(self._key("keys", "tenant"))
             else:
                 ids = client.smembers(self._key("keys", "tenant", tenant))
             used = client.hgetall(self._key("keys", "used"))
-        records = self._get_many("key", [i.decode() for i in ids], ApiKeyRecord, "list API keys")
+        records = self._get_many("key", [_text(i) for i in ids], ApiKeyRecord, "list API keys")
         records = [_with_last_use(r, used.get(r.key_id.encode())) for r in records]
         return sorted(records, key=lambda r: (r.tenant, r.key_id))
 
@@ -391,5 +395,10 @@ class RedisStore:
         self._client.close()
 
 
-def _with_last_use(record: ApiKeyRecord, used: bytes | None) -> ApiKeyRecord:
+def _text(value: bytes | str) -> str:
+    """A member or key as the client returns it (bytes: the client does not decode responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _with_last_use(record: ApiKeyRecord, used: bytes | str | None) -> ApiKeyRecord:
     return msgspec.structs.replace(record, last_used_at=float(used)) if used else record

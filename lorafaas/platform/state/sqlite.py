@@ -224,8 +224,9 @@ class SQLiteStore:
 
     def list_usage(self, since: float | None = None, until: float | None = None,
                    tenant: str | None = None) -> list[UsageRecord]:
-        clauses, values = ["finished_at >= ?", "finished_at < ?"], [
-            float("-inf") if since is None else since, float("inf") if until is None else until]
+        clauses = ["finished_at >= ?", "finished_at < ?"]
+        values: list[float | str] = [float("-inf") if since is None else since,
+                                     float("inf") if until is None else until]
         if tenant is not None:
             clauses.append("tenant = ?")
             values.append(tenant)

@@ -5,13 +5,21 @@ instances. The lorafaas policies and their ablations admit this way; the baselin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
+from lorafaas.replay.sim.cluster import ClusterSpec
+from lorafaas.replay.sim.model import FunctionState, SimInstance
+from lorafaas.replay.sim.policies import PolicySpec
+from lorafaas.replay.sim.state import DeviceState, MemoryState
+from lorafaas.replay.sim.views import ViewBuilder
 from lorafaas.scheduler import (
     AdmissionDecision,
     AdmissionView,
     ComputeTurns,
+    FunctionName,
+    InstanceId,
     InstanceLoad,
+    Scheduler,
     StartOption,
     can_join,
     decide_admission,
@@ -19,15 +27,33 @@ from lorafaas.scheduler import (
     worth_offering,
 )
 
-if TYPE_CHECKING:
-    from lorafaas.replay.sim.engine import FunctionState, Simulator
-    from lorafaas.scheduler import FunctionName
-
 EPS_S = 1e-9
 
 
+class AdmissionHost(Protocol):
+    """What the admission side reads and calls of the simulator (`Simulator` is one)."""
+
+    now: float
+    cluster: ClusterSpec
+    policy: PolicySpec
+    scheduler: Scheduler
+    mem: MemoryState
+    views: ViewBuilder
+    compute_slots: int
+    blocked: dict[FunctionName, None]
+
+    def busy(self, device: DeviceState) -> int: ...
+
+    def start_on(self, name: FunctionName, fs: FunctionState, device: DeviceState, batch_size: int
+                 ) -> SimInstance | None: ...
+
+    def recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None: ...
+
+    def run_batch(self, inst: SimInstance, batch: list[int]) -> None: ...
+
+
 class SimAdmission:
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: AdmissionHost) -> None:
         self.sim = sim
         self.waits: dict[str, int] = {}  # reason -> times a queue had to wait for it (the report's "why it waited")
         # strict compute where the cluster says so (`device.strict_compute`), as the agent's --strict-compute:
@@ -45,7 +71,7 @@ class SimAdmission:
              excluded: frozenset[str] = frozenset()) -> AdmissionView:
         sim = self.sim
         waiting_others, waiting_ahead = self.turns.counts(name, sim.now)
-        loads = tuple(InstanceLoad(i.instance_id, i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
+        loads = tuple(InstanceLoad(InstanceId(i.instance_id), i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
                                    i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots,
                                    any(o.function != name for o in i.device.instances))
                       for i in fs.instances)
@@ -91,7 +117,7 @@ class SimAdmission:
             decision = decide_admission(self.view(name, fs, queue_length, excluded))
             self.turns.note(name, decision, sim.now)
             if decision.action == "start":
-                device = sim.mem.by_id[decision.device]
+                device = sim.mem.by_id[_given(decision.device, "device")]
                 instance = sim.start_on(name, fs, device, queue_length)
                 if instance is None:  # no memory could be made there: the policy chooses again without it
                     excluded |= {device.device_id}
@@ -108,11 +134,11 @@ class SimAdmission:
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
                 sim.start_on(name, fs, sim.mem.by_id[decision.device], decision.size)
-            self._send(fs, by_id[decision.instance_id], decision.size)
+            self._send(fs, by_id[_given(decision.instance_id, "instance")], decision.size)
             return True
         self.waits[decision.reason] = self.waits.get(decision.reason, 0) + 1
         if decision.action == "await_start":
-            sim.recheck(name, fs, by_id[decision.instance_id].ready_at_s)
+            sim.recheck(name, fs, by_id[_given(decision.instance_id, "instance")].ready_at_s)
         else:  # every instance is full and none can start: a request's end or freed memory wakes it
             fs.blocked = True
             sim.blocked[name] = None
@@ -121,6 +147,16 @@ class SimAdmission:
                 sim.recheck(name, fs, sim.now + max_wait_s - self.turns.waited_s(name, sim.now))
         return False
 
-    def _send(self, fs: FunctionState, instance, size: int) -> None:
+    def _send(self, fs: FunctionState, instance: SimInstance, size: int) -> None:
         batch = [fs.queue.popleft() for _ in range(max(1, min(size, len(fs.queue))))]
         self.sim.run_batch(instance, batch)
+
+
+T = TypeVar("T")
+
+
+def _given(value: T | None, what: str) -> T:
+    """What a decision of its action always names (a start its device; a dispatch or an await its instance)."""
+    if value is None:
+        raise ValueError(f"an admission decision without its {what}")
+    return value

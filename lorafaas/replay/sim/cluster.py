@@ -156,6 +156,18 @@ class _Fields:
             raise ClusterInvalid(f"{self.where}: unknown key(s) {', '.join(hints)}; "
                                  f"known: {', '.join(sorted(self.seen))}")
 
+    def mapping(self, key: str) -> dict:
+        value = self.get(key) or {}
+        if not isinstance(value, dict):
+            raise ClusterInvalid(f"{self.where}.{key} is {value!r}; expected a mapping")
+        return value
+
+    def sequence(self, key: str) -> list:
+        value = self.get(key) or []
+        if not isinstance(value, list):
+            raise ClusterInvalid(f"{self.where}.{key} is {value!r}; expected a list")
+        return value
+
     def sub(self, key: str) -> _Fields:
         return _Fields(f"{self.where}.{key}", self.get(key, {}))
 
@@ -187,7 +199,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
     dev, load, price = top.sub("device"), top.sub("loading"), top.sub("price")
     backbones = {}
     checked = [top]
-    for name, raw in (top.get("backbones") or {}).items():
+    for name, raw in top.mapping("backbones").items():
         b = _Fields(f"{where}.backbones.{name}", raw)
         checked.append(b)
         backbones[name] = BackboneSpec(
@@ -203,7 +215,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
     default_slo = top.number("default_slo_ttft_ms", 1000, 1e-3) / 1e3
     functions = {}
-    for i, raw in enumerate(top.get("functions") or []):
+    for i, raw in enumerate(top.sequence("functions")):
         f = _Fields(f"{where}.functions[{i}]", raw)
         checked.append(f)
         backbone = f.text("backbone")

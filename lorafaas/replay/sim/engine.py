@@ -24,19 +24,31 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lorafaas.errors import ClusterInvalid
 from lorafaas.replay.results import RequestResult
 from lorafaas.replay.sim.admission import SimAdmission
-from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
+from lorafaas.replay.sim.cluster import ClusterSpec
 from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.model import (
+    Background,
+    Done,
+    Expire,
+    FunctionState,
+    IdleRetire,
+    Observe,
+    PlanTick,
+    Prefill,
+    Recheck,
+    SimEvent,
+    SimInstance,
+)
 from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState
 from lorafaas.replay.sim.views import ViewBuilder
-from lorafaas.replay.sim.worker import SimInstance, WorkerModel
+from lorafaas.replay.sim.worker import WorkerModel
 from lorafaas.replay.workload import Workload
 from lorafaas.scheduler import (
     DeviceId,
@@ -45,17 +57,6 @@ from lorafaas.scheduler import (
     SchedulerConfig,
     for_device_kind,
 )
-
-
-@dataclass
-class FunctionState:
-    spec: FunctionSpec
-    queue: deque[int] = field(default_factory=deque)
-    instances: list[SimInstance] = field(default_factory=list)
-    recheck_at_s: float = math.inf
-    last_end_s: float | None = None
-    blocked: bool = False
-    dispatch_free_at_s: float = 0.0  # the agent's dispatcher awaits an instance's cold start until then
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Simulator:
         self.admission = SimAdmission(self)
         self.worker = WorkerModel(self)
         self.now = 0.0
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, SimEvent]] = []
         self.seq = itertools.count()
         self.results = [
             RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
@@ -150,31 +151,39 @@ class Simulator:
         the other programs' runnable threads."""
         return self.costs.contention(device.num_running + starting, self.background_threads_now())
 
-    def _on_background(self, payload: object) -> None:
+    def _on_background(self) -> None:
         for device in self.mem.devices:  # the cores' share moved: decoding goes on at the new rate
             self.worker.retime(device)
 
-    def push(self, at_s: float, kind: str, payload: object = None) -> None:
-        heapq.heappush(self.events, (at_s, next(self.seq), kind, payload))
+    def push(self, at_s: float, event: SimEvent) -> None:
+        heapq.heappush(self.events, (at_s, next(self.seq), event))
+
+    def _handle(self, event: SimEvent) -> None:
+        if isinstance(event, Done):
+            self._on_done(event)
+        elif isinstance(event, Prefill):
+            self.worker.on_prefill(event.instance)
+        elif isinstance(event, Observe):
+            self.scheduler.observe_prefill(event.function, event.slo_ttft_s, event.size, event.pass_s)
+        elif isinstance(event, Recheck):
+            self._on_recheck(event)
+        elif isinstance(event, Expire):
+            self._on_expire(event)
+        elif isinstance(event, IdleRetire):
+            self._on_idle_retire(event)
+        elif isinstance(event, PlanTick):
+            self._on_plan(tick=True)
+        else:  # Background, the last kind of `SimEvent`
+            self._on_background()
 
     def run(self) -> SimOutcome:
-        handlers: dict[str, Callable[[object], None]] = {
-            "recheck": self._on_recheck,
-            "done": self._on_done,
-            "expire": self._on_expire,
-            "idle_retire": self._on_idle_retire,
-            "plan": self._on_plan,
-            "prefill": self.worker.on_prefill,  # type: ignore[dict-item]
-            "background": self._on_background,
-            "observe": lambda p: self.scheduler.observe_prefill(*p),  # type: ignore[misc]
-        }
         for at_s in self.background_at_s:
-            self.push(at_s, "background")
+            self.push(at_s, Background())
         if self.policy.serverful:
             self._start_servers()
         elif self.policy.preloading:
             self.now = -self.cluster.deploy_lead_s  # the deploy's plan, before the trace's first arrival
-            self.push(self.now, "plan", "tick")
+            self.push(self.now, PlanTick())
         requests = self.workload.requests
         i = 0
         while i < len(requests) or self.events:
@@ -183,13 +192,13 @@ class Simulator:
                 self._on_arrival(i)
                 i += 1
                 continue
-            at, _, kind, payload = heapq.heappop(self.events)
-            if kind == "plan" and i >= len(requests):
+            at, _, event = heapq.heappop(self.events)
+            if isinstance(event, PlanTick) and i >= len(requests):
                 continue  # no more arrivals: stop planning
-            if kind == "idle_retire" and self._idle_retire_stale(payload):
+            if isinstance(event, IdleRetire) and self._idle_retire_stale(event):
                 continue  # nothing to retire: it must not move the clock (nor the end the cost is billed to)
             self.now = max(self.now, at)
-            handlers[kind](payload)
+            self._handle(event)
         end = max(self.now, self.workload.duration_s)
         cost = self._finish(end)
         return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns,
@@ -223,10 +232,10 @@ class Simulator:
             and self.now - self.last_plan_s >= self.cluster.min_replan_s
             and self.scheduler.should_replan(self.now)
         ):
-            self._on_plan(None)
+            self._on_plan(tick=False)
 
-    def _on_recheck(self, payload: object) -> None:
-        name = FunctionName(str(payload))
+    def _on_recheck(self, event: Recheck) -> None:
+        name = event.function
         fs = self.fns[name]
         if fs.recheck_at_s <= self.now + 1e-9:
             fs.recheck_at_s = math.inf
@@ -235,7 +244,7 @@ class Simulator:
     def recheck(self, name: FunctionName, fs: FunctionState, at_s: float) -> None:
         if at_s < fs.recheck_at_s - 1e-9:
             fs.recheck_at_s = at_s
-            self.push(at_s, "recheck", name)
+            self.push(at_s, Recheck(name))
 
     def _batch_size(self, name: FunctionName, fs: FunctionState) -> int:
         """How many to dispatch now (0: wait; a recheck is scheduled)."""
@@ -328,9 +337,9 @@ class Simulator:
         if starts_running:  # the device's load moved: its decoding instances go on at the new rate
             self.worker.retime(device)
 
-    def _on_done(self, payload: object) -> None:
-        inst: SimInstance = payload[0]  # type: ignore[index]
-        finished = self.worker.on_done(payload)
+    def _on_done(self, event: Done) -> None:
+        inst = event.instance
+        finished = self.worker.on_done(event)
         for row in finished:
             self._release(inst, row.kv_bytes, row.batch)
         if not finished:
@@ -345,8 +354,8 @@ class Simulator:
                 # idle as a whole: its instances retire one per step (KeepAlivePolicy), as the agent's do
                 at_s = None if fs.queue else self.scheduler.next_idle_retirement_s(inst.function, self.now, None)
                 if at_s is not None:
-                    self.push(at_s, "idle_retire", (inst.function, self.now))
-            self.push(self.now + self._keep_alive_s(inst.function), "expire", (inst, inst.expire_token))
+                    self.push(at_s, IdleRetire(inst.function, self.now))
+            self.push(self.now + self._keep_alive_s(inst.function), Expire(inst, inst.expire_token))
         self._retry_blocked()
 
     def _keep_alive_s(self, name: FunctionName) -> float:
@@ -383,7 +392,7 @@ class Simulator:
             waiting = self.admission.turns.waiting(self.now)
             for name in [*waiting, *(n for n in self.blocked if n not in waiting)]:
                 if name in self.blocked:
-                    self._pump(name)
+                    self._pump(FunctionName(name))
             return
         for name in list(self.blocked):
             if name in self.blocked:
@@ -391,23 +400,23 @@ class Simulator:
                 if name in self.blocked:
                     return
 
-    def _on_expire(self, payload: object) -> None:
-        inst, token = payload  # type: ignore[misc]
-        if inst.running or inst.expire_token != token or inst not in self.fns[inst.function].instances:
+    def _on_expire(self, event: Expire) -> None:
+        inst = event.instance
+        if inst.running or inst.expire_token != event.token or inst not in self.fns[inst.function].instances:
             return
         self._retire(inst)
 
     def _retire(self, inst: SimInstance) -> None:
         """An idle instance stops (its artifacts stay where the policy plans them) and what waited for room retries."""
-        self._stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
+        self.stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
         self._retry_blocked()
 
-    def _on_idle_retire(self, payload: object) -> None:
+    def _on_idle_retire(self, event: IdleRetire) -> None:
         """A function idle as a whole since `idle_since` retires its least recently used idle instance, then plans
         the next retirement; stale once it has run a batch since."""
-        if self._idle_retire_stale(payload):
+        if self._idle_retire_stale(event):
             return
-        name, idle_since = payload  # type: ignore[misc]
+        name, idle_since = event.function, event.idle_since_s
         fs = self.fns[name]
         idle = sorted((i for i in fs.instances if not i.permanent and not i.running and i.ready_at_s <= self.now),
                       key=lambda i: i.last_used_s)
@@ -416,23 +425,23 @@ class Simulator:
         self._retire(idle[0])
         at_s = self.scheduler.next_idle_retirement_s(name, idle_since, self.now)
         if len(idle) > 1 and at_s is not None:
-            self.push(at_s, "idle_retire", payload)
+            self.push(at_s, event)
 
-    def _idle_retire_stale(self, payload: object) -> bool:
+    def _idle_retire_stale(self, event: IdleRetire) -> bool:
         """The function ran a batch since it went idle, or has no idle instance left to retire."""
-        name, idle_since = payload  # type: ignore[misc]
+        name, idle_since = event.function, event.idle_since_s
         fs = self.fns[name]
         return (fs.last_end_s != idle_since or bool(fs.queue) or any(i.running for i in fs.instances)
                 or all(i.permanent for i in fs.instances))
 
-    def _on_plan(self, payload: object) -> None:
-        """`payload` "tick": the periodic plan (schedules the next); None: a re-plan because a rate moved."""
+    def _on_plan(self, tick: bool) -> None:
+        """`tick`: the periodic plan (schedules the next); else a re-plan because a rate moved."""
         self.num_plans += 1
         self.last_plan_s = self.now
         plan = self.scheduler.plan(self.views.view(), self.now)
         self.views.apply_plan(plan)
-        if payload == "tick":
-            self.push(self.now + self.cluster.plan_interval_s, "plan", "tick")
+        if tick:
+            self.push(self.now + self.cluster.plan_interval_s, PlanTick())
 
     # -- instances ----------------------------------------------------------------------------------------------
 
@@ -456,7 +465,7 @@ class Simulator:
 
     def busy(self, device: DeviceState) -> int:
         """Instances on `device` running a batch or starting (the agent's `InstanceTable.busy_on_device`)."""
-        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)  # type: ignore[attr-defined]
+        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)
 
     def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
         breakdown = self.views.load_artifacts(name, device)
@@ -479,10 +488,12 @@ class Simulator:
         self.busy_peak = max(self.busy_peak, self.busy(device))
         # an instance that never gets a batch (its requests went elsewhere while it started) idles out like any
         # other, from when it is ready; its first batch makes this stale (the agent's reconcile does the same)
-        self.push(inst.ready_at_s + self._keep_alive_s(name), "expire", (inst, inst.expire_token))
+        self.push(inst.ready_at_s + self._keep_alive_s(name), Expire(inst, inst.expire_token))
         return inst
 
-    def _stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
+    def stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
+        """`inst` stops and its overhead is freed; unless `keep_artifacts`, its function's artifacts on its device go
+        too (and the host ones with the function's last instance). Views call it when they evict or offload."""
         fs = self.fns[inst.function]
         fs.instances.remove(inst)
         device = inst.device

@@ -12,12 +12,16 @@ load_artifacts(f, device)   a cold start: the delay of every artifact not reside
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lorafaas.replay.sim.cluster import ClusterSpec
 from lorafaas.replay.sim.costmodel import CostModel
-from lorafaas.replay.sim.state import DeviceState, slot_of
+from lorafaas.replay.sim.model import FunctionState, SimInstance
+from lorafaas.replay.sim.policies import PolicySpec
+from lorafaas.replay.sim.state import DeviceState, MemoryState, slot_of
+from lorafaas.replay.workload import Workload
 from lorafaas.scheduler import (
+    BackboneName,
     ClusterView,
     DeviceView,
     FunctionName,
@@ -27,24 +31,37 @@ from lorafaas.scheduler import (
     Offload,
     Plan,
     Residency,
+    Scheduler,
     SlotId,
     WorkerSlot,
 )
 
-if TYPE_CHECKING:
-    from lorafaas.replay.sim.engine import SimInstance, Simulator
-
 READY = frozenset({"libraries", "backbone", "adapter", "warmup"})
 
 
+class ViewHost(Protocol):
+    """What the views read and call of the simulator (`Simulator` is one)."""
+
+    now: float
+    fns: dict[FunctionName, FunctionState]
+    mem: MemoryState
+    policy: PolicySpec
+    scheduler: Scheduler
+    workload: Workload
+    concurrency: int
+    host_cache: dict[int, dict[str, None]]  # ServerlessLLM's host cache per node: backbone names, oldest first
+
+    def stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None: ...
+
+
 class ViewBuilder:
-    def __init__(self, sim: Simulator, cluster: ClusterSpec, costs: CostModel) -> None:
+    def __init__(self, sim: ViewHost, cluster: ClusterSpec, costs: CostModel) -> None:
         self.sim, self.cluster, self.costs = sim, cluster, costs
         self.mem = sim.mem
         self.profiles = {
             f: FunctionProfile(
                 f,
-                self.mem.backbone_of[f],
+                BackboneName(self.mem.backbone_of[f]),
                 0.0,
                 costs.artifact_costs(s.spec),
                 s.spec.slo_ttft_s,
@@ -205,7 +222,7 @@ class ViewBuilder:
             if device is not None and o.kind in ("backbone", "adapter"):
                 for inst in list(self.sim.fns[o.function].instances):
                     if inst.device is device and not inst.running:
-                        self.sim._stop_instance(inst, keep_artifacts=True)  # it lost what made it warm
+                        self.sim.stop_instance(inst, keep_artifacts=True)  # it lost what made it warm
             if device is not None:
                 self.mem.bill(device, now)
 
@@ -267,7 +284,7 @@ class ViewBuilder:
         for inst in idle:
             if mem.free_bytes(device) >= need:
                 return True
-            sim._stop_instance(inst, keep_artifacts=False)
+            sim.stop_instance(inst, keep_artifacts=False)
         stale = sorted(
             (
                 r
@@ -369,8 +386,6 @@ class ViewBuilder:
     # -- serverful ----------------------------------------------------------------------------------------------
 
     def start_servers(self) -> None:
-        from lorafaas.replay.sim.worker import SimInstance
-
         sim, mem = self.sim, self.mem
         by_backbone: dict[str, list[FunctionName]] = {}
         for f, fs in sim.fns.items():

@@ -13,55 +13,42 @@ needs; its slot is released then, as the node agent releases each request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from lorafaas.replay.results import RequestResult
+from lorafaas.replay.sim.cluster import ClusterSpec
+from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.model import DecodeRow, Done, FunctionState, Observe, Prefill, SimEvent, SimInstance
+from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState
+from lorafaas.replay.workload import Workload
 from lorafaas.scheduler import FunctionName
-
-if TYPE_CHECKING:
-    from lorafaas.replay.sim.engine import Simulator
 
 STEP_EPSILON = 1e-6  # decode steps: rounding of the counter when an event lands on a row's last step
 
 
-@dataclass
-class DecodeRow:
-    """A request decoding in an instance; `batch` counts the unfinished requests of the batch it was dispatched in
-    (shared by them)."""
+class WorkerHost(Protocol):
+    """What the worker model reads and calls of the simulator (`Simulator` is one)."""
 
-    index: int
-    kv_bytes: int
-    finish_step: float  # the instance's step count at which its last token comes
-    batch: list[int]
+    now: float
+    fns: dict[FunctionName, FunctionState]
+    results: list[RequestResult]
+    cluster: ClusterSpec
+    policy: PolicySpec
+    costs: CostModel
+    workload: Workload
 
+    def push(self, at_s: float, event: SimEvent) -> None: ...
 
-@dataclass(eq=False)  # identity: instances live in sets and lists
-class SimInstance:
-    instance_id: str
-    function: FunctionName
-    device: DeviceState
-    ready_at_s: float
-    cold_start_s: float
-    overhead_bytes: int
-    running: int = 0  # batches with a request not yet finished
-    last_used_s: float = 0.0
-    expire_token: int = 0
-    first_batch: bool = True
-    permanent: bool = False  # serverful servers
-    num_seqs: int = 0  # requests in it (waiting, prefilling or decoding): the agent's `in_flight`
-    waiting: list[tuple[int, list[int]]] = field(default_factory=list)  # sent, not yet prefilled: (request, batch)
-    pass_at_s: float | None = None  # the next prefill pass, when one is scheduled
-    prefill_free_at_s: float = 0.0  # when the last prefill pass ends (decoding is paused until then)
-    rows: list[DecodeRow] = field(default_factory=list)  # decoding
-    steps: float = 0.0  # decode steps done
-    step_s: float = 0.0  # one decode step now
-    updated_s: float = 0.0  # `steps` is as of this time
-    done_token: int = 0  # the current completion event (older ones are ignored)
+    def dispatch(self, name: FunctionName) -> None: ...
+
+    def slowdown(self, device: DeviceState, starting: int = 0) -> float: ...
+
+    def background_threads_now(self) -> float: ...
 
 
 class WorkerModel:
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: WorkerHost) -> None:
         self.sim = sim
 
     def schedule_pass(self, inst: SimInstance) -> None:
@@ -79,7 +66,7 @@ class WorkerModel:
         else:
             start = sim.now + step / 2
         inst.pass_at_s = start
-        sim.push(start, "prefill", inst)
+        sim.push(start, Prefill(inst))
 
     def on_prefill(self, inst: SimInstance) -> None:
         """A pass over the instance's waiting requests: first tokens when it ends, then they decode with the rest."""
@@ -109,13 +96,13 @@ class WorkerModel:
             inst.rows.append(DecodeRow(i, kv, inst.steps + r.output_tokens - 1, batch))
         inst.device.decoding[inst] = None
         # the agent learns the pass (its forward time and size) when the first tokens arrive
-        sim.push(end, "observe", (inst.function, fs.spec.slo_ttft_s, len(taken), pass_s))
+        sim.push(end, Observe(inst.function, fs.spec.slo_ttft_s, len(taken), pass_s))
         self.retime(inst.device)
 
-    def on_done(self, payload: object) -> list[DecodeRow]:
+    def on_done(self, event: Done) -> list[DecodeRow]:
         """The rows of the instance whose last token came now (none if the event is stale); removed from it."""
-        inst, token = payload  # type: ignore[misc]
-        if token != inst.done_token:
+        inst = event.instance
+        if event.token != inst.done_token:
             return []
         self._advance(inst)
         done = [r for r in inst.rows if r.finish_step <= inst.steps + STEP_EPSILON]
@@ -145,7 +132,7 @@ class WorkerModel:
             inst.step_s = round_s if round_s is not None else sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
-            sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, "done", (inst, inst.done_token))
+            sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, Done(inst, inst.done_token))
 
     def _advance(self, inst: SimInstance) -> None:
         """Count the decode steps made since the last update, at the step time of that interval, outside passes."""

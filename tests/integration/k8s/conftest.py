@@ -15,8 +15,8 @@ k8s = pytest.importorskip("kubernetes.client")
 
 from k8s_env import BACKBONE, NODES, UNPULLABLE, Release  # noqa: E402
 
-from lorafaas.testing.fake_kubelet import FakeKubelet, StatusRuntime  # noqa: E402
-from lorafaas.testing.k8s_cluster import ControlPlane, default_bin_dir, missing_binaries  # noqa: E402
+from tests.support.fake_kubelet import FakeKubelet, StatusRuntime  # noqa: E402
+from tests.support.k8s_cluster import ControlPlane, default_bin_dir, missing_binaries  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ k8s = pytest.importorskip("kubernetes.client")
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig  # noqa: E402
-from lorafaas.testing.fake_kubelet import FakeKubelet  # noqa: E402
-from lorafaas.testing.k8s_cluster import ControlPlane  # noqa: E402
+from tests.support.fake_kubelet import FakeKubelet  # noqa: E402
+from tests.support.k8s_cluster import ControlPlane  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[3] / "manifests" / "charts" / "lorafaas"
 NODES = ("node-1", "node-2", "node-3")
@@ -128,7 +128,7 @@ class Release:
 
 def require_process_kubelet() -> None:
     """Skip without what the process kubelet needs (root, ip, nsenter, unshare); fail instead in CI."""
-    from lorafaas.testing.process_kubelet import missing_tools
+    from tests.support.process_kubelet import missing_tools
 
     missing = missing_tools()
     if missing:

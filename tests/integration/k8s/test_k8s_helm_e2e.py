@@ -1,7 +1,7 @@
 """`helm install` of the chart, unmodified, onto three nodes of the process kubelet: the real API server, scheduler,
 controllers and garbage collector; every pod the release makes (the controller, Redis, the node agents' DaemonSet, the
 function pods) runs as real processes in its own network and mount namespaces, with its volumes, its service account
-token and Services by name (`lorafaas/testing/process_kubelet.py`).
+token and Services by name (`tests/support/process_kubelet.py`).
 
 The values are what a user of a three-node CPU cluster passes: the home on a ReadWriteMany claim (an NFS volume; its
 server is this machine), each node's daemon sockets on the node (`home.runHostPath`), Redis on a statically
@@ -29,10 +29,10 @@ from k8s_env import CHART, require_process_kubelet, wait_until
 from kubernetes.client.exceptions import ApiException
 
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.testing.fake_kubelet import FakeKubelet
-from lorafaas.testing.k8s_cluster import ControlPlane
 from lorafaas.testing.platform_process import PlatformProcess
-from lorafaas.testing.process_kubelet import ProcessRuntime
+from tests.support.fake_kubelet import FakeKubelet
+from tests.support.k8s_cluster import ControlPlane
+from tests.support.process_kubelet import ProcessRuntime
 
 helm = pytest.importorskip("helm_python")
 k8s = pytest.importorskip("kubernetes.client")

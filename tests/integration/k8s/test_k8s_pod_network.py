@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from k8s_env import require_process_kubelet
 
-from lorafaas.testing.pod_network import PodNetwork, ip
+from tests.support.pod_network import PodNetwork, ip
 
 CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()"
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from k8s_env import Release, require_process_kubelet, wait_until
 
-from lorafaas.testing.fake_kubelet import FakeKubelet
-from lorafaas.testing.process_kubelet import ProcessRuntime
+from tests.support.fake_kubelet import FakeKubelet
+from tests.support.process_kubelet import ProcessRuntime
 
 NODE = "proc-1"
 

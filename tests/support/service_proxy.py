@@ -24,7 +24,7 @@ from pathlib import Path
 from kubernetes import client as k8s
 
 from lorafaas.platform.backends.pod_cache import Reflector
-from lorafaas.testing.pod_network import PodNetwork
+from tests.support.pod_network import PodNetwork
 
 log = logging.getLogger(__name__)
 

