@@ -10,6 +10,8 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (
     AdmissionView,
     ComputeTurns,
+    FunctionName,
+    InstanceId,
     InstanceLoad,
     Scheduler,
     can_join,
@@ -23,7 +25,7 @@ def build_admission_view(config: AgentConfig, table: InstanceTable, scheduler: S
                          last_scale_out_s: float | None, now: float) -> AdmissionView:
     """The instances of exactly this spec's identity and, for the current spec only (`current`), the devices where
     one could start (each with its own busy count), best first as `start_order` ranks them."""
-    identity = Identity.of(spec)
+    identity, name = Identity.of(spec), FunctionName(spec.name)
     slots = device_slots(config)
     instances = [i for i in table.of_identity(identity)
                  if i.state == "starting" or (i.serving and i.state in ("ready", "draining"))]
@@ -31,12 +33,12 @@ def build_admission_view(config: AgentConfig, table: InstanceTable, scheduler: S
     waiting_others, waiting_ahead = turns.counts(identity, now)
     shared = {i.device for i in table.all()
               if i.function != spec.name and i.state in ("starting", "ready", "draining")}
-    loads = tuple(InstanceLoad(i.instance_id, i.state != "starting", i.in_flight, i.started_s,
+    loads = tuple(InstanceLoad(InstanceId(i.instance_id), i.state != "starting", i.in_flight, i.started_s,
                                busy.get(i.device, 0) < slots, i.device in shared) for i in instances)
-    steady = scheduler.steady(spec.name)
+    steady = scheduler.steady(name)
     max_instances = spec.max_instances if current else len(loads)  # nothing starts for a superseded version
     slo_s = spec.slo_ttft_ms / 1e3
-    slo_batch = scheduler.batch_policy(spec.name, slo_s).max_batch_size
+    slo_batch = scheduler.batch_policy(name, slo_s).max_batch_size
     adaptive = config.scheduler.adaptive_batching
     options: tuple = ()
     if (needs_start_options(loads, slo_batch, config.max_batch_size, steady)
@@ -45,7 +47,7 @@ def build_admission_view(config: AgentConfig, table: InstanceTable, scheduler: S
         options = start_options(start_order, busy, slots, len(loads), max_instances,
                                 last_scale_out_s if joinable else None)
     return AdmissionView(
-        function=spec.name, queue_length=queue_length, slo_ttft_s=slo_s, slo_batch=slo_batch,
+        function=name, queue_length=queue_length, slo_ttft_s=slo_s, slo_batch=slo_batch,
         worker_capacity=config.max_batch_size, adaptive=adaptive, max_instances=max_instances,
         instances=loads, start_options=options,
         requests_per_background_start=config.scheduler.requests_per_background_start,

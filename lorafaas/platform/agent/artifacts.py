@@ -35,14 +35,19 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (
     ArtifactCost,
     ArtifactCosts,
+    BackboneName,
     ClusterView,
+    DeviceId,
     DeviceView,
+    FunctionName,
     FunctionProfile,
+    InstanceId,
     InstanceView,
     Offload,
     Preload,
     Residency,
     Scheduler,
+    SlotId,
     WorkerSlot,
 )
 
@@ -97,34 +102,38 @@ class ArtifactPlanner:
 
     def view(self) -> ClusterView:
         names = self.config.device_names
-        functions, slots, resident = {}, [], []
+        functions: dict[FunctionName, FunctionProfile] = {}
+        slots: list[WorkerSlot] = []
+        resident: list[Residency] = []
         used = self._kv_bytes_by_device()  # bytes besides resident artifacts: KV caches, instances' own
         running_backbones = {d: set(self.launcher.running_backbones(d)) for d in names}
-        invoked = frozenset(i.function for i in self.table.all() if i.in_flight)
-        instances = tuple(InstanceView(i.instance_id, i.function, i.device, frozenset(i.loaded), i.in_flight,
-                                       self.config.max_batch_size) for i in self.table.all() if i.state == "ready")
-        for name, state in self.functions.items():
-            spec = state.spec
+        invoked = frozenset(FunctionName(i.function) for i in self.table.all() if i.in_flight)
+        instances = tuple(InstanceView(InstanceId(i.instance_id), FunctionName(i.function), DeviceId(i.device),
+                                       frozenset(i.loaded), i.in_flight, self.config.max_batch_size)
+                          for i in self.table.all() if i.state == "ready")
+        for state in self.functions.values():
+            spec, name = state.spec, FunctionName(state.name)
             pool = [i for i in self.table.current(spec) if i.state == "ready"]
             functions[name] = self.profile(state, with_instance=bool(pool))
-            fn_slots = [f"{i.instance_id}" for i in pool] or [f"pool:{name}"]
+            fn_slots = [SlotId(i.instance_id) for i in pool] or [SlotId(f"pool:{name}")]
             for instance in pool:
-                slots.append(WorkerSlot(instance.instance_id, POOL_SLOT_BYTES, function=name))
+                slot, device = SlotId(instance.instance_id), DeviceId(instance.device)
+                slots.append(WorkerSlot(slot, POOL_SLOT_BYTES, function=name))
                 used[instance.device] += INSTANCE_OVERHEAD_BYTES
-                resident.append(Residency(name, "libraries", "host", slot=instance.instance_id))
+                resident.append(Residency(name, "libraries", "host", slot=slot))
                 loaded = set(instance.loaded)
                 if "adapter" in loaded:
-                    resident.append(Residency(name, "adapter", "device", instance.device, instance.instance_id))
+                    resident.append(Residency(name, "adapter", "device", device, slot))
                 if "warmup" in loaded:
-                    resident.append(Residency(name, "warmup", "device", instance.device, instance.instance_id))
+                    resident.append(Residency(name, "warmup", "device", device, slot))
             if not pool:
                 slots.append(WorkerSlot(fn_slots[0], POOL_SLOT_BYTES, function=name))
                 if self.launcher.zygote_pid is not None:
                     resident.append(Residency(name, "libraries", "host", slot=fn_slots[0]))
-            for device in names:
-                if spec.backbone in running_backbones[device]:
-                    resident.append(Residency(name, "backbone", "device", device, fn_slots[0]))
-        devices = tuple(DeviceView(d.name, d.budget_bytes, used[d.name]) for d in self.config.devices)
+            for device_name in names:
+                if spec.backbone in running_backbones[device_name]:
+                    resident.append(Residency(name, "backbone", "device", DeviceId(device_name), fn_slots[0]))
+        devices = tuple(DeviceView(DeviceId(d.name), d.budget_bytes, used[d.name]) for d in self.config.devices)
         return ClusterView(functions=functions, devices=devices, slots=tuple(slots), resident=tuple(resident),
                            invoked=invoked, instances=instances)
 
@@ -162,7 +171,8 @@ class ArtifactPlanner:
             adapter_device=ArtifactCost(load_s("adapter"), adapter_bytes) if with_instance else None,
             warmup=ArtifactCost(load_s("warmup"), 0) if with_instance else None,
         )
-        return FunctionProfile(name=spec.name, backbone=spec.backbone, arrival_rate_per_s=0.0, costs=costs,
+        return FunctionProfile(name=FunctionName(spec.name), backbone=BackboneName(spec.backbone),
+                               arrival_rate_per_s=0.0, costs=costs,
                                slo_ttft_s=spec.slo_ttft_ms / 1e3, kv_bytes_per_token=self.kv_bytes_per_token(spec))
 
     def kv_bytes_per_token(self, spec: FunctionSpec) -> int:
@@ -194,7 +204,7 @@ class ArtifactPlanner:
         One decision at a time, each on a fresh view: concurrent requests must not evict the same things twice."""
         needed = self.request_bytes(spec, tokens)
         async with self._deciding:
-            decision = self.scheduler.make_room(self.view(), device, needed)
+            decision = self.scheduler.make_room(self.view(), DeviceId(device), needed)
             if decision.actions:
                 reason = f"a batch of {spec.name} needed {needed} bytes; {decision.free_bytes} were free"
                 log.info("%s: offloading %d artifact(s): %s", spec.name, len(decision.actions), reason)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import AdmissionDecision
+from lorafaas.scheduler import AdmissionDecision, FunctionName
 
 MAX_FAILURES_KEPT = 20  # per function, for describe
 FAILURE_KINDS = ("crashed", "hung", "start_failed")
@@ -73,8 +73,8 @@ class FunctionState:
     offloads: list[OffloadEvent] = field(default_factory=list)
 
     @property
-    def name(self) -> str:
-        return self.spec.name
+    def name(self) -> FunctionName:
+        return FunctionName(self.spec.name)
 
     def owns(self, uid: str) -> bool:
         """Whether work of deployment `uid` belongs to this record (not to a deleted namesake)."""

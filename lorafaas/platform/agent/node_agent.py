@@ -21,7 +21,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from lorafaas.platform.devices import start_order
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import AdmissionView, ComputeTurns, Scheduler, decide_admission
+from lorafaas.scheduler import AdmissionView, ComputeTurns, FunctionName, InstanceId, Scheduler, decide_admission
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class NodeAgent:
 
     def _forget(self, spec: FunctionSpec) -> None:
         """What the scheduler and the compute turns learned of a deployment that is gone."""
-        self.scheduler.forget(spec.name)
+        self.scheduler.forget(FunctionName(spec.name))
         self.compute_turns.leave(Identity.of(spec))
         self.launcher.forget_failures(spec.name)
 
@@ -191,7 +191,7 @@ class NodeAgent:
     # -- invocation ------------------------------------------------------------------------------------------------
 
     async def invoke(self, spec: FunctionSpec, request: m.Generate, meter: UsageMeter | None = None
-                     ) -> AsyncIterator[m.Token | m.Finished]:
+                     ) -> AsyncGenerator[m.Token | m.Finished, None]:
         """Stream one request's events. It waits in its identity's queue until the admission policy dispatches it;
         a request that fails before its first token is retried once elsewhere (never on another identity).
         `meter`, when given, is complete when `Finished` is yielded: times, cold start and charges (metering.py)."""
@@ -199,9 +199,9 @@ class NodeAgent:
         if state is None or not state.owns(spec.uid):
             raise FunctionNotFound(f"function {spec.name} was deleted")
         now = self.clock()
-        self.scheduler.observe_arrival(spec.name, now)
+        self.scheduler.observe_arrival(state.name, now)
         if state.last_end_s is not None and not self._in_flight(state):  # an idle period ends: keep-alive histogram
-            self.scheduler.observe_idle(spec.name, now - state.last_end_s)
+            self.scheduler.observe_idle(state.name, now - state.last_end_s)
         meter = meter or UsageMeter()
         meter.arrived_s = self.clock()
         for attempt in (1, 2):
@@ -319,7 +319,7 @@ class NodeAgent:
         if decision.action == "dispatch":
             if decision.device is not None:  # a slow start for the requests that follow: in the background
                 self._spawn(self.instances.start(serving, REQUEST_STAGES, "scale_out", decision.device))
-            return by_id[decision.instance_id], decision.size
+            return by_id[_named(decision.instance_id)], decision.size
         if decision.action == "start":
             device = decision.device or self._start_order(serving)[0]
             try:
@@ -331,7 +331,7 @@ class NodeAgent:
                 return None
             return instance, max(1, min(view.slo_batch, view.worker_capacity) - instance.in_flight)
         if decision.action == "await_start":
-            await by_id[decision.instance_id].ready_event.wait()
+            await by_id[_named(decision.instance_id)].ready_event.wait()
             return None
         if not view.instances and not view.start_options:
             raise InstanceUnavailable(
@@ -427,6 +427,13 @@ class NodeAgent:
 
     def count_by_state(self) -> dict[tuple[str, str], int]:
         return self.table.count_by_state()
+
+
+def _named(instance_id: InstanceId | None) -> str:
+    """The instance a dispatch or an await decision always names."""
+    if instance_id is None:
+        raise ValueError("an admission decision to dispatch or await without its instance")
+    return instance_id
 
 
 def _log_failure(task: asyncio.Task) -> None:

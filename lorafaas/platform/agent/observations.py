@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler
+from lorafaas.scheduler import FunctionName, Scheduler
 
 
 def observe_prefill(scheduler: Scheduler, spec: FunctionSpec, batch_size: int, first: m.Token | m.Finished,
@@ -17,8 +17,8 @@ def observe_prefill(scheduler: Scheduler, spec: FunctionSpec, batch_size: int, f
     together = getattr(first, "prefill_batch", None)
     if getattr(first, "prefill_shared", False):  # the round's time (other functions' rows), not T(b) of its own
         return
-    slo_s = spec.slo_ttft_ms / 1e3
+    name, slo_s = FunctionName(spec.name), spec.slo_ttft_ms / 1e3
     if prefill_s is not None and together:
-        scheduler.observe_prefill(spec.name, slo_s, together, prefill_s)
+        scheduler.observe_prefill(name, slo_s, together, prefill_s)
     else:
-        scheduler.observe_prefill(spec.name, slo_s, batch_size, waited_s)
+        scheduler.observe_prefill(name, slo_s, batch_size, waited_s)

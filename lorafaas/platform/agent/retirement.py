@@ -7,7 +7,7 @@ from lorafaas.platform.agent.config import AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.instance_table import Instance, InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler
+from lorafaas.scheduler import FunctionName, Scheduler
 
 
 def retirements(state: FunctionState, table: InstanceTable, scheduler: Scheduler, config: AgentConfig,
@@ -26,7 +26,7 @@ def retirements(state: FunctionState, table: InstanceTable, scheduler: Scheduler
     if expired or not surplus or len(idle) < len(current) or queued:
         return expired
     idle_since = max(i.last_used_s for i in idle)
-    due = scheduler.next_idle_retirement_s(spec.name, idle_since, state.idle_retired_s)
+    due = scheduler.next_idle_retirement_s(state.name, idle_since, state.idle_retired_s)
     if due is None or now < due:
         return []
     state.idle_retired_s = now
@@ -37,7 +37,7 @@ def retirements(state: FunctionState, table: InstanceTable, scheduler: Scheduler
 def keep_alive_s(spec: FunctionSpec, scheduler: Scheduler, config: AgentConfig) -> float:
     """The function's own keep-alive, unless the hybrid policy has a representative idle-time histogram."""
     if config.scheduler.keep_alive_policy == "hybrid":
-        decision = scheduler.keep_alive(spec.name)
+        decision = scheduler.keep_alive(FunctionName(spec.name))
         if decision.reason == "histogram":
             return decision.prewarm_s + decision.keep_alive_s
     return spec.keep_alive_s

@@ -17,7 +17,7 @@ def describe_function(state: FunctionState, table: InstanceTable, scheduler: Sch
     failures: the agent's and what the backend saw (`backend_failures`: a pod that could not be scheduled, pull its
     image or stay alive)."""
     spec = state.spec
-    policy = scheduler.batch_policy(spec.name, spec.slo_ttft_ms / 1e3)
+    policy = scheduler.batch_policy(state.name, spec.slo_ttft_ms / 1e3)
     decision = state.last_admission
     return {
         "instances": [i.describe() for i in table.of_function(spec.name) if state.owns(i.identity.uid)],
