@@ -288,7 +288,7 @@ def _outcome(attack: str, c: dict, evicted: bool, served: int) -> str:
     if attack in ("sealed-buffer", "bogus-groups"):
         return f"{c['accepted']} of {c['hellos']} hellos accepted ({c['why']!r})"
     if attack == "idle-active":
-        return (f"{'hung up on' if evicted else 'kept, not awaited'}: {c['ends']} END AGAIN sent, "
+        return (f"{'hung up on' if evicted else 'kept (no rule evicts it)'}: {c['ends']} END AGAIN sent, "
                 f"never a pass")
     if not c.get("meaningful", 1):
         return "not meaningful: root without capsh (CAP_SYS_PTRACE opens everything)"

@@ -266,6 +266,11 @@ def hostile(
     if as_json:
         print_json(msgspec.to_builtins(result))
         return
+    print_table(hostile_table(result))
+
+
+def hostile_table(result) -> Table:
+    """The table of a `HostileBenchResult` (lorafaas/bench/hostile.py)."""
     table = Table("attack", "TPOT", "/ calm", "/ alone", f"<= {result.limit:g}x calm", "outputs = alone",
                   "attacker evicted", "honest kept", "what the attacker got",
                   title=f"{result.members} honest members, {result.steps} steps on {result.backbone}: TPOT alone "
@@ -276,7 +281,7 @@ def hostile(
                       f"{row.over_alone:.2f}x", "yes" if row.within_limit_of_calm else "NO",
                       "yes" if row.outputs_equal_alone else "NO", "yes" if row.attacker_evicted else "no",
                       "yes" if row.honest_kept else "NO", row.outcome)
-    print_table(table)
+    return table
 
 
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py
