@@ -7,7 +7,8 @@ A real backbone daemon serves the backbone from a scratch home. The honest membe
 and report their tokens and each step's time. They run, started together each time:
 
     alone     each its own pass (`--alone`), none in the daemon's shared pass
-    calm      all in the shared pass, nobody attacking
+    calm      all in the shared pass, nobody attacking: once before each attack, its baseline (the machine's load
+              drifts over minutes; a ratio to the calm run just before is a ratio to the same load, near enough)
     attacked  all in the shared pass while one attacker runs, once per attack (findings 1-5 of issue 36)
 
 The attacker is a fresh process (`python -m lorafaas.bench.hostile attack NAME ...`) holding its own lease, started
@@ -68,12 +69,13 @@ class AttackRow(msgspec.Struct, frozen=True, kw_only=True):
     attack: str
     tpot_s: float  # the honest members' median TPOT during the attack
     member_tpot_s: list[float]
-    over_calm: float
+    calm_tpot_s: float  # the honest members' median TPOT in the calm run just before this attack
+    over_calm: float  # tpot_s / calm_tpot_s
     over_alone: float
     within_limit_of_calm: bool  # over_calm <= 1.5
     within_limit_of_alone: bool
     outputs_equal_alone: bool  # every honest member's tokens equal its tokens alone
-    outputs_equal_calm: bool
+    outputs_equal_calm: bool  # ... equal its tokens in the calm run before
     max_logit_diff_alone: float  # the largest |last logits attacked - alone| over the members
     attacker_evicted: bool  # hung up on or refused by the daemon (its log, by the attacker's pid)
     attacker_served: int  # what it got: calls computed, hellos accepted, descriptors or memory of the daemon opened
@@ -90,11 +92,11 @@ class HostileBenchResult(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     limit: float
     tpot_alone_s: float
-    tpot_calm_s: float
+    tpot_calm_s: float  # the median of the calm runs'
     member_tpot_alone_s: list[float]
-    member_tpot_calm_s: list[float]
+    calm_runs_tpot_s: list[float]  # each calm run's (one before each attack)
     calm_over_alone: float
-    calm_outputs_equal_alone: bool
+    calm_outputs_equal_alone: bool  # in every calm run
     attacks: list[AttackRow]
 
 
@@ -126,23 +128,24 @@ def run_hostile_bench(home: Path, backbone: str, members: int = 2, steps: int = 
         ModelStore(scratch_home / "models").import_dir(backbone, source)
         with _daemon(scratch_home, backbone) as (paths, log):
             bench = _Bench(paths, log, prompts(members), steps)
-            progress.stage("honest members alone, then in the pass", 2 + len(attacks))
+            progress.stage("honest members alone", 1)
             alone = bench.members(alone=True)
             progress.advance()
-            calm = bench.members(alone=False)
-            progress.advance()
-            rows = []
+            rows, calms = [], []
             for attack in attacks:
-                progress.stage(f"attack {ATTACKS.index(attack) + 1}: {attack}")
-                rows.append(bench.attacked(attack, alone, calm))
+                progress.stage(f"calm, then attack {ATTACKS.index(attack) + 1}: {attack}", 2)
+                calms.append(bench.members(alone=False))
                 progress.advance()
-    tpot_alone, tpot_calm = _tpot(alone), _tpot(calm)
+                rows.append(bench.attacked(attack, alone, calms[-1]))
+                progress.advance()
+    tpot_alone = _tpot(alone)
+    calm_runs = [statistics.median(_tpot(calm)) for calm in calms]
+    tpot_calm = statistics.median(calm_runs) if calm_runs else float("nan")
     return HostileBenchResult(
         backbone=backbone, members=members, steps=steps, limit=LIMIT,
-        tpot_alone_s=statistics.median(tpot_alone), tpot_calm_s=statistics.median(tpot_calm),
-        member_tpot_alone_s=tpot_alone, member_tpot_calm_s=tpot_calm,
-        calm_over_alone=statistics.median(tpot_calm) / statistics.median(tpot_alone),
-        calm_outputs_equal_alone=_same_tokens(calm, alone), attacks=rows,
+        tpot_alone_s=statistics.median(tpot_alone), tpot_calm_s=tpot_calm, member_tpot_alone_s=tpot_alone,
+        calm_runs_tpot_s=calm_runs, calm_over_alone=tpot_calm / statistics.median(tpot_alone),
+        calm_outputs_equal_alone=all(_same_tokens(calm, alone) for calm in calms), attacks=rows,
     )
 
 
@@ -239,11 +242,13 @@ class _Bench:
         evicted = attacker.pid in hung_up | refused
         tpot = _tpot(shared)
         tpot_s = statistics.median(tpot)
-        over_calm = tpot_s / statistics.median(_tpot(calm))
+        calm_tpot_s = statistics.median(_tpot(calm))
+        over_calm = tpot_s / calm_tpot_s
         over_alone = tpot_s / statistics.median(_tpot(alone))
         served = _served(attack, counters)
         return AttackRow(
-            finding=finding, attack=attack, tpot_s=tpot_s, member_tpot_s=tpot, over_calm=over_calm,
+            finding=finding, attack=attack, tpot_s=tpot_s, member_tpot_s=tpot, calm_tpot_s=calm_tpot_s,
+            over_calm=over_calm,
             over_alone=over_alone, within_limit_of_calm=over_calm <= LIMIT, within_limit_of_alone=over_alone <= LIMIT,
             outputs_equal_alone=_same_tokens(shared, alone), outputs_equal_calm=_same_tokens(shared, calm),
             max_logit_diff_alone=max(max(abs(a - b) for a, b in zip(x["logits"], y["logits"], strict=True))
@@ -498,8 +503,6 @@ def _proc(daemon_pid: int, control_pid: int, stop: threading.Event, c: dict) -> 
 def attack_main(argv: list[str]) -> int:
     """Say `ready` (lease held, groups known), start the attack on `go`, say `going`, stop on `stop` (or end of
     stdin) and print the counters as one JSON line."""
-    from lorafaas.protocols import base_pass as bp  # noqa: F401  (imported before the clock: the members' time)
-
     attack, daemon_socket, pass_socket, *rest = argv
     counters: dict = {}
     stop = threading.Event()

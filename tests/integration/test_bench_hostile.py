@@ -19,7 +19,8 @@ def test_bench_hostile_reports_every_attack_and_its_invariants(tmp_path, tiny_de
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["backbone"] == "tiny-dense" and report["members"] == 2 and report["steps"] == 3
-    assert report["limit"] == 1.5 and len(report["member_tpot_alone_s"]) == len(report["member_tpot_calm_s"]) == 2
+    assert report["limit"] == 1.5 and len(report["member_tpot_alone_s"]) == 2
+    assert len(report["calm_runs_tpot_s"]) == len(ATTACKS)  # a calm run before each attack, its baseline
     assert report["tpot_alone_s"] > 0 and report["tpot_calm_s"] > 0 and report["calm_outputs_equal_alone"]
     rows = {row["attack"]: row for row in report["attacks"]}
     assert list(rows) == list(ATTACKS) and [row["finding"] for row in report["attacks"]] == [1, 2, 3, 4, 5]
@@ -28,7 +29,7 @@ def test_bench_hostile_reports_every_attack_and_its_invariants(tmp_path, tiny_de
         assert row["honest_kept"], (name, row["daemon_said"])
         assert row["attacker_served"] == 0, (name, row["attacker"])
         assert len(row["member_tpot_s"]) == len(row["member_calls"]) == 2
-        assert row["over_calm"] == row["tpot_s"] / report["tpot_calm_s"]
+        assert row["over_calm"] == row["tpot_s"] / row["calm_tpot_s"]
         assert row["within_limit_of_calm"] == (row["over_calm"] <= 1.5)
         assert row["within_limit_of_alone"] == (row["over_alone"] <= 1.5)
     for name in ("lm-head-flood", "sealed-buffer", "bogus-groups"):  # hung up on or refused, by the daemon's log
