@@ -83,6 +83,8 @@ class AttackRow(msgspec.Struct, frozen=True, kw_only=True):
     member_calls: list[int]  # calls each honest member had computed by the daemon (0: every pass computed alone)
     outcome: str
     attacker: dict[str, int | str]  # its own counters
+    attacker_cpu_s: float  # CPU time the attacker's process took while it attacked (its own cores' cost)
+    attack_s: float  # how long it attacked (set going to stopped)
     daemon_said: list[str]  # the daemon's log lines naming a pid it hung up on or refused, distinct, at most 8
 
 
@@ -257,6 +259,7 @@ class _Bench:
             honest_kept=not honest_pids & (hung_up | refused) and not any(r["broken"] for r in shared),
             member_calls=[r["calls"] for r in shared],
             outcome=_outcome(attack, counters, evicted, served), attacker=counters, daemon_said=_said(text),
+            attacker_cpu_s=attacker.cpu_s, attack_s=attacker.attack_s,
         )
 
 
@@ -314,6 +317,7 @@ class _Attacker:
         self.attack, self.paths = attack, paths
         self.counters: dict[str, int | str] = {}
         self.control: subprocess.Popen | None = None
+        self.cpu_s = self.attack_s = 0.0
 
     def __enter__(self) -> _Attacker:
         args = [self.attack, str(self.paths.socket), str(self.paths.base_pass)]
@@ -337,6 +341,7 @@ class _Attacker:
             self.process.stdin.write("go\n")  # type: ignore[union-attr]
             self.process.stdin.flush()  # type: ignore[union-attr]
             self._expect("going")  # its attack is under way (attack 4: its first hello refused)
+            self._going = (time.monotonic(), _cpu_s(self.pid))
         except BaseException:
             self._stop()
             raise
@@ -351,6 +356,8 @@ class _Attacker:
     def __exit__(self, *exc_info) -> None:
         try:
             if exc_info[0] is None:
+                self.attack_s = time.monotonic() - self._going[0]
+                self.cpu_s = _cpu_s(self.pid) - self._going[1]
                 out, _ = self.process.communicate("stop\n", timeout=120)
                 if self.process.returncode != 0:
                     raise ServerError(f"the {self.attack} attacker exited {self.process.returncode}: "
@@ -365,6 +372,12 @@ class _Attacker:
                 process.kill()
                 process.wait()
         self.err.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process `pid` (its threads included) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- the attacker process: `python -m lorafaas.bench.hostile attack NAME DAEMON_SOCKET PASS_SOCKET [...]`

@@ -272,7 +272,7 @@ def hostile(
 def hostile_table(result) -> Table:
     """The table of a `HostileBenchResult` (lorafaas/bench/hostile.py)."""
     table = Table("attack", "TPOT", "calm before", "/ calm", "/ alone", f"<= {result.limit:g}x calm",
-                  "outputs = alone", "attacker evicted", "honest kept", "what the attacker got",
+                  "outputs = alone", "attacker evicted", "honest kept", "attacker CPU", "what the attacker got",
                   title=f"{result.members} honest members, {result.steps} steps on {result.backbone}: TPOT alone "
                         f"{result.tpot_alone_s * 1e3:.1f} ms, calm (median of its runs) "
                         f"{result.tpot_calm_s * 1e3:.1f} ms "
@@ -281,7 +281,8 @@ def hostile_table(result) -> Table:
         table.add_row(f"{row.finding} {row.attack}", f"{row.tpot_s * 1e3:.1f} ms", f"{row.calm_tpot_s * 1e3:.1f} ms",
                       f"{row.over_calm:.2f}x", f"{row.over_alone:.2f}x", "yes" if row.within_limit_of_calm else "NO",
                       "yes" if row.outputs_equal_alone else "NO", "yes" if row.attacker_evicted else "no",
-                      "yes" if row.honest_kept else "NO", row.outcome)
+                      "yes" if row.honest_kept else "NO", f"{row.attacker_cpu_s / row.attack_s:.0%} of a core",
+                      row.outcome)
     return table
 
 

@@ -29,6 +29,7 @@ def test_bench_hostile_reports_every_attack_and_its_invariants(tmp_path, tiny_de
         assert row["honest_kept"], (name, row["daemon_said"])
         assert row["attacker_served"] == 0, (name, row["attacker"])
         assert len(row["member_tpot_s"]) == len(row["member_calls"]) == 2
+        assert row["attack_s"] > 0 and row["attacker_cpu_s"] >= 0
         assert row["over_calm"] == row["tpot_s"] / row["calm_tpot_s"]
         assert row["within_limit_of_calm"] == (row["over_calm"] <= 1.5)
         assert row["within_limit_of_alone"] == (row["over_alone"] <= 1.5)
