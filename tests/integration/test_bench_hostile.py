@@ -8,14 +8,17 @@ import json
 import os
 import shutil
 
+import pytest
+
 from lorafaas.bench.hostile import ATTACKS
 from lorafaas.formats.model_store import ModelStore
 
 
+@pytest.mark.timeout(900)  # 11 runs of fresh member processes: 88 s at load 3, 333 s at load 9 on two cores
 def test_bench_hostile_reports_every_attack_and_its_invariants(tmp_path, tiny_dense_dir, cli) -> None:
     ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
     result = cli("--home", str(tmp_path), "bench", "hostile", "--backbone", "tiny-dense", "--steps", "3", "--json",
-                 timeout=540)
+                 timeout=840)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["backbone"] == "tiny-dense" and report["members"] == 2 and report["steps"] == 3
