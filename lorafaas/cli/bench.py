@@ -249,6 +249,43 @@ def moe_transport(
     print_table(table)
 
 
+@app.command("hostile")
+def hostile(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone", help="A backbone in the model store."),
+    members: int = typer.Option(2, "--members", min=2, max=8, help="Honest member processes (different prompts)."),
+    steps: int = typer.Option(24, "--steps", min=1, max=256, help="Greedy tokens each honest member decodes."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Honest members' TPOT and outputs in the shared base pass, alone, calm and during each hostile member's attack."""
+    from lorafaas.bench.hostile import run_hostile_bench
+
+    config: LorafaasConfig = ctx.obj
+    with RichProgress() as progress:
+        result = run_hostile_bench(config.home, backbone, members, steps, progress=progress)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    print_table(hostile_table(result))
+
+
+def hostile_table(result) -> Table:
+    """The table of a `HostileBenchResult` (lorafaas/bench/hostile.py)."""
+    table = Table("attack", "TPOT", "calm before", "/ calm", "/ alone", f"<= {result.limit:g}x calm",
+                  "outputs = alone", "attacker evicted", "honest kept", "attacker CPU", "what the attacker got",
+                  title=f"{result.members} honest members, {result.steps} steps on {result.backbone}: TPOT alone "
+                        f"{result.tpot_alone_s * 1e3:.1f} ms, calm (median of its runs) "
+                        f"{result.tpot_calm_s * 1e3:.1f} ms "
+                        f"({result.calm_over_alone:.2f}x, outputs = alone: {result.calm_outputs_equal_alone})")
+    for row in result.attacks:
+        table.add_row(f"{row.finding} {row.attack}", f"{row.tpot_s * 1e3:.1f} ms", f"{row.calm_tpot_s * 1e3:.1f} ms",
+                      f"{row.over_calm:.2f}x", f"{row.over_alone:.2f}x", "yes" if row.within_limit_of_calm else "NO",
+                      "yes" if row.outputs_equal_alone else "NO", "yes" if row.attacker_evicted else "no",
+                      "yes" if row.honest_kept else "NO", f"{row.attacker_cpu_s / row.attack_s:.0%} of a core",
+                      row.outcome)
+    return table
+
+
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py
 app.command("new-adapter")(bench_serve.new_adapter)  # lorafaas/bench/new_adapter.py
 app.command("server-start")(bench_serve.server_start)  # lorafaas/bench/server_start.py
