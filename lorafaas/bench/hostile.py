@@ -389,13 +389,12 @@ def _stopped(stop: threading.Event, pause: float = ATTACK_PAUSE_S) -> bool:
 
 def _member_groups(daemon_socket: str) -> tuple[DaemonClient, list]:
     """A lease on the backbone (what a member holds) and the layer groups a real member of it sends."""
-    from lorafaas import cuda_ipc
     from lorafaas.models.base_pass_groups import backbone_groups
     from lorafaas.models.binding import bind_backbone
 
     client = DaemonClient.connect(Path(daemon_socket), client="bench-hostile-attacker")
     attached = client.attach("hostile-attacker")
-    attachment = cuda_ipc.attach(attached.manifest, attached.segment_fd)
+    attachment = attached.map()
     model = bind_backbone(attachment, Path(attached.backbone.model_dir))
     return client, list(backbone_groups(model, attachment.tensors))
 
