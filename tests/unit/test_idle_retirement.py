@@ -122,14 +122,14 @@ def test_the_simulator_retires_the_same_way() -> None:
         device.instances.add(instance)
     fs.last_end_s = 2.0
     sim.now = 2.0 + STEP_S
-    sim._on_idle_retire(IdleRetire(FunctionName("llama2-7b-a"), 2.0))
+    sim.lifecycle.on_idle_retire(IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     assert [i.instance_id for i in fs.instances] == ["i1", "i2"]
     at_s, _, event = sim.events[0]
     assert isinstance(event, IdleRetire)
     assert (at_s, event) == (2.0 + 2 * STEP_S, IdleRetire(FunctionName("llama2-7b-a"), 2.0))
     fs.last_end_s = 300.0  # it ran a batch since: the planned retirement is stale
     sim.now = at_s
-    sim._on_idle_retire(event)
+    sim.lifecycle.on_idle_retire(event)
     assert [i.instance_id for i in fs.instances] == ["i1", "i2"]
     assert sim.scheduler.config.idle_retire_step_s == STEP_S  # the default the simulator runs with
 
@@ -141,10 +141,10 @@ def test_a_simulated_instance_that_never_gets_a_batch_still_idles_out() -> None:
     work = Workload((Request(0.0, "t", "llama2-7b-a", 10, 2),), 1.0)
     sim = Simulator(paper, POLICIES["lorafaas"], work)
     fs = sim.fns["llama2-7b-a"]
-    instance = sim._cold_start("llama2-7b-a", fs, sim.mem.devices[0])
-    window_s = sim._keep_alive_s("llama2-7b-a")
+    instance = sim.lifecycle.cold_start("llama2-7b-a", fs, sim.mem.devices[0])
+    window_s = sim.keep_alive_s("llama2-7b-a")
     expiries = [(at_s, event) for at_s, _, event in sim.events if isinstance(event, Expire)]
     assert expiries == [(instance.ready_at_s + window_s, Expire(instance, instance.expire_token))]
     sim.now = instance.ready_at_s + window_s
-    sim._on_expire(expiries[0][1])
+    sim.lifecycle.on_expire(expiries[0][1])
     assert fs.instances == []

@@ -26,12 +26,8 @@ from lorafaas.platform.backends.function_pod import (  # noqa: E402
     pod_name,
     template_owner,
 )
-from lorafaas.platform.backends.kubernetes import (  # noqa: E402
-    ANNOTATION_INSTANCE_ID,
-    ANNOTATION_SPEC,
-    KubernetesBackend,
-    KubernetesConfig,
-)
+from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig  # noqa: E402
+from lorafaas.platform.backends.pod_status import ANNOTATION_INSTANCE_ID, ANNOTATION_SPEC  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "manifests" / "charts" / "lorafaas"
 KUBERNETES_VERSION = "1.30"

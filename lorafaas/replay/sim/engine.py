@@ -32,6 +32,7 @@ from lorafaas.replay.results import RequestResult
 from lorafaas.replay.sim.admission import SimAdmission
 from lorafaas.replay.sim.cluster import ClusterSpec
 from lorafaas.replay.sim.costmodel import CostModel
+from lorafaas.replay.sim.lifecycle import InstanceLifecycle
 from lorafaas.replay.sim.model import (
     Background,
     Done,
@@ -119,6 +120,7 @@ class Simulator:
         self.views = ViewBuilder(self, cluster, self.costs)
         self.admission = SimAdmission(self)
         self.worker = WorkerModel(self)
+        self.lifecycle = InstanceLifecycle(self)
         self.now = 0.0
         self.events: list[tuple[float, int, SimEvent]] = []
         self.seq = itertools.count()
@@ -126,12 +128,10 @@ class Simulator:
             RequestResult(i, r.function, r.trace_function, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for i, r in enumerate(workload.requests)
         ]
-        self.num_cold_starts = self.num_plans = self.busy_peak = 0
+        self.num_plans = 0
         self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
-        self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
         self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
-        self.instance_ids = itertools.count()
         # the agent's compute slots: a CPU's cores / one thread per instance; a GPU runs one instance's kernels at once
         self.compute_slots = cluster.compute_slots or (max(1, int(cluster.cores)) if cluster.cores is not None else 1)
         self.concurrency = (
@@ -168,9 +168,9 @@ class Simulator:
         elif isinstance(event, Recheck):
             self._on_recheck(event)
         elif isinstance(event, Expire):
-            self._on_expire(event)
+            self.lifecycle.on_expire(event)
         elif isinstance(event, IdleRetire):
-            self._on_idle_retire(event)
+            self.lifecycle.on_idle_retire(event)
         elif isinstance(event, PlanTick):
             self._on_plan(tick=True)
         else:  # Background, the last kind of `SimEvent`
@@ -180,7 +180,7 @@ class Simulator:
         for at_s in self.background_at_s:
             self.push(at_s, Background())
         if self.policy.serverful:
-            self._start_servers()
+            self.lifecycle.start_servers()
         elif self.policy.preloading:
             self.now = -self.cluster.deploy_lead_s  # the deploy's plan, before the trace's first arrival
             self.push(self.now, PlanTick())
@@ -195,14 +195,15 @@ class Simulator:
             at, _, event = heapq.heappop(self.events)
             if isinstance(event, PlanTick) and i >= len(requests):
                 continue  # no more arrivals: stop planning
-            if isinstance(event, IdleRetire) and self._idle_retire_stale(event):
+            if isinstance(event, IdleRetire) and self.lifecycle.idle_retire_stale(event):
                 continue  # nothing to retire: it must not move the clock (nor the end the cost is billed to)
             self.now = max(self.now, at)
             self._handle(event)
         end = max(self.now, self.workload.duration_s)
         cost = self._finish(end)
-        return SimOutcome(self.results, cost, end, self.num_cold_starts, self.num_plans, self.cold_breakdowns,
-                          dict(self.admission.waits), self.busy_peak)
+        lifecycle = self.lifecycle
+        return SimOutcome(self.results, cost, end, lifecycle.num_cold_starts, self.num_plans,
+                          lifecycle.cold_breakdowns, dict(self.admission.waits), lifecycle.busy_peak)
 
     def _finish(self, end_s: float) -> float:
         if self.policy.serverful:
@@ -286,7 +287,7 @@ class Simulator:
                 if not self.admission.admit(name, fs, size):
                     return
                 continue
-            instance = self._free_instance(name, fs) or self._start_baseline_instance(name, fs, size)
+            instance = self._free_instance(name, fs) or self.lifecycle.start_baseline_instance(name, fs, size)
             if instance is None:  # no device can take it now (or the function is at its maximum): wait
                 fs.blocked = True
                 self.blocked[name] = None
@@ -319,7 +320,7 @@ class Simulator:
         starts_running = inst.running == 0
         if starts_running:  # contention is between processes: an instance's batches share its forward passes
             device.num_running += 1
-            self.busy_peak = max(self.busy_peak, self.busy(device))
+            self.lifecycle.note_busy(device)
         inst.running += 1
         inst.expire_token += 1
         device.used_bytes += kv
@@ -355,10 +356,10 @@ class Simulator:
                 at_s = None if fs.queue else self.scheduler.next_idle_retirement_s(inst.function, self.now, None)
                 if at_s is not None:
                     self.push(at_s, IdleRetire(inst.function, self.now))
-            self.push(self.now + self._keep_alive_s(inst.function), Expire(inst, inst.expire_token))
-        self._retry_blocked()
+            self.push(self.now + self.keep_alive_s(inst.function), Expire(inst, inst.expire_token))
+        self.retry_blocked()
 
-    def _keep_alive_s(self, name: FunctionName) -> float:
+    def keep_alive_s(self, name: FunctionName) -> float:
         decision = self.scheduler.keep_alive(name)
         return decision.prewarm_s + decision.keep_alive_s if self.policy.keep_alive == "hybrid" \
             else self.cluster.keep_alive_s
@@ -383,7 +384,7 @@ class Simulator:
                 device.active_overhead -= inst.overhead_bytes
         self.mem.bill(device, self.now)
 
-    def _retry_blocked(self) -> None:
+    def retry_blocked(self) -> None:
         """Waiting functions in the order they blocked; stop at the first that still cannot start (memory freed by
         one event rarely serves more than the head of the line, and retrying everyone is O(blocked) views). Under
         strict compute every one looks, those waiting for a core first: a freed core goes to the longest waiting, and
@@ -400,40 +401,6 @@ class Simulator:
                 if name in self.blocked:
                     return
 
-    def _on_expire(self, event: Expire) -> None:
-        inst = event.instance
-        if inst.running or inst.expire_token != event.token or inst not in self.fns[inst.function].instances:
-            return
-        self._retire(inst)
-
-    def _retire(self, inst: SimInstance) -> None:
-        """An idle instance stops (its artifacts stay where the policy plans them) and what waited for room retries."""
-        self.stop_instance(inst, keep_artifacts=self.policy.preloading and self.policy.uses_scheduler_placement)
-        self._retry_blocked()
-
-    def _on_idle_retire(self, event: IdleRetire) -> None:
-        """A function idle as a whole since `idle_since` retires its least recently used idle instance, then plans
-        the next retirement; stale once it has run a batch since."""
-        if self._idle_retire_stale(event):
-            return
-        name, idle_since = event.function, event.idle_since_s
-        fs = self.fns[name]
-        idle = sorted((i for i in fs.instances if not i.permanent and not i.running and i.ready_at_s <= self.now),
-                      key=lambda i: i.last_used_s)
-        if not idle:
-            return
-        self._retire(idle[0])
-        at_s = self.scheduler.next_idle_retirement_s(name, idle_since, self.now)
-        if len(idle) > 1 and at_s is not None:
-            self.push(at_s, event)
-
-    def _idle_retire_stale(self, event: IdleRetire) -> bool:
-        """The function ran a batch since it went idle, or has no idle instance left to retire."""
-        name, idle_since = event.function, event.idle_since_s
-        fs = self.fns[name]
-        return (fs.last_end_s != idle_since or bool(fs.queue) or any(i.running for i in fs.instances)
-                or all(i.permanent for i in fs.instances))
-
     def _on_plan(self, tick: bool) -> None:
         """`tick`: the periodic plan (schedules the next); else a re-plan because a rate moved."""
         self.num_plans += 1
@@ -443,68 +410,14 @@ class Simulator:
         if tick:
             self.push(self.now + self.cluster.plan_interval_s, PlanTick())
 
-    # -- instances ----------------------------------------------------------------------------------------------
+    # -- instances (lifecycle.py; the admission and the views call these) ---------------------------------------
 
-    def _start_baseline_instance(self, name: FunctionName, fs: FunctionState, batch_size: int) -> SimInstance | None:
-        """A baseline's start: on the first device in its placement order where it fits, else where it made room."""
-        if len(fs.instances) >= self.cluster.max_instances_per_function:
-            return None
-        candidates = self.views.candidate_devices(name)
-        for device in candidates:  # where it fits as things are, best first
-            if self.views.bytes_to_start(name, device, batch_size) <= self.mem.free_bytes(device):
-                return self._cold_start(name, fs, device)
-        return self.start_on(name, fs, candidates[0], batch_size)
+    def busy(self, device: DeviceState) -> int:
+        return self.lifecycle.busy(device)
 
     def start_on(self, name: FunctionName, fs: FunctionState, device: DeviceState, batch_size: int
                  ) -> SimInstance | None:
-        """Start an instance of `name` on `device` if it fits there, making room if needed; None if it cannot."""
-        need = self.views.bytes_to_start(name, device, batch_size)
-        if need <= self.mem.free_bytes(device) or self.views.make_room(name, device, need):
-            return self._cold_start(name, fs, device)
-        return None
-
-    def busy(self, device: DeviceState) -> int:
-        """Instances on `device` running a batch or starting (the agent's `InstanceTable.busy_on_device`)."""
-        return sum(1 for i in device.instances if i.running or i.ready_at_s > self.now)
-
-    def _cold_start(self, name: FunctionName, fs: FunctionState, device: DeviceState) -> SimInstance:
-        breakdown = self.views.load_artifacts(name, device)
-        if self.cluster.device_kind == "cpu":  # starting a process is CPU work: it shares the cores with the running
-            slow = self.slowdown(device, starting=1)
-            breakdown = {stage: seconds * slow for stage, seconds in breakdown.items()}
-        cold_s = sum(breakdown.values())
-        breakdown["total"] = cold_s
-        self.num_cold_starts += 1
-        self.cold_breakdowns.setdefault(name, []).append(breakdown)
-        overhead = self.cluster.loading.instance_overhead_bytes
-        self.mem.bill(device, self.now)
-        device.used_bytes += overhead
-        self.mem.bill(device, self.now)
-        inst = SimInstance(
-            f"{name}-{next(self.instance_ids)}", name, device, self.now + cold_s, cold_s, overhead, last_used_s=self.now
-        )
-        fs.instances.append(inst)
-        device.instances.add(inst)
-        self.busy_peak = max(self.busy_peak, self.busy(device))
-        # an instance that never gets a batch (its requests went elsewhere while it started) idles out like any
-        # other, from when it is ready; its first batch makes this stale (the agent's reconcile does the same)
-        self.push(inst.ready_at_s + self._keep_alive_s(name), Expire(inst, inst.expire_token))
-        return inst
+        return self.lifecycle.start_on(name, fs, device, batch_size)
 
     def stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None:
-        """`inst` stops and its overhead is freed; unless `keep_artifacts`, its function's artifacts on its device go
-        too (and the host ones with the function's last instance). Views call it when they evict or offload."""
-        fs = self.fns[inst.function]
-        fs.instances.remove(inst)
-        device = inst.device
-        device.instances.discard(inst)
-        self.mem.bill(device, self.now)
-        device.used_bytes -= inst.overhead_bytes
-        if not keep_artifacts:
-            self.views.drop_instance_artifacts(inst.function, device, last=not fs.instances)
-        self.mem.bill(device, self.now)
-
-    def _start_servers(self) -> None:
-        """Serverful: devices split over backbones by their share of functions; each device one always-on server
-        holding its backbone and every adapter of it; a function's servers are those of its backbone."""
-        self.views.start_servers()
+        self.lifecycle.stop_instance(inst, keep_artifacts)

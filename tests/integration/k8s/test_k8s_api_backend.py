@@ -117,7 +117,7 @@ def test_a_restarted_controller_adopts_healthy_pods_and_deletes_failed_and_orpha
     after.start()  # failed pods go at once
     wait_until(lambda: release.pod(pods["crashed"]) is None, "the crashed pod deleted")
     wanted = [specs["kept"], specs["crashed"], specs["missing"]]
-    result = after.reconcile(wanted, timeout_s=START_S)
+    result = after.adoption.reconcile(wanted, timeout_s=START_S)
     assert result.adopted == (specs["kept"].instance_id,)
     assert result.deleted == (pods["orphan"],)
     assert set(result.created) == {specs["crashed"].instance_id, specs["missing"].instance_id}
@@ -126,7 +126,7 @@ def test_a_restarted_controller_adopts_healthy_pods_and_deletes_failed_and_orpha
     wait_until(lambda: {p.metadata.name for p in release.function_pods()}
                == {after.pod_name(s) for s in wanted}, "only the wanted pods left")
 
-    again = after.reconcile(wanted, timeout_s=START_S)  # idempotent
+    again = after.adoption.reconcile(wanted, timeout_s=START_S)  # idempotent
     assert (again.adopted, again.created, again.deleted) == ((), (), ())
 
 
@@ -218,7 +218,7 @@ def test_placement_liveness_and_backbones_are_read_from_the_watch_without_api_ca
     rest.request = counting
     for _ in range(50):  # what the gateway asks per invocation and per planning tick
         assert backend.running_backbones()
-        assert backend.backbone_nodes(BACKBONE) == serving
+        assert backend.agents.backbone_nodes(BACKBONE) == serving
         assert instance.alive()
         backend.daemon_socket(BACKBONE)
     assert requests == []

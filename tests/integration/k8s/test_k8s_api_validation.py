@@ -51,7 +51,7 @@ DEFECTS = ["memory request above its limit", "label value with spaces", "label v
 def good_pod(release: Release) -> dict:
     backend = release.backend()
     spec = backend.spec("pirate", BACKBONE, None)
-    return backend.to_dict(backend.build_pod(spec, BACKBONE, list(NODES)))
+    return backend.pod_template.to_dict(backend.pod_template.build_pod(spec, BACKBONE, list(NODES)))
 
 
 def dry_run(release: Release, pod: dict) -> None:
@@ -76,7 +76,7 @@ def test_whatever_the_function_is_called_its_pod_is_accepted(release: Release, f
     release.add_agent(NODES[1])
     backend = release.backend()
     spec = backend.spec(function, BACKBONE, None)
-    dry_run(release, backend.to_dict(backend.build_pod(spec, BACKBONE, list(NODES))))
+    dry_run(release, backend.pod_template.to_dict(backend.pod_template.build_pod(spec, BACKBONE, list(NODES))))
 
 
 def test_a_template_the_server_refuses_stops_the_backend_at_start_with_the_servers_reason(release: Release) -> None:
