@@ -19,9 +19,9 @@ Its call may carry 0 rows: that member computes the MLP itself (its adapter wrap
 its place in the round.
 
 A round is fused when its starters' first calls say FUSED: after key 0 it goes through the layer tails
-(`GroupSpec.tail`: a layer's o_proj, MLP, residual adds and the next norm and products, `lorafaas.models.layer_tail`),
-one call a decoder layer. Starters of the two kinds at once: the more numerous kind forms the round, the others are
-told ALONE.
+(`GroupSpec.tail`: a layer's o_proj, MLP, residual adds and the next norm and products, as the model family computes
+them: `lorafaas.models.families.llama`), one call a decoder layer. Starters of the two kinds at once: the more
+numerous kind forms the round, the others are told ALONE.
 
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
 the peer's pid, `SO_PEERCRED`) and not evicted lately; the layer groups are the backbone's, given by the daemon, and
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafaas.backbone_daemon.round_policy import BasePassStats, Evict, RoundConfig, RoundPolicy, TellAlone
-from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
+from lorafaas.models.families.llama import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.protocols.shared_mapping import map_shared

@@ -23,14 +23,14 @@ import fcntl
 import logging
 import os
 import socket
-from typing import Any
 
 import msgspec
 import torch
 from torch import nn
 
-from lorafaas.models.base_pass_groups import MLP_LAYERS, bare_linear, gated_mlps, layer_groups, layer_tails
+from lorafaas.models.base_pass_groups import bare_linear, gated_mlps, layer_groups, layer_tails
 from lorafaas.models.cpu_linear import is_bare_linear
+from lorafaas.models.families import llama
 from lorafaas.models.lora import LoraLinear, adapter_version
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.base_pass import BasePassUnavailable
@@ -257,7 +257,7 @@ class RemoteMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        if all(is_bare_linear(getattr(mlp, name)) for name in MLP_LAYERS):
+        if all(is_bare_linear(layer) for layer in llama.mlp_layers(mlp)):
             outputs = self.client.call(self.key, x)
             if outputs is not None:
                 return outputs[0]
@@ -287,21 +287,20 @@ class LayerTails:
 
     def _usable(self, model: nn.Module) -> bool:
         dtype = self.client.dtype
-        decoder: Any = model.model  # a Llama's (layer_tails found its layer tails)
-        for layer in decoder.layers:
-            o_proj, attention = layer.self_attn.o_proj, layer.self_attn
+        for layer in llama.decoder_layers(model):  # a Llama's (layer_tails found its layer tails)
+            o_proj, mlp = llama.o_proj(layer), llama.mlp(layer)
             if isinstance(o_proj, LoraLinear):
                 if (o_proj.lora_a is not None and o_proj.lora_b is not None
                         and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}):
                     return False
                 o_proj = o_proj.base
-            if not is_bare_linear(o_proj) or not isinstance(layer.mlp.__dict__.get("forward"), RemoteMLP) \
-                    or not all(is_bare_linear(getattr(layer.mlp, name)) for name in MLP_LAYERS):
+            if not is_bare_linear(o_proj) or not isinstance(mlp.__dict__.get("forward"), RemoteMLP) \
+                    or not all(is_bare_linear(projection) for projection in llama.mlp_layers(mlp)):
                 return False
-            if not all(isinstance(getattr(bare_linear(getattr(attention, name)), "__dict__", {}).get("forward"),
-                                  RemoteForward) for name in ("q_proj", "k_proj", "v_proj")):
+            if not all(isinstance(getattr(bare_linear(projection), "__dict__", {}).get("forward"), RemoteForward)
+                       for projection in llama.qkv_layers(layer)):
                 return False
-        return is_bare_linear(model.lm_head)
+        return is_bare_linear(llama.lm_head(model))
 
     def call(self, index: int, o_proj: nn.Module, attended: torch.Tensor,
              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
@@ -350,7 +349,7 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
         widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
     client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
-    mlp_of_gate = {id(bare_linear(mlp.gate_proj)): mlp
+    mlp_of_gate = {id(bare_linear(llama.mlp_layers(mlp)[0])): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     shared_of: dict[int, list] = {}
     for key, (spec, layers) in enumerate(groups):
