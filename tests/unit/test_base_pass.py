@@ -159,7 +159,7 @@ def test_a_call_with_no_rows_keeps_a_place_only_at_a_gated_mlp(segment, executor
     mlp = next(key for key, spec in enumerate(groups) if spec.mlp_down)
     members = [RawMember(str(executor.path), groups) for _ in range(2)]
     assert all(member.welcome().accepted for member in members)
-    in_round(executor, members, [torch.zeros(1, executor._in_width(0))] * 2)
+    in_round(executor, members, [torch.zeros(1, executor.weights.in_width(0))] * 2)
     for key in range(1, mlp):
         for member in members:
             member.send_call(key, 1)
@@ -649,13 +649,13 @@ def in_round(executor, members: list[RawMember], xs: list[torch.Tensor]) -> None
 
 
 def group_outputs(executor, key: int, x: torch.Tensor) -> list[torch.Tensor]:
-    return [F.linear(x, weight, bias) for weight, bias in executor._layers[key]]
+    return [F.linear(x, weight, bias) for weight, bias in executor.weights.layer(key)]
 
 
 def read_outputs(executor, member: RawMember, key: int, rows: int, max_rows: int = 4) -> list[torch.Tensor]:
-    max_in = max(executor._in_width(k) for k in range(len(executor._layers)))
+    max_in = max(executor.weights.in_width(k) for k in range(executor.weights.num_groups))
     offset, outs = max_rows * max_in, []
-    for weight, _ in executor._layers[key]:
+    for weight, _ in executor.weights.layer(key):
         outs.append(member.read(offset, rows, weight.shape[0]))
         offset += rows * weight.shape[0]
     return outs
@@ -667,7 +667,7 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     groups = groups_of(segment)
     honest = [RawMember(str(executor.path), groups) for _ in range(2)]
     assert all(member.welcome().accepted for member in honest)
-    width = executor._in_width(0)
+    width = executor.weights.in_width(0)
     xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
     in_round(executor, honest, xs)
     hostile = RawMember(str(executor.path), groups, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
@@ -675,7 +675,8 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     assert not welcome.accepted and "write" in welcome.message
     assert hostile.reply() == b""  # hung up on
     wait_until(lambda: len(executor._members) == 2)  # the half-greeted sender is not kept
-    xs = [torch.randn(2, executor._in_width(1), generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
+    width = executor.weights.in_width(1)
+    xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
     for member, x in zip(honest, xs, strict=True):
         member.write(x)
         member.send_call(1, 2)
