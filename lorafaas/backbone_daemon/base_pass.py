@@ -25,7 +25,7 @@ numerous kind forms the round, the others are told ALONE.
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
 the peer's pid, `SO_PEERCRED`) and not evicted lately; the layer groups are the backbone's, given by the daemon, and
 a hello must name exactly them; each member's rows live in its own buffer, mapped here without keeping its
-descriptor (`lorafaas.protocols.shared_mapping`), and the executor writes each member's output rows into that
+descriptor (`lorafaas.backbone_daemon.base_pass_member`), and the executor writes each member's output rows into that
 member's buffer only. Requests are checked (group index, rows, buffer size, pass order); whatever fails while
 admitting or reading one member refuses or hangs up on that member alone (docs/sharing.md, "Threat model").
 """
@@ -33,9 +33,7 @@ admitting or reading one member refuses or hangs up on that member alone (docs/s
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import fcntl
 import logging
 import os
 import selectors
@@ -43,7 +41,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -51,37 +48,15 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from lorafaas.backbone_daemon.base_pass_member import Member, admit
 from lorafaas.backbone_daemon.group_weights import GroupWeights, packs_bf16
 from lorafaas.backbone_daemon.round_policy import BasePassStats, Evict, RoundConfig, RoundPolicy, TellAlone
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
-from lorafaas.protocols.shared_mapping import map_shared
-from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
 _hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
 STATS_LOG_INTERVAL_S = 10.0
-F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
-
-
-@dataclass
-class _Member:
-    sock: socket.socket
-    pid: int
-    inbox: bytearray = field(default_factory=bytearray)
-    greeted: bool = False
-    fd: int | None = None
-    buffer: ctypes.Array | None = None  # the mapping (`map_shared`): no descriptor of the buffer is kept
-    flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
-    output_offset: int = 0  # in elements
-    max_rows: int = 0
-    id: int = 0  # its name in the round policy
-
-    def mapped(self) -> torch.Tensor:
-        """`flat`, which a member has from its hello until it is dropped."""
-        if self.flat is None:
-            raise RuntimeError(f"base pass member pid {self.pid} has no buffer mapped")
-        return self.flat
 
 
 class BasePassExecutor:
@@ -108,8 +83,8 @@ class BasePassExecutor:
         # the backbone's groups (every member's hello must name exactly these), their tensors and products
         self.weights = GroupWeights(tensors, tuple(groups), linear)
         self.policy.num_groups, self.policy.first_tail = self.weights.num_groups, self.weights.first_tail
-        self._members: dict[socket.socket, _Member] = {}
-        self._by_id: dict[int, _Member] = {}
+        self._members: dict[socket.socket, Member] = {}
+        self._by_id: dict[int, Member] = {}
         self._next_id = 1
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -180,7 +155,7 @@ class BasePassExecutor:
             except Exception:  # a product failed: the platform's fault, not a member's (calls are checked on receipt)
                 log.exception("base pass: a product failed")
 
-    def _read_guarded(self, member: _Member) -> None:
+    def _read_guarded(self, member: Member) -> None:
         """Whatever one member's bytes make fail is that member's alone: it is refused (in its hello) or hung up on,
         and no other member's state is touched."""
         try:
@@ -219,11 +194,11 @@ class BasePassExecutor:
             sock.close()
             return
         sock.setblocking(False)
-        member = _Member(sock=sock, pid=pid)
+        member = Member(sock=sock, pid=pid)
         self._members[sock] = member
         self._selector.register(sock, selectors.EVENT_READ)
 
-    def _read(self, member: _Member) -> None:
+    def _read(self, member: Member) -> None:
         try:
             if member.greeted:
                 data = member.sock.recv(65536)
@@ -262,21 +237,18 @@ class BasePassExecutor:
                 return
             self.policy.receive(member.id, key, rows, flags, time.monotonic())  # its order: the policy's
 
-    def _greet(self, member: _Member) -> None:
-        if len(member.inbox) < FRAME_HEADER_BYTES:
-            return
+    def _greet(self, member: Member) -> None:
         try:
-            length = frame_length(bytes(member.inbox[:FRAME_HEADER_BYTES]))
+            payload = member.take_frame()
         except ValueError as exc:
             self._drop(member, str(exc))
             return
-        if len(member.inbox) < FRAME_HEADER_BYTES + length:
+        if payload is None:
             return
-        payload = bytes(member.inbox[FRAME_HEADER_BYTES:FRAME_HEADER_BYTES + length])
-        del member.inbox[: FRAME_HEADER_BYTES + length]
         try:
-            hello = _hello_decoder.decode(payload)
-            self._admit(member, hello)
+            admit(member, _hello_decoder.decode(payload), self.weights)
+            if not self.packed:  # once a hello is accepted: a refused one costs no copy
+                self._pack_if_bf16()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._refuse(member, str(exc))
             return
@@ -287,44 +259,7 @@ class BasePassExecutor:
         member.id, self._next_id = self._next_id, self._next_id + 1
         self._by_id[member.id] = member
         self.policy.join(member.id, time.monotonic(), peer=member.pid)
-        self._reply_frame(member, bp.BasePassWelcome(accepted=True))
-
-    def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:
-        """Map the member's buffer after checking its hello against the backbone; raises ValueError to refuse."""
-        if member.fd is None:
-            raise ValueError("the hello carried no buffer")
-        try:  # a buffer its member could shrink under the mapping would fault this process (SIGBUS), not its own
-            sealed = fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
-        except OSError:
-            sealed = False
-        if not sealed:
-            raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
-        if fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
-            raise ValueError("the buffer is sealed against writes: the executor writes the outputs there")
-        if not 1 <= hello.max_rows <= bp.MAX_ROWS:
-            raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
-        weights = self.weights
-        if hello.groups != weights.groups:
-            raise ValueError(f"its layer groups ({len(hello.groups)}) are not the backbone's ({len(weights.groups)}, "
-                             "derived by the daemon): another model, or a forged hello")
-        dtype = weights.dtype or torch.float32
-        if str(dtype).removeprefix("torch.") != hello.dtype:
-            raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
-        max_in = max((weights.in_width(key) for key in range(weights.num_groups)), default=1)
-        max_out = max((weights.out_width(key) for key in range(weights.num_groups)), default=1)
-        output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
-        if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
-            raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
-        member.buffer = map_shared(member.fd, size)
-        with contextlib.suppress(OSError):  # never longer either; and no seal added (F_SEAL_WRITE) from now on
-            fcntl.fcntl(member.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        os.close(member.fd)  # the mapping keeps the buffer: no descriptor of it left in /proc/<daemon>/fd
-        member.fd = None
-        member.flat = torch.frombuffer(member.buffer, dtype=dtype)
-        member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
-        member.max_rows = hello.max_rows
-        if not self.packed:  # once a hello is accepted: a refused one costs no copy
-            self._pack_if_bf16()
+        member.reply_frame(bp.BasePassWelcome(accepted=True))
 
     @property
     def packed(self) -> bool:
@@ -336,20 +271,13 @@ class BasePassExecutor:
         if self.pack_bf16 and self.weights.pack_if_bf16():
             torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
 
-    def _refuse(self, member: _Member, why: str) -> None:
+    def _refuse(self, member: Member, why: str) -> None:
         self.stats.refused += 1
         log.warning("base pass: refused pid %d: %s", member.pid, why)
-        self._reply_frame(member, bp.BasePassWelcome(accepted=False, message=why))
+        member.reply_frame(bp.BasePassWelcome(accepted=False, message=why))
         self._drop(member, None)
 
-    def _reply_frame(self, member: _Member, message: msgspec.Struct) -> None:
-        with contextlib.suppress(OSError):
-            member.sock.setblocking(True)
-            member.sock.settimeout(1.0)
-            member.sock.sendall(encode_frame(message))
-            member.sock.setblocking(False)
-
-    def _drop(self, member: _Member, why: str | None) -> None:
+    def _drop(self, member: Member, why: str | None) -> None:
         if why:
             log.warning("base pass: hanging up on pid %d: %s", member.pid, why)
         self._members.pop(member.sock, None)
@@ -357,10 +285,7 @@ class BasePassExecutor:
             self.policy.leave(member.id)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(member.sock)
-        member.sock.close()
-        member.flat = member.buffer = None  # unmapped once the last view of it goes (`map_shared`)
-        if member.fd is not None:
-            os.close(member.fd)
+        member.close()
         if not self._members and self.packed:  # the packed copy lives while members do
             self.weights.unpack()
             if self.threads and threading.current_thread() is self._thread:
@@ -385,7 +310,7 @@ class BasePassExecutor:
                 for member in members:
                     self._send(member, bp.DONE)
 
-    def _compute(self, members: list[_Member], rows_of: list[int], key: int) -> None:
+    def _compute(self, members: list[Member], rows_of: list[int], key: int) -> None:
         """Group `key`'s outputs for each member's rows, written into that member's buffer only."""
         started = time.monotonic()
         width = self.weights.in_width(key)
@@ -406,7 +331,7 @@ class BasePassExecutor:
                 row += rows
         self.stats.compute_s += time.monotonic() - started
 
-    def _send(self, member: _Member, reply: bytes) -> None:
+    def _send(self, member: Member, reply: bytes) -> None:
         try:
             member.sock.send(reply)
         except OSError as exc:  # it stopped reading (its socket buffer is full) or went away
