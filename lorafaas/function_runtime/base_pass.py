@@ -13,7 +13,8 @@ A decode step (`decode_step`) of a Llama whose adapter wraps at most q, k, v and
 instead (`fused_pass`, `LayerTails.call`): one call a decoder layer, carrying the attention's output, the residual
 stream and the o_proj LoRA delta computed here, and bringing back the residual stream, the next layer's normed input
 and its q, k and v products (the LM head's logits after the last layer). The q, k and v layers then take those
-products (`RemoteForward`, primed) and add their LoRA deltas as before.
+products (`RemoteForward`, primed) and add their LoRA deltas as before. The engine hands the client `install`
+returned to each decode step (`GenerationEngine.base_pass`): nothing on the model itself names it.
 """
 
 from __future__ import annotations
@@ -323,10 +324,9 @@ class LayerTails:
             shared[:] = [None, None]
 
 
-def fused_pass(model: nn.Module) -> LayerTails | None:
-    """The layer tails of `model`'s decode step about to start (its first call asks for them), or None: this step
-    goes group by group (or is computed here)."""
-    client: BasePassClient | None = model.__dict__.get("_lorafaas_base_pass")
+def fused_pass(model: nn.Module, client: BasePassClient | None) -> LayerTails | None:
+    """The layer tails of `model`'s decode step about to start (its first call asks for them), `client` the model's
+    pass (`install`; None outside one), or None: this step goes group by group (or is computed here)."""
     if client is None:
         return None
     tails = client.tails
@@ -364,13 +364,11 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     if tails:
         qkv = [[None, None]] + [shared_of[key] for _, key in tails[:-1]]  # layer 0's is never primed
         client.tails = LayerTails(client, list(range(len(groups), len(groups) + len(tails))), qkv)
-    model.__dict__["_lorafaas_base_pass"] = client
     return client
 
 
 def uninstall(model: nn.Module) -> None:
     """Every linear layer computes here again (before the backbone is unbound)."""
-    model.__dict__.pop("_lorafaas_base_pass", None)
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP)):
             del module.forward

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorafaas.function_runtime.base_pass import fused_pass
+from lorafaas.function_runtime.base_pass import BasePassClient, fused_pass
 from lorafaas.models.families import llama
 
 try:
@@ -40,9 +40,10 @@ except ImportError:  # a transformers without these: HF's forward only
 
 
 def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache) -> torch.Tensor | None:
+                cache, base_pass: BasePassClient | None = None) -> torch.Tensor | None:
     """The logits [rows, 1, vocab] of one decode step, the cache updated in place as HF's forward does; None when
-    `model` is not a plain Llama this step can run (then run HF's forward)."""
+    `model` is not a plain Llama this step can run (then run HF's forward). `base_pass`: the shared base pass the
+    model's layers were installed in (`base_pass.install`), whose layer tails the step may go through."""
     if not _plain_llama(model):
         return None
     inner = llama.decoder(model)  # a LlamaModel (_plain_llama checked it)
@@ -51,7 +52,7 @@ def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
                               position_ids=position_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     rows = hidden.shape[0]
-    tails = fused_pass(model)  # in the shared base pass: one call a layer from its o_proj to the next q/k/v
+    tails = fused_pass(model, base_pass)  # in the shared base pass: one call a layer from its o_proj to the next q/k/v
     normed = None
     for index, layer in enumerate(inner.layers):
         attention = llama.attention(layer)

@@ -514,9 +514,9 @@ def test_a_llamas_decoder_layers_each_get_a_layer_tail(segment) -> None:
 
 
 def greedy_decode(model, prompt: list[int], steps: int, before=lambda step: None,
-                  after=lambda step: None) -> list[torch.Tensor]:
-    """Prefill `prompt`, then `steps` greedy tokens with `decode_step`: the logits of each step. `before(step)` and
-    `after(step)` run around each step; the prefill is step -1."""
+                  after=lambda step: None, base_pass=None) -> list[torch.Tensor]:
+    """Prefill `prompt`, then `steps` greedy tokens with `decode_step` (in `base_pass`, the model's client): the
+    logits of each step. `before(step)` and `after(step)` run around each step; the prefill is step -1."""
     from lorafaas.function_runtime.decode_step import decode_step
     from lorafaas.function_runtime.engine import CACHE_FIELD
 
@@ -531,7 +531,8 @@ def greedy_decode(model, prompt: list[int], steps: int, before=lambda step: None
         for step in range(steps):
             before(step)
             mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache)
+            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache,
+                                 base_pass=base_pass)
             after(step)
             got.append(logits)
             token = logits[:, -1].argmax(-1)
@@ -558,7 +559,7 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
         model, c = members[i]
         # every member at each step's start: the same rounds in every run
         got[i] = greedy_decode(model, prompts[i], steps, before=lambda step: barrier.wait(),
-                               after=lambda step: c.end_step(again=step < steps - 1))
+                               after=lambda step: c.end_step(again=step < steps - 1), base_pass=c)
 
     threads = [threading.Thread(target=member, args=(i,)) for i in range(len(adapters))]
     for thread in threads:
