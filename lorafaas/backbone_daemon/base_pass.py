@@ -9,24 +9,23 @@ more starters begin a round together and one alone is told ALONE (it computes th
 read-only mapping of the backbone). Within a round the executor waits, group by group, for each round member's
 call, and computes the calls together.
 
-Products on a bf16 backbone, where oneDNN computes bf16 natively (AVX-512 BF16), go from a private copy of the
-weights in oneDNN's own blocked layout, made when the first member joins and dropped when the last leaves, on one
-thread: 32 ms a SmolLM2 pass at eight rows against 48 ms from the segment's plain layout on one thread and 46 ms on
-two (docs/performance.md, "Packed bf16 weights"). The outputs are the same bit for bit.
+The products are `GroupWeights`' (`lorafaas.backbone_daemon.group_weights`: each group's tensors, resolved in the
+segment, and on a bf16 backbone a packed copy of them made when the first member joins and dropped when the last
+leaves, computed on one thread).
 
 A gated MLP group (`GroupSpec.mlp_down`) is computed whole, as the Llama family does: down(silu(gate(x)) * up(x)).
 Its call may carry 0 rows: that member computes the MLP itself (its adapter wraps one of the layers) and only keeps
 its place in the round.
 
 A round is fused when its starters' first calls say FUSED: after key 0 it goes through the layer tails
-(`GroupSpec.tail`: a layer's o_proj, MLP, residual adds and the next norm and products, `lorafaas.models.layer_tail`),
-one call a decoder layer. Starters of the two kinds at once: the more numerous kind forms the round, the others are
-told ALONE.
+(`GroupSpec.tail`: a layer's o_proj, MLP, residual adds and the next norm and products, as the model family computes
+them: `lorafaas.models.families.llama`), one call a decoder layer. Starters of the two kinds at once: the more
+numerous kind forms the round, the others are told ALONE.
 
 Isolation: a connection is accepted only from a process holding a lease on this daemon's backbone (the kernel names
 the peer's pid, `SO_PEERCRED`) and not evicted lately; the layer groups are the backbone's, given by the daemon, and
 a hello must name exactly them; each member's rows live in its own buffer, mapped here without keeping its
-descriptor (`lorafaas.protocols.shared_mapping`), and the executor writes each member's output rows into that
+descriptor (`lorafaas.backbone_daemon.base_pass_member`), and the executor writes each member's output rows into that
 member's buffer only. Requests are checked (group index, rows, buffer size, pass order); whatever fails while
 admitting or reading one member refuses or hangs up on that member alone (docs/sharing.md, "Threat model").
 """
@@ -34,9 +33,7 @@ admitting or reading one member refuses or hangs up on that member alone (docs/s
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import fcntl
 import logging
 import os
 import selectors
@@ -44,7 +41,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -52,59 +48,15 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from lorafaas.backbone_daemon.base_pass_member import Member, admit
+from lorafaas.backbone_daemon.group_weights import GroupWeights, packs_bf16
 from lorafaas.backbone_daemon.round_policy import BasePassStats, Evict, RoundConfig, RoundPolicy, TellAlone
-from lorafaas.models.layer_tail import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.leases import socket_peer_pid
-from lorafaas.protocols.shared_mapping import map_shared
-from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
 log = logging.getLogger(__name__)
 _hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
 STATS_LOG_INTERVAL_S = 10.0
-F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Python's fcntl names it from 3.14 only)
-PACK_BATCH_HINT = 8  # rows a round usually has (eight one-row functions): oneDNN picks its blocking for it
-
-
-def packs_bf16() -> bool:
-    """Whether oneDNN computes bf16 products natively on this CPU (else a packed copy would only cost memory)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a weight packed by `torch.ops.mkldnn._reorder_linear_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@dataclass(frozen=True)
-class _Tail:
-    """A layer tail's tensors (`bp.LayerTail`), resolved in the segment."""
-
-    o_proj: torch.Tensor
-    post_norm: torch.Tensor
-    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate, up, down
-    next_norm: torch.Tensor
-    eps: float
-
-
-@dataclass
-class _Member:
-    sock: socket.socket
-    pid: int
-    inbox: bytearray = field(default_factory=bytearray)
-    greeted: bool = False
-    fd: int | None = None
-    buffer: ctypes.Array | None = None  # the mapping (`map_shared`): no descriptor of the buffer is kept
-    flat: torch.Tensor | None = None  # the buffer as elements of the backbone's dtype
-    output_offset: int = 0  # in elements
-    max_rows: int = 0
-    id: int = 0  # its name in the round policy
-
-    def mapped(self) -> torch.Tensor:
-        """`flat`, which a member has from its hello until it is dropped."""
-        if self.flat is None:
-            raise RuntimeError(f"base pass member pid {self.pid} has no buffer mapped")
-        return self.flat
 
 
 class BasePassExecutor:
@@ -125,20 +77,14 @@ class BasePassExecutor:
         self.deadline_s = deadline_s
         self.penalty_passes = penalty_passes
         self.pack_bf16 = pack_bf16 and packs_bf16()
-        self.linear = linear
-        self._linear: Callable[..., torch.Tensor] = linear
         self.policy = RoundPolicy(0, 0, RoundConfig(hold_s=hold_s, deadline_s=deadline_s,
                                                     penalty_passes=penalty_passes, **(round_config or {})))
         self.stats: BasePassStats = self.policy.stats
-        self._groups = tuple(groups)  # the backbone's: every member's hello must name exactly these
-        self._layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
-        self._downs: list[torch.Tensor | None] = []  # per group: a gated MLP's down weight, else None
-        self._tails: list[_Tail | None] = []  # per group: a layer tail's tensors, else None
-        self._first_tail = 0  # the first tail group (len(groups) without tails)
-        self._resolve_groups()
-        self.policy.num_groups, self.policy.first_tail = len(self._layers), self._first_tail
-        self._members: dict[socket.socket, _Member] = {}
-        self._by_id: dict[int, _Member] = {}
+        # the backbone's groups (every member's hello must name exactly these), their tensors and products
+        self.weights = GroupWeights(tensors, tuple(groups), linear)
+        self.policy.num_groups, self.policy.first_tail = self.weights.num_groups, self.weights.first_tail
+        self._members: dict[socket.socket, Member] = {}
+        self._by_id: dict[int, Member] = {}
         self._next_id = 1
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -209,7 +155,7 @@ class BasePassExecutor:
             except Exception:  # a product failed: the platform's fault, not a member's (calls are checked on receipt)
                 log.exception("base pass: a product failed")
 
-    def _read_guarded(self, member: _Member) -> None:
+    def _read_guarded(self, member: Member) -> None:
         """Whatever one member's bytes make fail is that member's alone: it is refused (in its hello) or hung up on,
         and no other member's state is touched."""
         try:
@@ -248,11 +194,11 @@ class BasePassExecutor:
             sock.close()
             return
         sock.setblocking(False)
-        member = _Member(sock=sock, pid=pid)
+        member = Member(sock=sock, pid=pid)
         self._members[sock] = member
         self._selector.register(sock, selectors.EVENT_READ)
 
-    def _read(self, member: _Member) -> None:
+    def _read(self, member: Member) -> None:
         try:
             if member.greeted:
                 data = member.sock.recv(65536)
@@ -282,29 +228,27 @@ class BasePassExecutor:
                 self.policy.end(member.id, bool(flags & bp.AGAIN))
                 continue
             # 0 rows: a member computing this gated MLP itself keeps its place in the round (protocol)
-            skip = rows == 0 and flags == 0 and 0 <= key < len(self._downs) and self._downs[key] is not None
+            num_groups = self.weights.num_groups
+            skip = rows == 0 and flags == 0 and 0 <= key < num_groups and self.weights.is_gated_mlp(key)
             # FUSED only starts a pass (key 0), and only where the backbone has tails
-            bad_fused = flags & bp.FUSED and (key != 0 or self._first_tail == len(self._layers))
-            if not 0 <= key < len(self._layers) or not (skip or 0 < rows <= member.max_rows) or bad_fused:
+            bad_fused = flags & bp.FUSED and (key != 0 or not self.weights.has_tails)
+            if not 0 <= key < num_groups or not (skip or 0 < rows <= member.max_rows) or bad_fused:
                 self._drop(member, f"bad call (group {key}, {rows} rows)")
                 return
             self.policy.receive(member.id, key, rows, flags, time.monotonic())  # its order: the policy's
 
-    def _greet(self, member: _Member) -> None:
-        if len(member.inbox) < FRAME_HEADER_BYTES:
-            return
+    def _greet(self, member: Member) -> None:
         try:
-            length = frame_length(bytes(member.inbox[:FRAME_HEADER_BYTES]))
+            payload = member.take_frame()
         except ValueError as exc:
             self._drop(member, str(exc))
             return
-        if len(member.inbox) < FRAME_HEADER_BYTES + length:
+        if payload is None:
             return
-        payload = bytes(member.inbox[FRAME_HEADER_BYTES:FRAME_HEADER_BYTES + length])
-        del member.inbox[: FRAME_HEADER_BYTES + length]
         try:
-            hello = _hello_decoder.decode(payload)
-            self._admit(member, hello)
+            admit(member, _hello_decoder.decode(payload), self.weights)
+            if not self.packed:  # once a hello is accepted: a refused one costs no copy
+                self._pack_if_bf16()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._refuse(member, str(exc))
             return
@@ -315,172 +259,25 @@ class BasePassExecutor:
         member.id, self._next_id = self._next_id, self._next_id + 1
         self._by_id[member.id] = member
         self.policy.join(member.id, time.monotonic(), peer=member.pid)
-        self._reply_frame(member, bp.BasePassWelcome(accepted=True))
-
-    def _admit(self, member: _Member, hello: bp.BasePassHello) -> None:
-        """Map the member's buffer after checking its hello against the backbone; raises ValueError to refuse."""
-        if member.fd is None:
-            raise ValueError("the hello carried no buffer")
-        try:  # a buffer its member could shrink under the mapping would fault this process (SIGBUS), not its own
-            sealed = fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
-        except OSError:
-            sealed = False
-        if not sealed:
-            raise ValueError("the buffer must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
-        if fcntl.fcntl(member.fd, fcntl.F_GET_SEALS) & (fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
-            raise ValueError("the buffer is sealed against writes: the executor writes the outputs there")
-        if not 1 <= hello.max_rows <= bp.MAX_ROWS:
-            raise ValueError(f"max_rows is {hello.max_rows}; it must lie in [1, {bp.MAX_ROWS}]")
-        if hello.groups != self._groups:
-            raise ValueError(f"its layer groups ({len(hello.groups)}) are not the backbone's ({len(self._groups)}, "
-                             "derived by the daemon): another model, or a forged hello")
-        dtype = self._layers[0][0][0].dtype if self._layers else torch.float32
-        if str(dtype).removeprefix("torch.") != hello.dtype:
-            raise ValueError(f"the backbone's weights are {dtype}, the member said {hello.dtype}")
-        max_in = max((self._in_width(key) for key in range(len(self._layers))), default=1)
-        max_out = max((self._out_width(key) for key in range(len(self._layers))), default=1)
-        output_offset, size = bp.buffer_layout(hello.max_rows, max_in, max_out, hello.dtype)
-        if size > bp.MAX_BUFFER_BYTES or os.fstat(member.fd).st_size < size:
-            raise ValueError(f"the buffer must hold {size} bytes (at most {bp.MAX_BUFFER_BYTES})")
-        member.buffer = map_shared(member.fd, size)
-        with contextlib.suppress(OSError):  # never longer either; and no seal added (F_SEAL_WRITE) from now on
-            fcntl.fcntl(member.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        os.close(member.fd)  # the mapping keeps the buffer: no descriptor of it left in /proc/<daemon>/fd
-        member.fd = None
-        member.flat = torch.frombuffer(member.buffer, dtype=dtype)
-        member.output_offset = output_offset // bp.ELEMENT_BYTES[hello.dtype]
-        member.max_rows = hello.max_rows
-        if not self.packed:  # once a hello is accepted: a refused one costs no copy
-            self._pack_if_bf16()
-
-    def _resolve_groups(self) -> None:
-        """The backbone's tensors of each group (the plain layout: `_pack_if_bf16` packs them while members are in)."""
-        groups = self._groups
-        layers = [self._resolve(group) for group in groups]
-        downs = [self._resolve_down(group, layer) for group, layer in zip(groups, layers, strict=True)]
-        tails = [self._resolve_tail(group, layer) for group, layer in zip(groups, layers, strict=True)]
-        first_tail = next((key for key, tail in enumerate(tails) if tail is not None), len(tails))
-        if first_tail == 0 or any(tail is None for tail in tails[first_tail:]):
-            raise ValueError("layer tails must come after every other group (a pass starts at group 0)")
-        self._layers, self._downs, self._tails, self._first_tail = layers, downs, tails, first_tail
-        self._linear = self.linear
+        member.reply_frame(bp.BasePassWelcome(accepted=True))
 
     @property
     def packed(self) -> bool:
-        """The current model's products come from a packed copy of its weights (`_pack_if_bf16`)."""
-        return self._linear is packed_linear
+        """The current model's products come from a packed copy of its weights (`GroupWeights.pack_if_bf16`)."""
+        return self.weights.packed
 
     def _pack_if_bf16(self) -> None:
-        """On a bf16 backbone, compute from a packed copy of its weights, on one thread (module docstring)."""
-        dtype = self._layers[0][0][0].dtype if self._layers else None
-        if not self.pack_bf16 or dtype != torch.bfloat16:
-            return
-        started = time.monotonic()
-        packed: dict[int, torch.Tensor] = {}  # by the segment's address: a weight in two groups is packed once
+        """On a bf16 backbone, compute from a packed copy of its weights, on one thread (`group_weights`)."""
+        if self.pack_bf16 and self.weights.pack_if_bf16():
+            torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
-            if weight.data_ptr() not in packed:
-                packed[weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-            return packed[weight.data_ptr()]
-
-        try:
-            layers = [[(pack(weight), bias) for weight, bias in layer] for layer in self._layers]
-            downs = [None if down is None else pack(down) for down in self._downs]
-            tails = [None if tail is None else dataclasses.replace(
-                tail, o_proj=pack(tail.o_proj), mlp=(pack(tail.mlp[0]), pack(tail.mlp[1]), pack(tail.mlp[2])))
-                for tail in self._tails]
-        except RuntimeError as exc:  # oneDNN refused a shape: the plain layout computes the same
-            log.warning("base pass: bf16 weights not packed (%s); computing from the segment's layout", exc)
-            return
-        self._layers, self._downs, self._tails = layers, downs, tails
-        self._linear = packed_linear
-        torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
-        size = sum(w.numel() * w.element_size() for w in packed.values())
-        log.info("base pass: bf16 weights packed for oneDNN (%.0f MB, %.2f s)", size / 1e6, time.monotonic() - started)
-
-    def _in_width(self, key: int) -> int:
-        tail = self._tails[key]
-        if tail is not None:  # the attention's output, the residual and the o_proj delta
-            return tail.o_proj.shape[1] + 2 * tail.o_proj.shape[0]
-        return self._layers[key][0][0].shape[1]
-
-    def _out_width(self, key: int) -> int:
-        down, tail = self._downs[key], self._tails[key]
-        if down is not None:
-            return down.shape[0]
-        products = sum(w.shape[0] for w, _ in self._layers[key])
-        return products + 2 * tail.o_proj.shape[0] if tail is not None else products
-
-    def _resolve_tail(self, group: bp.GroupSpec,
-                      layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> _Tail | None:
-        spec = group.tail
-        if spec is None:
-            return None
-        if group.mlp_down is not None:
-            raise ValueError("a group is a gated MLP or a layer tail, not both")
-
-        def tensor(name: str, dim: int) -> torch.Tensor:
-            found = self.tensors.get(name)
-            if found is None or found.dim() != dim:
-                raise ValueError(f"the backbone has no {dim}-D tensor {name!r} for a layer tail")
-            return found
-
-        o_proj, gate, up, down = (tensor(n, 2) for n in (spec.o_proj, spec.gate, spec.up, spec.down))
-        post_norm, next_norm = tensor(spec.post_norm, 1), tensor(spec.next_norm, 1)
-        hidden = o_proj.shape[0]
-        if not (post_norm.shape[0] == next_norm.shape[0] == gate.shape[1] == up.shape[1] == down.shape[0] == hidden
-                and gate.shape[0] == up.shape[0] == down.shape[1]):
-            raise ValueError(f"the layer tail of {spec.o_proj!r} does not fit the backbone's shapes")
-        if any(w.shape[1] != hidden for w, _ in layers):
-            raise ValueError(f"the products after the layer tail of {spec.o_proj!r} do not take its width")
-        if not 0 < spec.eps < 1:
-            raise ValueError(f"a layer tail's eps is {spec.eps}")
-        return _Tail(o_proj=o_proj, post_norm=post_norm, mlp=(gate, up, down), next_norm=next_norm, eps=spec.eps)
-
-    def _resolve_down(self, group: bp.GroupSpec,
-                      layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
-        if group.mlp_down is None:
-            return None
-        down = self.tensors.get(group.mlp_down)
-        if len(layers) != 2 or any(bias is not None for _, bias in layers):
-            raise ValueError("a gated MLP group takes two weights (gate and up) and no biases")
-        if down is None or down.dim() != 2 or down.shape[1] != layers[0][0].shape[0] \
-                or layers[1][0].shape[0] != layers[0][0].shape[0]:
-            raise ValueError(f"the backbone has no down weight {group.mlp_down!r} fitting its gate and up")
-        return down
-
-    def _resolve(self, group: bp.GroupSpec) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        if not group.weights or len(group.weights) != len(group.biases):
-            raise ValueError("a group needs its weights and one bias entry per weight")
-        layers: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for weight_name, bias_name in zip(group.weights, group.biases, strict=True):
-            weight = self.tensors.get(weight_name)
-            if weight is None or weight.dim() != 2:
-                raise ValueError(f"the backbone has no linear weight {weight_name!r}")
-            bias = None
-            if bias_name is not None:
-                bias = self.tensors.get(bias_name)
-                if bias is None or bias.shape != (weight.shape[0],):
-                    raise ValueError(f"the backbone has no bias {bias_name!r} for {weight_name!r}")
-            if layers and weight.shape[1] != layers[0][0].shape[1]:
-                raise ValueError(f"{weight_name!r} takes another input width than its group's first weight")
-            layers.append((weight, bias))
-        return layers
-
-    def _refuse(self, member: _Member, why: str) -> None:
+    def _refuse(self, member: Member, why: str) -> None:
         self.stats.refused += 1
         log.warning("base pass: refused pid %d: %s", member.pid, why)
-        self._reply_frame(member, bp.BasePassWelcome(accepted=False, message=why))
+        member.reply_frame(bp.BasePassWelcome(accepted=False, message=why))
         self._drop(member, None)
 
-    def _reply_frame(self, member: _Member, message: msgspec.Struct) -> None:
-        with contextlib.suppress(OSError):
-            member.sock.setblocking(True)
-            member.sock.settimeout(1.0)
-            member.sock.sendall(encode_frame(message))
-            member.sock.setblocking(False)
-
-    def _drop(self, member: _Member, why: str | None) -> None:
+    def _drop(self, member: Member, why: str | None) -> None:
         if why:
             log.warning("base pass: hanging up on pid %d: %s", member.pid, why)
         self._members.pop(member.sock, None)
@@ -488,12 +285,9 @@ class BasePassExecutor:
             self.policy.leave(member.id)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(member.sock)
-        member.sock.close()
-        member.flat = member.buffer = None  # unmapped once the last view of it goes (`map_shared`)
-        if member.fd is not None:
-            os.close(member.fd)
+        member.close()
         if not self._members and self.packed:  # the packed copy lives while members do
-            self._resolve_groups()
+            self.weights.unpack()
             if self.threads and threading.current_thread() is self._thread:
                 torch.set_num_threads(self.threads)
 
@@ -516,23 +310,17 @@ class BasePassExecutor:
                 for member in members:
                     self._send(member, bp.DONE)
 
-    def _compute(self, members: list[_Member], rows_of: list[int], key: int) -> None:
+    def _compute(self, members: list[Member], rows_of: list[int], key: int) -> None:
         """Group `key`'s outputs for each member's rows, written into that member's buffer only."""
         started = time.monotonic()
-        layer, down, tail = self._layers[key], self._downs[key], self._tails[key]
-        width = self._in_width(key)
+        width = self.weights.in_width(key)
         computing = [(m, rows) for m, rows in zip(members, rows_of, strict=True) if rows > 0]
         if computing:
             inputs = [m.mapped()[: rows * width].view(rows, width) for m, rows in computing]
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-            if tail is not None:
-                outputs = self._tail(tail, layer, x)
-            elif down is None:
-                outputs = [self._linear(x, weight, bias) for weight, bias in layer]
-            else:  # the gated MLP, as the Llama family computes it: down(silu(gate(x)) * up(x))
-                outputs = [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
+            outputs = self.weights.compute(key, x)
             if len(computing) > 1:
-                self.stats.batched_products += len(layer) + (down is not None) + 4 * (tail is not None)  # o, MLP
+                self.stats.batched_products += self.weights.num_products(key)
             row = 0
             for member, rows in computing:
                 offset = member.output_offset
@@ -543,16 +331,7 @@ class BasePassExecutor:
                 row += rows
         self.stats.compute_s += time.monotonic() - started
 
-    def _tail(self, tail: _Tail, layer: list[tuple[torch.Tensor, torch.Tensor | None]],
-              x: torch.Tensor) -> list[torch.Tensor]:
-        """A layer tail's outputs for X = [attention output, residual, o_proj delta] (`bp.GroupSpec.tail`)."""
-        attended_width, hidden_width = tail.o_proj.shape[1], tail.o_proj.shape[0]
-        attended, residual, delta = x.split([attended_width, hidden_width, hidden_width], dim=1)
-        hidden = layer_tail(self._linear, attended, residual, delta, tail.o_proj, tail.post_norm, tail.eps, tail.mlp)
-        normed = rms_norm(tail.next_norm, tail.eps, hidden)
-        return [hidden, normed, *(self._linear(normed, weight, bias) for weight, bias in layer)]
-
-    def _send(self, member: _Member, reply: bytes) -> None:
+    def _send(self, member: Member, reply: bytes) -> None:
         try:
             member.sock.send(reply)
         except OSError as exc:  # it stopped reading (its socket buffer is full) or went away

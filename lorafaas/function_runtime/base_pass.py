@@ -13,7 +13,8 @@ A decode step (`decode_step`) of a Llama whose adapter wraps at most q, k, v and
 instead (`fused_pass`, `LayerTails.call`): one call a decoder layer, carrying the attention's output, the residual
 stream and the o_proj LoRA delta computed here, and bringing back the residual stream, the next layer's normed input
 and its q, k and v products (the LM head's logits after the last layer). The q, k and v layers then take those
-products (`RemoteForward`, primed) and add their LoRA deltas as before.
+products (`RemoteForward`, primed) and add their LoRA deltas as before. The engine hands the client `install`
+returned to each decode step (`GenerationEngine.base_pass`): nothing on the model itself names it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import fcntl
 import logging
 import os
 import socket
-from typing import Any
 
 import msgspec
 import torch
 from torch import nn
 
-from lorafaas.models.base_pass_groups import MLP_LAYERS, bare_linear, gated_mlps, layer_groups, layer_tails
+from lorafaas.models.base_pass_groups import bare_linear, gated_mlps, layer_groups, layer_tails
 from lorafaas.models.cpu_linear import is_bare_linear
+from lorafaas.models.families import llama
 from lorafaas.models.lora import LoraLinear, adapter_version
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.base_pass import BasePassUnavailable
@@ -257,7 +258,7 @@ class RemoteMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        if all(is_bare_linear(getattr(mlp, name)) for name in MLP_LAYERS):
+        if all(is_bare_linear(layer) for layer in llama.mlp_layers(mlp)):
             outputs = self.client.call(self.key, x)
             if outputs is not None:
                 return outputs[0]
@@ -287,21 +288,20 @@ class LayerTails:
 
     def _usable(self, model: nn.Module) -> bool:
         dtype = self.client.dtype
-        decoder: Any = model.model  # a Llama's (layer_tails found its layer tails)
-        for layer in decoder.layers:
-            o_proj, attention = layer.self_attn.o_proj, layer.self_attn
+        for layer in llama.decoder_layers(model):  # a Llama's (layer_tails found its layer tails)
+            o_proj, mlp = llama.o_proj(layer), llama.mlp(layer)
             if isinstance(o_proj, LoraLinear):
                 if (o_proj.lora_a is not None and o_proj.lora_b is not None
                         and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}):
                     return False
                 o_proj = o_proj.base
-            if not is_bare_linear(o_proj) or not isinstance(layer.mlp.__dict__.get("forward"), RemoteMLP) \
-                    or not all(is_bare_linear(getattr(layer.mlp, name)) for name in MLP_LAYERS):
+            if not is_bare_linear(o_proj) or not isinstance(mlp.__dict__.get("forward"), RemoteMLP) \
+                    or not all(is_bare_linear(projection) for projection in llama.mlp_layers(mlp)):
                 return False
-            if not all(isinstance(getattr(bare_linear(getattr(attention, name)), "__dict__", {}).get("forward"),
-                                  RemoteForward) for name in ("q_proj", "k_proj", "v_proj")):
+            if not all(isinstance(getattr(bare_linear(projection), "__dict__", {}).get("forward"), RemoteForward)
+                       for projection in llama.qkv_layers(layer)):
                 return False
-        return is_bare_linear(model.lm_head)
+        return is_bare_linear(llama.lm_head(model))
 
     def call(self, index: int, o_proj: nn.Module, attended: torch.Tensor,
              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
@@ -324,10 +324,9 @@ class LayerTails:
             shared[:] = [None, None]
 
 
-def fused_pass(model: nn.Module) -> LayerTails | None:
-    """The layer tails of `model`'s decode step about to start (its first call asks for them), or None: this step
-    goes group by group (or is computed here)."""
-    client: BasePassClient | None = model.__dict__.get("_lorafaas_base_pass")
+def fused_pass(model: nn.Module, client: BasePassClient | None) -> LayerTails | None:
+    """The layer tails of `model`'s decode step about to start (its first call asks for them), `client` the model's
+    pass (`install`; None outside one), or None: this step goes group by group (or is computed here)."""
     if client is None:
         return None
     tails = client.tails
@@ -350,7 +349,7 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
         widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
     client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
-    mlp_of_gate = {id(bare_linear(mlp.gate_proj)): mlp
+    mlp_of_gate = {id(bare_linear(llama.mlp_layers(mlp)[0])): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     shared_of: dict[int, list] = {}
     for key, (spec, layers) in enumerate(groups):
@@ -365,13 +364,11 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     if tails:
         qkv = [[None, None]] + [shared_of[key] for _, key in tails[:-1]]  # layer 0's is never primed
         client.tails = LayerTails(client, list(range(len(groups), len(groups) + len(tails))), qkv)
-    model.__dict__["_lorafaas_base_pass"] = client
     return client
 
 
 def uninstall(model: nn.Module) -> None:
     """Every linear layer computes here again (before the backbone is unbound)."""
-    model.__dict__.pop("_lorafaas_base_pass", None)
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), (RemoteForward, RemoteMLP)):
             del module.forward

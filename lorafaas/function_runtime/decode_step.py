@@ -25,21 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorafaas.function_runtime.base_pass import fused_pass
-from lorafaas.models.layer_tail import rms_norm
+from lorafaas.function_runtime.base_pass import BasePassClient, fused_pass
+from lorafaas.models.families import llama
 
 try:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
-    from transformers.models.llama.modeling_llama import (
-        LlamaAttention,
-        LlamaDecoderLayer,
-        LlamaForCausalLM,
-        LlamaModel,
-        LlamaRMSNorm,
-        LlamaRotaryEmbedding,
-        apply_rotary_pos_emb,
-    )
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     # the transformers 5.2x signatures (`cache=`); older versions take `past_key_values` and `cache_position`
     SUPPORTED = "cache" in inspect.signature(create_causal_mask).parameters
@@ -48,62 +40,51 @@ except ImportError:  # a transformers without these: HF's forward only
 
 
 def decode_step(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache) -> torch.Tensor | None:
+                cache, base_pass: BasePassClient | None = None) -> torch.Tensor | None:
     """The logits [rows, 1, vocab] of one decode step, the cache updated in place as HF's forward does; None when
-    `model` is not a plain Llama this step can run (then run HF's forward)."""
+    `model` is not a plain Llama this step can run (then run HF's forward). `base_pass`: the shared base pass the
+    model's layers were installed in (`base_pass.install`), whose layer tails the step may go through."""
     if not _plain_llama(model):
         return None
-    # A LlamaModel (_plain_llama checked it); nn.Module's __getattr__ types every submodule as Tensor | Module.
-    inner: Any = model.model
+    inner = llama.decoder(model)  # a LlamaModel (_plain_llama checked it)
     hidden = inner.embed_tokens(input_ids)
     mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
                               position_ids=position_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
     rows = hidden.shape[0]
-    tails = fused_pass(model)  # in the shared base pass: one call a layer from its o_proj to the next q/k/v
+    tails = fused_pass(model, base_pass)  # in the shared base pass: one call a layer from its o_proj to the next q/k/v
     normed = None
     for index, layer in enumerate(inner.layers):
-        attention = layer.self_attn
+        attention = llama.attention(layer)
         if normed is None:
-            normed = _rms_norm(layer.input_layernorm, hidden)
+            normed = llama.norm(llama.input_norm(layer), hidden)
         shape = (rows, 1, -1, attention.head_dim)
-        query = attention.q_proj(normed).view(shape).transpose(1, 2)
-        key = attention.k_proj(normed).view(shape).transpose(1, 2)
-        value = attention.v_proj(normed).view(shape).transpose(1, 2)
+        q_proj, k_proj, v_proj = llama.qkv_layers(layer)
+        query = q_proj(normed).view(shape).transpose(1, 2)
+        key = k_proj(normed).view(shape).transpose(1, 2)
+        value = v_proj(normed).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         key, value = cache.update(key, value, attention.layer_idx)
         attended, _ = sdpa_attention_forward(attention, query, key, value, mask, dropout=0.0,
                                              scaling=attention.scaling)
         attended = attended.reshape(rows, 1, -1).contiguous()
+        o_proj = llama.o_proj(layer)
         if tails is not None:
-            tail = tails.call(index, attention.o_proj, attended, hidden)
+            tail = tails.call(index, o_proj, attended, hidden)
             if isinstance(tail, torch.Tensor):  # after the last layer: the logits
                 return tail
             if tail is not None:
                 hidden, normed = tail
                 continue
             tails = None  # this pass is computed here (ALONE), or the executor went away: as below from now on
-        hidden = hidden + attention.o_proj(attended)
-        hidden = hidden + layer.mlp(_rms_norm(layer.post_attention_layernorm, hidden))
+        hidden = hidden + o_proj(attended)
+        hidden = hidden + llama.mlp(layer)(llama.norm(llama.post_attention_norm(layer), hidden))
         normed = None
-    lm_head: Any = model.lm_head
-    return lm_head(_rms_norm(inner.norm, hidden))
+    return llama.lm_head(model)(llama.norm(llama.final_norm(model), hidden))
 
 
 def _plain_llama(model: nn.Module) -> bool:
-    if not SUPPORTED or type(model) is not LlamaForCausalLM or model.training:
+    if not SUPPORTED or model.training or not llama.is_plain_hf_llama(model):
         return False
-    config, inner = model.config, model.model
-    if (config._attn_implementation != "sdpa" or type(inner) is not LlamaModel
-            or type(inner.rotary_emb) is not LlamaRotaryEmbedding or type(inner.norm) is not LlamaRMSNorm
-            or len(inner.layers) != config.num_hidden_layers):
-        return False
-    return all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-               and type(layer.input_layernorm) is LlamaRMSNorm and type(layer.post_attention_layernorm) is LlamaRMSNorm
-               for layer in inner.layers)
-
-
-def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`'s operations, without a module call."""
-    return rms_norm(norm.weight, norm.variance_epsilon, hidden)
-
+    config: Any = model.config  # a LlamaConfig (is_plain_hf_llama checked the model's class)
+    return config._attn_implementation == "sdpa"

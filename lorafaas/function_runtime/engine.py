@@ -29,6 +29,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lorafaas.errors import InvalidInput, PromptTooLong
+from lorafaas.function_runtime.base_pass import BasePassClient
 from lorafaas.function_runtime.decode_step import decode_step
 from lorafaas.function_runtime.grammar import GrammarCompiler, GrammarMatcher
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams, TokenLogprob, TokenLogprobs
@@ -91,9 +92,11 @@ class _Sequence:
 
 class GenerationEngine:
     def __init__(
-        self, model, tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter
+        self, model, tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter,
+        base_pass: BasePassClient | None = None,
     ) -> None:
         self.model = model
+        self.base_pass = base_pass  # the shared base pass `model` is installed in, handed to each decode step
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.clock = clock
@@ -220,7 +223,8 @@ class GenerationEngine:
         _, batch_mask, batch_positions, next_input = self._batch()
         mask = torch.cat([batch_mask, torch.ones((rows, 1), dtype=batch_mask.dtype, device=self.device)], dim=1)
         ids, positions = next_input.unsqueeze(1), batch_positions.unsqueeze(1)
-        logits = decode_step(self.model, ids, mask, positions, self._cache)  # the cache updated in place
+        # the cache updated in place
+        logits = decode_step(self.model, ids, mask, positions, self._cache, base_pass=self.base_pass)
         if logits is None:  # not a plain Llama: HF's forward
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                              **{CACHE_FIELD: self._cache})

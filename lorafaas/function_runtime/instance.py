@@ -22,6 +22,7 @@ from lorafaas.errors import InvalidInput
 from lorafaas.function_runtime.messages import AdapterStats, StageName, UnstageName, WorkerSpec
 
 if TYPE_CHECKING:  # imported by the stages that need them (a cold start pays for torch once, in `libraries`)
+    import torch
     from torch import nn
     from typing_extensions import TypeIs
 
@@ -141,14 +142,15 @@ class FunctionInstance:
             with DaemonClient.connect(Path(self.spec.daemon_socket), client=self.spec.instance_id) as daemon:
                 attached = daemon.attach(self.spec.function)
             self._lease_id = attached.lease_id
-            model = bind_backbone(attached.map(), model_dir)  # the sealed segment, read-only; the fd closed
+            attachment = attached.map()
+            model = bind_backbone(attachment, model_dir)  # the sealed segment, read-only; the fd closed
             self.model = model
             if attached.backbone.cpu_linear == "onednn":  # the daemon measured it faster here
                 from lorafaas.models.cpu_linear import use_onednn_linears
 
                 use_onednn_linears(model)
             if self.spec.base_pass:
-                self._join_base_pass(model, self.spec.base_pass)
+                self._join_base_pass(model, attachment.tensors, self.spec.base_pass)
         else:
             from lorafaas.models.reference import load_backbone
 
@@ -212,7 +214,7 @@ class FunctionInstance:
         from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
 
         config = EngineConfig(max_batch_size=self.spec.max_batch_size)
-        return GenerationEngine(self._bound_model(), self.tokenizer, config)
+        return GenerationEngine(self._bound_model(), self.tokenizer, config, base_pass=self.base_pass)
 
     # -- undoing -------------------------------------------------------------------------------------------------
 
@@ -248,12 +250,11 @@ class FunctionInstance:
         if adapter is not None and not _is_dense(adapter):
             adapter.close()
 
-    def _join_base_pass(self, model: nn.Module, path: str) -> None:
+    def _join_base_pass(self, model: nn.Module, tensors: dict[str, torch.Tensor], path: str) -> None:
         from lorafaas.function_runtime.base_pass import BasePassUnavailable, install
 
-        try:
-            # bind_backbone keeps its attachment in the model's __dict__ (nn.Module stores plain objects there)
-            self.base_pass = install(model, model.__dict__["_lorafaas_attachment"].tensors, path)
+        try:  # the engine hands this client to each decode step (`GenerationEngine.base_pass`)
+            self.base_pass = install(model, tensors, path)
         except BasePassUnavailable as exc:  # slower alone, never wrong
             log.warning("%s/%s: %s; computing every layer here", self.spec.function, self.spec.instance_id, exc)
 

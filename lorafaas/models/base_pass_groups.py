@@ -8,17 +8,9 @@ import torch
 from torch import nn
 
 from lorafaas.models.cpu_linear import is_bare_linear
+from lorafaas.models.families import llama
 from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.base_pass import BasePassUnavailable
-
-# Linear layers of one decoder layer that take the same input, by their names in the Llama family (Llama, Mistral,
-# Qwen2, SmolLM): one call each. Any other linear layer is a group of its own.
-SHARED_INPUT = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-# MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): with a SiLU and no biases the executor
-# computes such an MLP whole, one call instead of two (`GroupSpec.mlp_down`)
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
-SILU = ("SiLU", "SiLUActivation")
-MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
 
 
 def backbone_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[bp.GroupSpec, ...]:
@@ -34,15 +26,15 @@ def bare_linear(layer: object) -> nn.Linear | None:
 
 
 def gated_mlps(model: nn.Module, names: dict[int, str]) -> dict[str, nn.Module]:
-    """Path of the gate layer -> its MLP, for each gated MLP (`GATED_MLPS`, a SiLU) whose three layers are bound to
+    """Path of the gate layer -> its MLP, for each gated MLP (`llama.is_gated_mlp`) whose three layers are bound to
     the segment (`names`: data pointer -> the segment's name) without biases."""
     found = {}
     for path_of, module in model.named_modules():
-        if type(module).__name__ not in GATED_MLPS or type(getattr(module, "act_fn", None)).__name__ not in SILU:
+        if not llama.is_gated_mlp(module):
             continue
-        layers = [bare_linear(getattr(module, name, None)) for name in MLP_LAYERS]
+        layers = [bare_linear(layer) for layer in llama.mlp_layers(module)]
         if all(layer is not None and layer.bias is None and layer.weight.data_ptr() in names for layer in layers):
-            found[f"{path_of}.gate_proj"] = module
+            found[llama.gate_path(path_of)] = module
     return found
 
 
@@ -64,14 +56,14 @@ def layer_groups(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tup
         if p in grouped:
             continue
         if p in mlps:
-            prefix = p.removesuffix("gate_proj")
-            layers = [found[prefix + name] for name in MLP_LAYERS]
-            grouped.update(prefix + name for name in MLP_LAYERS)
+            prefix = llama.mlp_prefix(p)
+            layers = [found[prefix + name] for name in llama.MLP_LAYERS]
+            grouped.update(prefix + name for name in llama.MLP_LAYERS)
             gate, up, down = (names[layer.weight.data_ptr()] for layer in layers)
             groups.append((bp.GroupSpec(weights=(gate, up), biases=(None, None), mlp_down=down), layers))
             continue
         members = [p]
-        for names_of_group in SHARED_INPUT:
+        for names_of_group in llama.SHARED_INPUT:
             prefix = p.removesuffix(names_of_group[0])
             if prefix != p and all(prefix + n in found for n in names_of_group):
                 members = [prefix + n for n in names_of_group]
@@ -92,9 +84,9 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
     products it ends with (the next layer's q/k/v, or the LM head); [] when the model's layers are not all of that
     shape in the segment (its decode steps then go group by group)."""
     names = {t.data_ptr(): name for name, t in tensors.items()}
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    final_norm = getattr(getattr(model, "model", None), "norm", None)
-    lm_head = bare_linear(getattr(model, "lm_head", None))
+    layers = llama.decoder_layers(model)
+    final_norm = llama.final_norm(model)
+    lm_head = bare_linear(llama.lm_head(model))
     if not layers or final_norm is None or lm_head is None:
         return []
     key_of = {spec.weights[0]: key for key, (spec, _) in enumerate(groups) if not spec.mlp_down}
@@ -102,27 +94,25 @@ def layer_tails(model: nn.Module, tensors: dict[str, torch.Tensor],
     tails: list[tuple[bp.GroupSpec, int]] = []
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
-        attention, post_norm = getattr(layer, "self_attn", None), getattr(layer, "post_attention_layernorm", None)
-        next_norm = final_norm if last else getattr(layers[index + 1], "input_layernorm", None)
-        o_proj = bare_linear(getattr(attention, "o_proj", None))
-        gate = bare_linear(getattr(getattr(layer, "mlp", None), "gate_proj", None))
-        if o_proj is None or o_proj.bias is not None or gate is None or id(layer.mlp) not in mlps:
+        post_norm = llama.post_attention_norm(layer)
+        next_norm = final_norm if last else llama.input_norm(layers[index + 1])
+        o_proj = bare_linear(llama.o_proj(layer))
+        mlp = llama.mlp(layer)
+        if o_proj is None or o_proj.bias is not None or mlp is None or id(mlp) not in mlps:
             return []
         norms = [getattr(norm, "weight", None) for norm in (post_norm, next_norm)]
         eps = {getattr(norm, "variance_epsilon", None) for norm in (post_norm, next_norm)}
         if any(w is None or w.data_ptr() not in names for w in norms) or len(eps) != 1 or None in eps:
             return []
-        following = lm_head if last else bare_linear(getattr(layers[index + 1].self_attn, "q_proj", None))
+        following = lm_head if last else bare_linear(llama.qkv_layers(layers[index + 1])[0])
         key = None if following is None else key_of.get(names.get(following.weight.data_ptr(), ""))
         if key is None or (not last and len(groups[key][1]) != 3):
             return []
-        mlp = layer.mlp
         spec = groups[key][0]
+        gate, up, down = (names[bare_linear(layer).weight.data_ptr()] for layer in llama.mlp_layers(mlp))
         tails.append((bp.GroupSpec(weights=spec.weights, biases=spec.biases, tail=bp.LayerTail(
             o_proj=names[o_proj.weight.data_ptr()], post_norm=names[norms[0].data_ptr()],
-            gate=names[bare_linear(mlp.gate_proj).weight.data_ptr()],
-            up=names[bare_linear(mlp.up_proj).weight.data_ptr()],
-            down=names[bare_linear(mlp.down_proj).weight.data_ptr()], next_norm=names[norms[1].data_ptr()],
+            gate=gate, up=up, down=down, next_norm=names[norms[1].data_ptr()],
             eps=float(eps.pop()))), key))
     return tails
 

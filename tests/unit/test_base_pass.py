@@ -159,7 +159,7 @@ def test_a_call_with_no_rows_keeps_a_place_only_at_a_gated_mlp(segment, executor
     mlp = next(key for key, spec in enumerate(groups) if spec.mlp_down)
     members = [RawMember(str(executor.path), groups) for _ in range(2)]
     assert all(member.welcome().accepted for member in members)
-    in_round(executor, members, [torch.zeros(1, executor._in_width(0))] * 2)
+    in_round(executor, members, [torch.zeros(1, executor.weights.in_width(0))] * 2)
     for key in range(1, mlp):
         for member in members:
             member.send_call(key, 1)
@@ -514,9 +514,9 @@ def test_a_llamas_decoder_layers_each_get_a_layer_tail(segment) -> None:
 
 
 def greedy_decode(model, prompt: list[int], steps: int, before=lambda step: None,
-                  after=lambda step: None) -> list[torch.Tensor]:
-    """Prefill `prompt`, then `steps` greedy tokens with `decode_step`: the logits of each step. `before(step)` and
-    `after(step)` run around each step; the prefill is step -1."""
+                  after=lambda step: None, base_pass=None) -> list[torch.Tensor]:
+    """Prefill `prompt`, then `steps` greedy tokens with `decode_step` (in `base_pass`, the model's client): the
+    logits of each step. `before(step)` and `after(step)` run around each step; the prefill is step -1."""
     from lorafaas.function_runtime.decode_step import decode_step
     from lorafaas.function_runtime.engine import CACHE_FIELD
 
@@ -531,7 +531,8 @@ def greedy_decode(model, prompt: list[int], steps: int, before=lambda step: None
         for step in range(steps):
             before(step)
             mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache)
+            logits = decode_step(model, token[:, None], mask, torch.tensor([[len(prompt) + step]]), cache,
+                                 base_pass=base_pass)
             after(step)
             got.append(logits)
             token = logits[:, -1].argmax(-1)
@@ -558,7 +559,7 @@ def decode_members(segment, executor, adapters: list[Path], prompts: list[list[i
         model, c = members[i]
         # every member at each step's start: the same rounds in every run
         got[i] = greedy_decode(model, prompts[i], steps, before=lambda step: barrier.wait(),
-                               after=lambda step: c.end_step(again=step < steps - 1))
+                               after=lambda step: c.end_step(again=step < steps - 1), base_pass=c)
 
     threads = [threading.Thread(target=member, args=(i,)) for i in range(len(adapters))]
     for thread in threads:
@@ -649,13 +650,13 @@ def in_round(executor, members: list[RawMember], xs: list[torch.Tensor]) -> None
 
 
 def group_outputs(executor, key: int, x: torch.Tensor) -> list[torch.Tensor]:
-    return [F.linear(x, weight, bias) for weight, bias in executor._layers[key]]
+    return [F.linear(x, weight, bias) for weight, bias in executor.weights.layer(key)]
 
 
 def read_outputs(executor, member: RawMember, key: int, rows: int, max_rows: int = 4) -> list[torch.Tensor]:
-    max_in = max(executor._in_width(k) for k in range(len(executor._layers)))
+    max_in = max(executor.weights.in_width(k) for k in range(executor.weights.num_groups))
     offset, outs = max_rows * max_in, []
-    for weight, _ in executor._layers[key]:
+    for weight, _ in executor.weights.layer(key):
         outs.append(member.read(offset, rows, weight.shape[0]))
         offset += rows * weight.shape[0]
     return outs
@@ -667,7 +668,7 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     groups = groups_of(segment)
     honest = [RawMember(str(executor.path), groups) for _ in range(2)]
     assert all(member.welcome().accepted for member in honest)
-    width = executor._in_width(0)
+    width = executor.weights.in_width(0)
     xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
     in_round(executor, honest, xs)
     hostile = RawMember(str(executor.path), groups, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
@@ -675,7 +676,8 @@ def test_a_hello_that_fails_to_map_refuses_only_its_sender_and_the_round_goes_on
     assert not welcome.accepted and "write" in welcome.message
     assert hostile.reply() == b""  # hung up on
     wait_until(lambda: len(executor._members) == 2)  # the half-greeted sender is not kept
-    xs = [torch.randn(2, executor._in_width(1), generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
+    width = executor.weights.in_width(1)
+    xs = [torch.randn(2, width, generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
     for member, x in zip(honest, xs, strict=True):
         member.write(x)
         member.send_call(1, 2)
