@@ -55,8 +55,13 @@ def errors(*statuses: int) -> dict[int | str, dict]:
 # text that is not JSON, is a 422 naming it). Empty is no document: the schema says minLength 1.
 SPEC_AS_JSON = {"contentMediaType": "application/json"}
 
-SSE = {"text/event-stream": {"schema": {"type": "string",
-                                        "description": "server-sent events: `data: {json}` lines"}}}
+# A stream's schema is one event's (as OpenAPI 3.2's itemSchema, and as schemathesis checks each event): its `data` a
+# JSON document (or `[DONE]`, an OpenAI stream's end), `event` its kind where it is named.
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "description": "a server-sent event: `data: {json}`, after `event: KIND` where named",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+    "required": ["data"]}}}
 
 INVOKE_RESPONSES: dict[int | str, dict] = {
     200: reply(InvokeResult, "The result as JSON, or with `stream: true` a stream of server-sent events: `token` "

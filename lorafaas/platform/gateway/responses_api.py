@@ -30,7 +30,7 @@ from lorafaas.platform.gateway.openai_reply import finished_event
 from lorafaas.platform.gateway.openai_schemas import refuse_unsupported
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
 from lorafaas.platform.gateway.responses import ResponseObject, converted, reply
-from lorafaas.platform.gateway.schemas import make_request
+from lorafaas.platform.gateway.schemas import NoBoolNumbers, make_request
 from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, error_body, sse, start_invocation
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord, ChatMessage
@@ -69,7 +69,7 @@ class InputMessage(BaseModel):
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(NoBoolNumbers):
     # Fields beyond these are read (refuse_unsupported), not ignored.
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     model: str
