@@ -73,9 +73,11 @@ class NoBoolNumbers(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name is None or "bool" in str(cls.model_fields[info.field_name].annotation):
+        annotation = str(cls.model_fields[info.field_name].annotation) if info.field_name is not None else "bool"
+        if "bool" in annotation:
             return value
-        values = value.values() if isinstance(value, dict) else (value,)  # and logit_bias's biases
+        # a mapping of numbers (logit_bias) too; a nested model (stream_options, response_format) checks its own
+        values = value.values() if isinstance(value, dict) and "dict[" in annotation else (value,)
         if any(isinstance(v, bool) for v in values):
             raise ValueError("a boolean is not a valid value here")
         return value
