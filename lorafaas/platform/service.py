@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -62,6 +62,87 @@ INVOCATION_RETENTION_S = 3600.0
 SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s",
                "lora_mode", "shared_base")
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen-MoE, DeepSeek
+
+
+class InstanceView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One instance of a function as `describe` shows it (`reason` only when it has one)."""
+
+    instance_id: str
+    pid: int | None
+    device: str
+    state: str
+    version: int
+    deployment: str
+    in_flight: int
+    started_at: float
+    loaded: list[str]
+    cold_start: dict[str, float]
+    adapter: dict[str, Any] | None  # AdapterStats: kind, LoRA mode, bytes held
+    shared_base: bool
+    reason: str = ""
+
+
+class OffloadView(msgspec.Struct, kw_only=True):
+    kind: str
+    from_tier: str = msgspec.field(name="from")
+    to_tier: str = msgspec.field(name="to")  # "dropped" when it left every tier
+    at: float
+    reason: str
+
+
+class BatchingView(msgspec.Struct, kw_only=True):
+    max_batch_size: int
+    prefill_t0_s: float
+    prefill_per_request_s: float
+    prefills_observed: int
+    most_in_flight: int
+
+
+class AdmissionView(msgspec.Struct, kw_only=True):
+    queued: int
+    last_decision: str | None
+    reason: str | None
+    waits: dict[str, int]
+
+
+class FunctionDescription(msgspec.Struct, kw_only=True):
+    """`describe`: the function's spec and its life on the node (the agent's view, lorafaas/platform/agent/views.py).
+    `failures`: the agent's (instance_id, pid, reason, version, at) and the backend's (a pod's), whose fields differ."""
+
+    function: FunctionSpec
+    instances: list[InstanceView]
+    last_cold_start: dict[str, float] | None
+    offloaded: list[OffloadView]
+    batching: BatchingView
+    admission: AdmissionView
+    cold_starts: dict[str, int]
+    failures: list[dict[str, Any]]
+
+
+class UsageGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One group's (or the total's) usage sums: `tenant` absent in the total, `function` with group_by=function."""
+
+    tenant: str | None = None
+    function: str | None = None
+    invocations: int
+    cold_starts: int
+    prompt_tokens: int
+    completion_tokens: int
+    device_s: float
+    memory_active_gb_s: float
+    memory_idle_gb_s: float
+    memory_gb_s: float
+    keep_alive_s: float
+    queue_s: float
+    e2e_s: float
+
+
+class UsageReport(msgspec.Struct, kw_only=True):
+    since: float | None
+    until: float | None
+    group_by: str
+    groups: list[UsageGroup]
+    total: UsageGroup
 
 
 class FunctionService:
@@ -171,9 +252,10 @@ class FunctionService:
         await asyncio.to_thread(remove_deployment_logs, self.agent.launcher.log_dir, spec.uid)
         await self._collect_adapters()
 
-    async def describe(self, caller: ApiKeyRecord, name: str) -> dict:
+    async def describe(self, caller: ApiKeyRecord, name: str) -> FunctionDescription:
         spec = await self.aget(caller, name)
-        return {"function": msgspec.to_builtins(spec), **self.agent.describe(spec)}
+        return msgspec.convert({"function": msgspec.to_builtins(spec), **self.agent.describe(spec)},
+                               FunctionDescription, strict=False)
 
     async def logs(self, caller: ApiKeyRecord, name: str, tail: int | None = None, since: float | None = None,
                    tail_bytes: int = 64 * 1024) -> str:
@@ -296,12 +378,14 @@ class FunctionService:
                     if meter.instance_id and not platform_failed:
                         self.usage.record(spec, request.request_id, meter, charge_prompt)
 
-    async def usage_summary(self, caller: ApiKeyRecord, since: TimeBound, until: TimeBound, group_by: str) -> dict:
+    async def usage_summary(self, caller: ApiKeyRecord, since: TimeBound, until: TimeBound, group_by: str
+                            ) -> UsageReport:
         """Usage per function or tenant in [since, until): a tenant's own, or every tenant's (admin)."""
         start, end = parse_time("since", since), parse_time("until", until)
         summarize((), group_by)  # a bad group_by is refused before the store is read
         records = await asyncio.to_thread(self.store.list_usage, start, end, None if caller.is_admin else caller.tenant)
-        return {"since": start, "until": end, **summarize(records, group_by)}
+        return msgspec.convert({"since": start, "until": end, **summarize(records, group_by)}, UsageReport,
+                               strict=False)
 
     async def submit(self, caller: ApiKeyRecord, name: str, request: InvocationRequest) -> InvocationRecord:
         """Accept an asynchronous invocation: stored first (it survives a restart), then run in the background."""

@@ -57,3 +57,33 @@ def test_the_log_cuts_are_described_with_their_bounds() -> None:
     params = {p["name"]: p["schema"] for p in document()["paths"]["/v1/functions/{name}/logs"]["get"]["parameters"]}
     assert (params["tail"]["anyOf"][0]["minimum"], params["tail"]["anyOf"][0]["maximum"]) == (0, 100_000)
     assert params["since"]["anyOf"][0]["minimum"] == 0
+
+
+# Answered as text, not JSON: a stream of server-sent events (beside its JSON body), Prometheus' format, the logs.
+TEXT_2XX = {("get", "/metrics"): "text/plain", ("get", "/v1/functions/{name}/logs"): "text/plain"}
+SSE_BESIDE_JSON = {"/v1/functions/{name}/invoke", "/v1/chat/completions", "/v1/completions", "/v1/responses"}
+
+
+def test_every_operation_describes_its_2xx_body() -> None:
+    """Each operation's success answer is a named schema of what it returns (issue 37, 4): a JSON body is a $ref to
+    a component with its properties, never a bare or empty object; the text answers are text or SSE."""
+    doc = document()
+    schemas = doc["components"]["schemas"]
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            successes = {s: r for s, r in operation["responses"].items() if s.startswith("2")}
+            assert successes, (method, path)
+            for status, response in successes.items():
+                content = response.get("content", {})
+                where = (method, path, status, content)
+                if (method, path) in TEXT_2XX:
+                    assert set(content) == {TEXT_2XX[method, path]}, where
+                    assert content[TEXT_2XX[method, path]]["schema"]["type"] == "string", where
+                    continue
+                expected = {"application/json", "text/event-stream"} if path in SSE_BESIDE_JSON and status == "200" \
+                    else {"application/json"}
+                assert set(content) == expected, where
+                ref = content["application/json"]["schema"].get("$ref", "")
+                assert ref.startswith("#/components/schemas/"), where
+                body = schemas[ref.rsplit("/", 1)[-1]]
+                assert body.get("type") == "object" and body.get("properties") and body.get("required"), where

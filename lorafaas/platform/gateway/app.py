@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from datetime import datetime
 from typing import Annotated, Any, BinaryIO, Literal
 
-import msgspec
 from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -25,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from lorafaas import __version__
-from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge
+from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge, ServerError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import authenticate, create_key, key_id_of
 from lorafaas.platform.gateway.limits import RequestLimits, RequestLimitsMiddleware
@@ -37,9 +36,28 @@ from lorafaas.platform.gateway.openapi_docs import (
     METRICS_RESPONSES,
     SPEC_AS_JSON,
     TEXT_RESPONSES,
-    UsageSummary,
     bearer,
     errors,
+)
+from lorafaas.platform.gateway.responses import (
+    Accepted,
+    Deleted,
+    FunctionDescription,
+    FunctionList,
+    InvocationList,
+    InvocationRecord,
+    InvokeResult,
+    KeyCreated,
+    KeyInfo,
+    KeyList,
+    KeyRevoked,
+    Status,
+    Timings,
+    Usage,
+    UsageReport,
+    encoded,
+    install,
+    reply,
 )
 from lorafaas.platform.gateway.schemas import INVOKE_DEFAULT_MAX_TOKENS, DeploySpec, InvokeBody, KeyBody
 from lorafaas.platform.gateway.streaming import (
@@ -51,7 +69,7 @@ from lorafaas.platform.gateway.streaming import (
     usage,
 )
 from lorafaas.platform.service import FunctionService
-from lorafaas.platform.state.records import ApiKeyRecord, InvocationStatus
+from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationStatus
 
 log = logging.getLogger(__name__)
 MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
@@ -68,6 +86,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     app.state.service = service
     app.state.metrics = metrics
     _install_error_handlers(app, service)
+    install(app)
 
     async def uploader(authorization: str | None) -> str:
         """The tenant an upload's slot is counted against (its key checked before the body is read)."""
@@ -78,21 +97,21 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     def caller(request: Request, _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> ApiKeyRecord:
         return authenticate(service.store, request.headers.get("authorization"))
 
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    @app.get("/healthz", tags=["health"], response_model=None, responses={200: reply(Status, "Alive")})
+    async def healthz() -> Response:
+        return encoded(Status(status="ok"))
 
-    @app.get("/readyz", tags=["health"], responses={
-        200: {"description": "Serving", "content": {"application/json": {"schema": {"type": "object"}}}},
+    @app.get("/readyz", tags=["health"], response_model=None, responses={
+        200: reply(Status, "Serving"),
         503: {"description": "Starting, or the state store is unreachable",
               "content": {"application/json": {"schema": {"type": "object"}}}}})
-    async def readyz() -> JSONResponse:
+    async def readyz() -> Response:
         await asyncio.to_thread(service.store.ping)  # a remote store: never waited for on the event loop
         if not is_ready():
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+            return encoded(Status(status="starting"), status_code=503)
+        return encoded(Status(status="ready"))
 
-    @app.get("/metrics", tags=["health"], responses=METRICS_RESPONSES)
+    @app.get("/metrics", tags=["health"], response_model=None, responses=METRICS_RESPONSES)
     async def prometheus(who: ApiKeyRecord = Depends(caller)) -> Response:
         # Its labels name every tenant's functions: the admin key only (Prometheus sends it as a bearer token).
         if not who.is_admin:
@@ -101,42 +120,48 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         body = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/functions", status_code=201, tags=["functions"], responses=errors(403, 404, 409, 429, 507))
+    @app.post("/v1/functions", status_code=201, tags=["functions"], response_model=None,
+              responses={201: reply(FunctionSpec, "Deployed: the function's spec"), **errors(403, 404, 409, 429, 507)})
     async def deploy(spec: str = Form(..., min_length=1, description="DeploySpec as JSON",
                                       json_schema_extra=SPEC_AS_JSON),
                      adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
-                     who: ApiKeyRecord = Depends(caller)) -> dict:
+                     who: ApiKeyRecord = Depends(caller)) -> Response:
         fields = _parse_spec(spec)
-        deployed = await service.deploy(who, fields, _spooled(adapter))
-        return msgspec.to_builtins(deployed)
+        return encoded(await service.deploy(who, fields, _spooled(adapter)), status_code=201)
 
-    @app.get("/v1/functions", tags=["functions"], responses=errors())
-    async def list_functions(who: ApiKeyRecord = Depends(caller)) -> dict:
-        return {"functions": [msgspec.to_builtins(s) for s in await service.list(who)]}
+    @app.get("/v1/functions", tags=["functions"], response_model=None,
+             responses={200: reply(FunctionList, "The caller's functions (every tenant's for the admin)"), **errors()})
+    async def list_functions(who: ApiKeyRecord = Depends(caller)) -> Response:
+        return encoded(FunctionList(functions=await service.list(who)))
 
-    @app.get("/v1/functions/{name}", tags=["functions"], responses=errors(404))
-    async def describe(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return await service.describe(who, name)
+    @app.get("/v1/functions/{name}", tags=["functions"], response_model=None,
+             responses={200: reply(FunctionDescription, "The spec and its instances, starts and decisions"),
+                        **errors(404)})
+    async def describe(name: str, who: ApiKeyRecord = Depends(caller)) -> Response:
+        return encoded(await service.describe(who, name))
 
-    @app.patch("/v1/functions/{name}", tags=["functions"], responses=errors(404, 429, 507))
+    @app.patch("/v1/functions/{name}", tags=["functions"], response_model=None,
+               responses={200: reply(FunctionSpec, "Updated: the new spec"), **errors(404, 429, 507)})
     # `adapter` is optional, not nullable: a multipart form has no null, and a text part is no file.
     async def update(name: str, spec: str = Form("{}", min_length=1, description="the fields to change, as JSON",
                                                  json_schema_extra=SPEC_AS_JSON),
                      adapter: UploadFile = File(None, description="a new adapter: tar(.gz) of its two files"),
-                     who: ApiKeyRecord = Depends(caller)) -> dict:
+                     who: ApiKeyRecord = Depends(caller)) -> Response:
         fields = _parse_spec(spec)
         if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):
             raise InvalidInput("PATCH cannot change a function's name, backbone or tenant; deploy a new function")
         archive = _spooled(adapter) if adapter is not None else None
-        return msgspec.to_builtins(await service.update(who, name, fields, archive))
+        return encoded(await service.update(who, name, fields, archive))
 
-    @app.delete("/v1/functions/{name}", tags=["functions"], responses=errors(404))
-    async def delete(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+    @app.delete("/v1/functions/{name}", tags=["functions"], response_model=None,
+                responses={200: reply(Deleted, "Deleted"), **errors(404)})
+    async def delete(name: str, who: ApiKeyRecord = Depends(caller)) -> Response:
         await service.delete(who, name)
         metrics.forget(name)
-        return {"deleted": name}
+        return encoded(Deleted(deleted=name))
 
-    @app.get("/v1/functions/{name}/logs", tags=["functions"], responses={**TEXT_RESPONSES, **errors(404)})
+    @app.get("/v1/functions/{name}/logs", tags=["functions"], response_model=None,
+             responses={**TEXT_RESPONSES, **errors(404)})
     async def logs(
         name: str,
         tail: int | None = Query(None, ge=0, le=MAX_LOG_TAIL_LINES, description="the last N lines of each instance"),
@@ -155,38 +180,39 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
             invocation = body.to_request(max_tokens)
         if mode == "async" or "respond-async" in request.headers.get("prefer", ""):
             record = await service.submit(who, name, invocation)
-            return JSONResponse(
-                {"invocation_id": record.invocation_id, "status": record.status,
-                 "location": f"/v1/invocations/{record.invocation_id}"},
-                status_code=202, headers={"Location": f"/v1/invocations/{record.invocation_id}"},
-            )
+            location = f"/v1/invocations/{record.invocation_id}"
+            return encoded(Accepted(invocation_id=record.invocation_id, status=record.status, location=location),
+                           status_code=202, headers={"Location": location})
         events = await start_invocation(service, metrics, who, name, invocation)
         if body.stream:
             return StreamingResponse(_native_sse(events, service), media_type="text/event-stream")
-        return JSONResponse(await _collect(events, name))
+        return encoded(await _collect(events, name))
 
-    @app.get("/v1/invocations", tags=["invoke"], responses=errors())
+    @app.get("/v1/invocations", tags=["invoke"], response_model=None,
+             responses={200: reply(InvocationList, "The caller's invocations, newest first"), **errors()})
     async def list_invocations(
         function: str | None = Query(None, max_length=256, description="only this function's invocations"),
         status: InvocationStatus | None = Query(None, description="only invocations in this status"),
         limit: int = Query(100, ge=1, le=MAX_LISTED_INVOCATIONS, description="at most this many, newest first"),
         who: ApiKeyRecord = Depends(caller),
-    ) -> dict:
-        records = await service.list_invocations(who, function, status, limit)
-        return {"invocations": [msgspec.to_builtins(r) for r in records]}
+    ) -> Response:
+        return encoded(InvocationList(invocations=await service.list_invocations(who, function, status, limit)))
 
-    @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404))
-    async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return msgspec.to_builtins(await service.get_invocation(who, invocation_id))
+    @app.get("/v1/invocations/{invocation_id}", tags=["invoke"], response_model=None,
+             responses={200: reply(InvocationRecord, "The invocation: status, result or error"), **errors(404)})
+    async def invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> Response:
+        return encoded(await service.get_invocation(who, invocation_id))
 
-    @app.delete("/v1/invocations/{invocation_id}", tags=["invoke"], responses=errors(404, 409))
-    async def cancel_invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+    @app.delete("/v1/invocations/{invocation_id}", tags=["invoke"], response_model=None,
+                responses={200: reply(InvocationRecord, "Cancelled: the invocation's record"), **errors(404, 409)})
+    async def cancel_invocation(invocation_id: str, who: ApiKeyRecord = Depends(caller)) -> Response:
         """Cancel one of the caller's queued or running asynchronous invocations: its generation stops, and its record
         ends `cancelled` (`error_code` `invocation_cancelled`; what it produced until then is charged). Another
         tenant's invocation is not found (404); one that already ended is a 409 `invocation_finished`."""
-        return msgspec.to_builtins(await service.cancel_invocation(who, invocation_id))
+        return encoded(await service.cancel_invocation(who, invocation_id))
 
-    @app.get("/v1/usage", tags=["usage"], responses={200: {"model": UsageSummary}, **errors()})
+    @app.get("/v1/usage", tags=["usage"], response_model=None,
+             responses={200: reply(UsageReport, "Usage sums per group and in total"), **errors()})
     async def usage_summary(
         since: UnixSeconds | datetime | None = Query(
             None, description="From this time on: unix seconds or ISO 8601 (UTC if no zone)"),
@@ -194,30 +220,37 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
             None, description="Before this time (exclusive): unix seconds or ISO 8601 (UTC if no zone)"),
         group_by: Literal["function", "tenant"] = Query("function", description="Sum per function or per tenant"),
         who: ApiKeyRecord = Depends(caller),
-    ) -> dict:
+    ) -> Response:
         """Invocations, tokens, device-seconds and memory GB-seconds charged (docs/platform.md, "Usage"): the
         caller's tenant only, every tenant's with the admin key."""
-        return await service.usage_summary(who, since, until, group_by)
+        return encoded(await service.usage_summary(who, since, until, group_by))
 
-    @app.post("/v1/keys", status_code=201, tags=["keys"], responses=errors(403))
-    async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> dict:
+    @app.post("/v1/keys", status_code=201, tags=["keys"], response_model=None,
+              responses={201: reply(KeyCreated, "The new key (shown only now)"), **errors(403)})
+    async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         _require_admin(who)
         key = await asyncio.to_thread(create_key, service.store, body.tenant)
-        return {"tenant": body.tenant, "key_id": key_id_of(key), "key": key}
+        key_id = key_id_of(key)
+        if key_id is None:  # create_key makes lf_<key_id>_<secret> keys
+            raise ServerError("the new key has no id")
+        return encoded(KeyCreated(tenant=body.tenant, key_id=key_id, key=key), status_code=201)
 
-    @app.get("/v1/keys", tags=["keys"], responses=errors(403))
-    async def list_keys(who: ApiKeyRecord = Depends(caller)) -> dict:
+    @app.get("/v1/keys", tags=["keys"], response_model=None,
+             responses={200: reply(KeyList, "Every key (never the key itself)"), **errors(403)})
+    async def list_keys(who: ApiKeyRecord = Depends(caller)) -> Response:
         _require_admin(who)
-        return {"keys": [{"key_id": k.key_id, "tenant": k.tenant, "is_admin": k.is_admin, "created_at": k.created_at,
-                          "last_used_at": k.last_used_at} for k in await asyncio.to_thread(service.store.list_keys)]}
+        return encoded(KeyList(keys=[KeyInfo(key_id=k.key_id, tenant=k.tenant, is_admin=k.is_admin,
+                                             created_at=k.created_at, last_used_at=k.last_used_at)
+                                     for k in await asyncio.to_thread(service.store.list_keys)]))
 
-    @app.delete("/v1/keys/{key_id}", tags=["keys"], responses=errors(403, 404))
-    async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> dict:
+    @app.delete("/v1/keys/{key_id}", tags=["keys"], response_model=None,
+                responses={200: reply(KeyRevoked, "Revoked"), **errors(403, 404)})
+    async def revoke_tenant_key(key_id: str, who: ApiKeyRecord = Depends(caller)) -> Response:
         """Revoke a tenant's key: its next request is a 401, and its invocations in flight (streams, synchronous and
         queued or running asynchronous ones) are cancelled with `key_revoked`."""
         _require_admin(who)
         record = await service.revoke_key(key_id)
-        return {"revoked": record.key_id, "tenant": record.tenant}
+        return encoded(KeyRevoked(revoked=record.key_id, tenant=record.tenant))
 
     from lorafaas.platform.gateway.openai_api import openai_router
     from lorafaas.platform.gateway.responses_api import responses_router
@@ -227,13 +260,12 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
     return app
 
 
-async def _collect(events: InvocationEvents, name: str) -> dict:
+async def _collect(events: InvocationEvents, name: str) -> InvokeResult:
     async for event in events:
         if isinstance(event, m.Finished):
-            return {"function": name, "invocation_id": event.request_id, "text": event.text,
-                    "finish_reason": event.finish_reason,
-                    "usage": usage(event),
-                    "timings": {"ttft_s": round(events.ttft_s, 4), "e2e_s": round(event.e2e_s, 4)}}
+            return InvokeResult(function=name, invocation_id=event.request_id, text=event.text,
+                                finish_reason=event.finish_reason, usage=Usage(**usage(event)),
+                                timings=Timings(ttft_s=round(events.ttft_s, 4), e2e_s=round(event.e2e_s, 4)))
     raise LorafaasError("the instance ended the request without a result")
 
 

@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_reply import ChoicesReply
 from lorafaas.platform.gateway.openai_schemas import ChatBody, CompletionBody, OpenAIBody, Prompt
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
+from lorafaas.platform.gateway.responses import ChatCompletion, Completion, Model, ModelList, converted, encoded, reply
 from lorafaas.platform.gateway.schemas import make_request
 from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, start_invocation
 from lorafaas.platform.gateway.tools import tools_to_render
@@ -30,9 +31,14 @@ from lorafaas.platform.state.records import ApiKeyRecord, ChatMessage, FunctionS
 CHAT_DEFAULT_MAX_TOKENS = 512
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
-OPENAI_RESPONSES: dict[int | str, dict] = {
-    200: {"description": "A (chat) completion, or with `stream: true` its chunks as server-sent events ending [DONE]",
-          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
+CHAT_RESPONSES: dict[int | str, dict] = {
+    200: reply(ChatCompletion, "A chat completion, or with `stream: true` its chunks as server-sent events ending "
+               "[DONE]", **SSE),
+    **errors(400, 404, 504),
+}
+COMPLETION_RESPONSES: dict[int | str, dict] = {
+    200: reply(Completion, "A completion, or with `stream: true` its chunks as server-sent events ending [DONE]",
+               **SSE),
     **errors(400, 404, 504),
 }
 
@@ -56,22 +62,24 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             raise failures[0]
         choices = [outcome for outcome in started if isinstance(outcome, InvocationEvents)]  # (all of them now)
         num_logprobs = body.num_logprobs()
-        reply = ChoicesReply(body.model, chat, service, n=n, echoes=echoes,
+        answer = ChoicesReply(body.model, chat, service, n=n, echoes=echoes,
                              logprobs=None if num_logprobs is None
                              else (num_logprobs, bool(body.return_tokens_as_token_ids)))
         if body.stream:
-            return StreamingResponse(reply.stream(choices, body.include_usage), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(choices))
+            return StreamingResponse(answer.stream(choices, body.include_usage), media_type="text/event-stream")
+        return converted(await answer.whole(choices), ChatCompletion if chat else Completion)
 
-    @router.get("/v1/models", responses=errors())
-    async def models(who: ApiKeyRecord = Depends(caller)) -> dict:
-        return {"object": "list", "data": [_model(spec) for spec in await service.list(who)]}
+    @router.get("/v1/models", response_model=None,
+                responses={200: reply(ModelList, "The caller's functions as models"), **errors()})
+    async def models(who: ApiKeyRecord = Depends(caller)) -> Response:
+        return encoded(ModelList(object="list", data=[_model(spec) for spec in await service.list(who)]))
 
-    @router.get("/v1/models/{name}", responses=errors(404))
-    async def model(name: str, who: ApiKeyRecord = Depends(caller)) -> dict:
-        return _model(await service.aget(who, name))
+    @router.get("/v1/models/{name}", response_model=None,
+                responses={200: reply(Model, "The function as a model"), **errors(404)})
+    async def model(name: str, who: ApiKeyRecord = Depends(caller)) -> Response:
+        return encoded(_model(await service.aget(who, name)))
 
-    @router.post("/v1/chat/completions", responses=OPENAI_RESPONSES)
+    @router.post("/v1/chat/completions", responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         body.check()
         messages = body.records()
@@ -86,7 +94,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             requests = _choices(body, spec, [messages], max_tokens, requested is not None, tools)
         return await respond(body, requests, chat=True, who=who)
 
-    @router.post("/v1/completions", responses=OPENAI_RESPONSES)
+    @router.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         prompts = body.prompts()
         body.check(num_prompts=len(prompts))
@@ -126,6 +134,6 @@ def _request(body: OpenAIBody, prompt: Prompt | list[ChatMessage], max_tokens: i
     return msgspec.structs.replace(request, prompt_token_ids=token_ids, ignore_eos=bool(body.ignore_eos))
 
 
-def _model(spec: FunctionSpec) -> dict:
-    return {"id": spec.name, "object": "model", "created": int(spec.created_at), "owned_by": spec.tenant}
+def _model(spec: FunctionSpec) -> Model:
+    return Model(id=spec.name, object="model", created=int(spec.created_at), owned_by=spec.tenant)
 

@@ -1,5 +1,6 @@
 """What /openapi.json says beyond the routes' own signatures: the error body every failure has, which statuses each
-route answers, the bearer-key scheme, the async (202) and streaming (SSE) answers of invoke, /metrics as text.
+route answers, the bearer-key scheme, the async (202) and streaming (SSE) answers of invoke, /metrics as text (the
+2xx JSON bodies are the structs of `responses`).
 
 The gateway's tests run schemathesis with every check against this document, so it must describe the API as served.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, Field
+
+from lorafaas.platform.gateway.responses import Accepted, InvokeResult, reply
 
 # `auto_error=False`: the scheme is documented; a missing or bad key is still answered by auth.authenticate (401
 # with the usual error body), not by FastAPI's own 403.
@@ -23,36 +26,6 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
-
-
-class AsyncAccepted(BaseModel):
-    invocation_id: str
-    status: str
-    location: str
-
-
-class UsageTotals(BaseModel):
-    tenant: str | None = Field(None, description="absent in `total`")
-    function: str | None = Field(None, description="with group_by=function; absent in `total`")
-    invocations: int = Field(description="finished invocations (keep-alive records not counted)")
-    cold_starts: int = Field(description="invocations that waited for an instance to start")
-    prompt_tokens: int
-    completion_tokens: int
-    device_s: float = Field(description="the invocations' shares of their devices while they ran")
-    memory_active_gb_s: float = Field(description="(backbone copy + adapter) bytes x device_s, in GB-s")
-    memory_idle_gb_s: float = Field(description="pre-loaded artifacts x keep-alive time, in GB-s")
-    memory_gb_s: float
-    keep_alive_s: float
-    queue_s: float
-    e2e_s: float
-
-
-class UsageSummary(BaseModel):
-    since: float | None = Field(description="the lower bound as unix seconds (inclusive), or null")
-    until: float | None = Field(description="the upper bound as unix seconds (exclusive), or null")
-    group_by: str
-    groups: list[UsageTotals]
-    total: UsageTotals
 
 
 STATUS_MEANINGS = {
@@ -82,13 +55,18 @@ def errors(*statuses: int) -> dict[int | str, dict]:
 # text that is not JSON, is a 422 naming it). Empty is no document: the schema says minLength 1.
 SPEC_AS_JSON = {"contentMediaType": "application/json"}
 
-SSE = {"text/event-stream": {"schema": {"type": "string",
-                                        "description": "server-sent events: `data: {json}` lines"}}}
+# A stream's schema is one event's (as OpenAPI 3.2's itemSchema, and as schemathesis checks each event): its `data` a
+# JSON document (or `[DONE]`, an OpenAI stream's end), `event` its kind where it is named.
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "description": "a server-sent event: `data: {json}`, after `event: KIND` where named",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+    "required": ["data"]}}}
 
 INVOKE_RESPONSES: dict[int | str, dict] = {
-    200: {"description": "The result as JSON, or with `stream: true` a stream of server-sent events",
-          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
-    202: {"model": AsyncAccepted, "description": "Accepted (`Prefer: respond-async` or `?mode=async`): poll Location",
+    200: reply(InvokeResult, "The result as JSON, or with `stream: true` a stream of server-sent events: `token` "
+               "events then `done` (an error after the headers: `error`)", **SSE),
+    202: {**reply(Accepted, "Accepted (`Prefer: respond-async` or `?mode=async`): poll Location"),
           "headers": {"Location": {"schema": {"type": "string"}, "description": "/v1/invocations/{id}"}}},
     **errors(404, 504),
 }

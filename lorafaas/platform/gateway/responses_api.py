@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lorafaas.errors import LorafaasError, ServerError
@@ -29,7 +29,8 @@ from lorafaas.platform.gateway.metrics import GatewayMetrics
 from lorafaas.platform.gateway.openai_reply import finished_event
 from lorafaas.platform.gateway.openai_schemas import refuse_unsupported
 from lorafaas.platform.gateway.openapi_docs import SSE, errors
-from lorafaas.platform.gateway.schemas import make_request
+from lorafaas.platform.gateway.responses import ResponseObject, converted, reply
+from lorafaas.platform.gateway.schemas import NoBoolNumbers, make_request
 from lorafaas.platform.gateway.streaming import InvocationEvents, counted_refusals, error_body, sse, start_invocation
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord, ChatMessage
@@ -46,8 +47,7 @@ _OFF_VALUES: dict[str, tuple] = {
 }
 
 RESPONSES_RESPONSES: dict[int | str, dict] = {
-    200: {"description": "A response object, or with `stream: true` its events as server-sent events",
-          "content": {"application/json": {"schema": {"type": "object"}}, **SSE}},
+    200: reply(ResponseObject, "A response object, or with `stream: true` its events as server-sent events", **SSE),
     **errors(400, 404, 504),
 }
 
@@ -69,7 +69,7 @@ class InputMessage(BaseModel):
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(NoBoolNumbers):
     # Fields beyond these are read (refuse_unsupported), not ignored.
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     model: str
@@ -104,10 +104,10 @@ def responses_router(service: FunctionService, metrics: GatewayMetrics,
                                    1.0 if body.top_p is None else body.top_p, None, None,
                                    max_tokens_exact=body.max_output_tokens is not None).check(spec.max_tokens_limit)
         events = await start_invocation(service, metrics, who, body.model, request)
-        reply = _Response(body, max_tokens, service)
+        answer = _Response(body, max_tokens, service)
         if body.stream:
-            return StreamingResponse(reply.stream(events), media_type="text/event-stream")
-        return JSONResponse(await reply.whole(events))
+            return StreamingResponse(answer.stream(events), media_type="text/event-stream")
+        return converted(await answer.whole(events), ResponseObject)
 
     return router
 

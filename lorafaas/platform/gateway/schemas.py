@@ -6,7 +6,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import NAME_PATTERN
@@ -66,7 +66,24 @@ class ResponseFormatIn(BaseModel):
                               schema=None if schema.schema_ is None else json.dumps(schema.schema_))
 
 
-class SamplerFields(BaseModel):
+class NoBoolNumbers(BaseModel):
+    """Its number fields (and a mapping's numbers) refuse booleans: pydantic's lax int and float read false as 0, the
+    schema says number (and schemathesis's negative data sends them)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = str(cls.model_fields[info.field_name].annotation) if info.field_name is not None else "bool"
+        if "bool" in annotation:
+            return value
+        # a mapping of numbers (logit_bias) too; a nested model (stream_options, response_format) checks its own
+        values = value.values() if isinstance(value, dict) and "dict[" in annotation else (value,)
+        if any(isinstance(v, bool) for v in values):
+            raise ValueError("a boolean is not a valid value here")
+        return value
+
+
+class SamplerFields(NoBoolNumbers):
     """vLLM's sampling parameters beyond temperature/top_p/seed (null or absent: off), and structured output
     (response_format). Their semantics are vLLM's; see `lorafaas.function_runtime.sampling.next_token` and
     docs/platform.md."""
