@@ -273,6 +273,7 @@ class BasePassExecutor:
 
     def _refuse(self, member: Member, why: str) -> None:
         self.stats.refused += 1
+        self.policy.refused(member.pid, time.monotonic())  # its next connections are closed at accept, for a while
         log.warning("base pass: refused pid %d: %s", member.pid, why)
         member.reply_frame(bp.BasePassWelcome(accepted=False, message=why))
         self._drop(member, None)

@@ -22,8 +22,9 @@ Rules (each with a unit test, tests/unit/test_round_policy.py):
   a bucket that fills at `alone_share` seconds a second up to `alone_burst_s`. A member whose bucket is empty waits
   (its call is deferred, others go on); one whose continuations of one group in one pass exceed
   `max_rows_per_group` rows is evicted.
-- An evicted member's process is not admitted again for `ban_s` (doubling with each eviction): hung up on, it
-  cannot rejoin in a loop (each hello costs the executor a lease check and a mapping).
+- An evicted member's process, or one whose hello was refused, is not admitted again for `ban_s` (doubling with each
+  strike): hung up on or refused, it cannot rejoin in a loop (each hello costs the executor thread a lease check, its
+  decoding and a mapping; a process looping write-sealed or forged hellos took it from every member's rounds).
 - Nothing one member does changes another's state: eviction, penalty and deferral are per member; a round is never
   dropped because of one member.
 """
@@ -137,6 +138,10 @@ class RoundPolicy:
         until, _ = self._banned.get(peer, (0.0, 0))
         return now >= until
 
+    def refused(self, peer: int, now: float) -> None:
+        """Process `peer`'s hello was refused: a strike, as an eviction is."""
+        self._strike(peer, now)
+
     def join(self, member: int, now: float, peer: int = 0) -> None:
         self._members[member] = _State(budget_s=self.config.alone_burst_s, budget_at=now, peer=peer)
 
@@ -242,7 +247,9 @@ class RoundPolicy:
         self.stats.evicted += 1
         self._queued.append(Evict(member, why))
         self._members[member].evicted = True
-        peer = self._members[member].peer
+        self._strike(self._members[member].peer, now)
+
+    def _strike(self, peer: int, now: float) -> None:
         _, strikes = self._banned.get(peer, (0.0, 0))
         self._banned[peer] = (now + self.config.ban_s * 2 ** min(strikes, 10), strikes + 1)
 

@@ -342,9 +342,24 @@ def test_a_hello_the_backbone_does_not_fit_is_refused(segment, executor, change:
     assert sock.recv(1) == b""  # and hung up on
 
 
-def test_a_hello_whose_groups_are_not_the_backbones_is_refused_alone_even_first(segment, executor) -> None:
+def test_a_hello_whose_groups_are_not_the_backbones_is_refused_alone_even_first(segment, tmp_path: Path) -> None:
     """The groups are the daemon's, derived from the backbone: a bogus first hello (one group of the backbone's
-    real weights) is refused and decides nothing; honest members join after it, and while it is connected."""
+    real weights) is refused and decides nothing; honest members join after it, and while it is connected. (Every
+    member here is this process: the ban a refused hello earns its process is off, `ban_s` 0.)"""
+    export, _ = segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    executor = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(segment)),
+                                lambda pid: pid == os.getpid(), threads=1, hold_s=0.5, deadline_s=0.2,
+                                round_config={"ban_s": 0.0})
+    executor.start()
+    try:
+        _bogus_first(segment, executor)
+    finally:
+        executor.stop()
+        attachment.close()
+
+
+def _bogus_first(segment, executor) -> None:
     bogus = RawMember(str(executor.path), groups_of(segment)[:1])
     welcome = bogus.welcome()
     assert not welcome.accepted and "groups" in welcome.message
@@ -357,6 +372,19 @@ def test_a_hello_whose_groups_are_not_the_backbones_is_refused_alone_even_first(
     bogus.close()
     honest.close()
     other.close()
+
+
+def test_a_process_whose_hello_was_refused_is_closed_at_accept_for_a_while(segment, executor) -> None:
+    """Looping bad hellos costs the executor thread only an accept: no lease check, no decode, no map."""
+    bogus = RawMember(str(executor.path), groups_of(segment)[:1])
+    assert not bogus.welcome().accepted
+    bogus.close()
+    again = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    again.settimeout(10)
+    again.connect(str(executor.path))
+    assert again.recv(1) == b""  # closed at accept, before a byte of a hello is read
+    again.close()
+    assert executor.stats.refused == 2
 
 
 @pytest.mark.parametrize("call", [(10_000, 1, 0), (0, 5, 0), (0, 0, 0), (0, -1, 0)])
@@ -480,7 +508,8 @@ def test_a_refused_hello_makes_no_packed_copy(bf16_segment, tmp_path: Path) -> N
     export, _ = bf16_segment
     attachment = cuda_ipc.attach(export.manifest, export.fd)
     running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
-                               lambda pid: pid == os.getpid(), threads=2)
+                               lambda pid: pid == os.getpid(), threads=2,
+                               round_config={"ban_s": 0.0})  # both hellos are this process's
     running.start()
     try:
         packings = []

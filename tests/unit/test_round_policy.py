@@ -270,6 +270,17 @@ def test_an_evicted_process_is_not_admitted_again_for_a_doubling_while() -> None
     assert not p.admits(100, 20.0 + 2 * CONFIG.ban_s - 0.1) and p.admits(100, 20.0 + 2 * CONFIG.ban_s)
 
 
+def test_a_process_whose_hello_was_refused_is_not_admitted_again_for_a_doubling_while() -> None:
+    """A process looping bad hellos (write-sealed buffers, forged groups) cost the executor thread a lease check, a
+    decode and a failed map each, hundreds a second, taken from every member's rounds (bench hostile, attack 2)."""
+    p = RoundPolicy(GROUPS, FIRST_TAIL, CONFIG)
+    p.refused(100, 1.0)
+    assert not p.admits(100, 1.0 + CONFIG.ban_s - 0.1) and p.admits(100, 1.0 + CONFIG.ban_s)
+    assert p.admits(200, 1.0)  # another process: untouched
+    p.refused(100, 20.0)
+    assert not p.admits(100, 20.0 + 2 * CONFIG.ban_s - 0.1) and p.admits(100, 20.0 + 2 * CONFIG.ban_s)
+
+
 def test_calls_after_an_eviction_count_for_nothing() -> None:
     p = policy()
     p.receive(1, GROUPS - 1, 1, 0, 0.0)
