@@ -31,6 +31,7 @@ from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.protocols.daemon_config import DaemonConfig
+from lorafaas.testing.child_process import stderr_tail
 
 SAMPLE_TIMEOUT_S = 600.0
 
@@ -107,12 +108,12 @@ def sample_processes(runs: list[list[str]]) -> list[BenchSample]:
                 assert process.stdout is not None  # (a pipe: asked for above)
                 if process.stdout.readline().strip() != b"ready":
                     raise ServerError(f"bench process `{args[0]}` exited with {process.wait()} before it was ready: "
-                                      f"{_tail(err)}")
+                                      f"{stderr_tail(err)}")
             samples = []
             for args, process, err in zip(runs, processes, errors, strict=True):
                 out, _ = process.communicate(b"go\n", timeout=SAMPLE_TIMEOUT_S)
                 if process.returncode != 0:
-                    raise ServerError(f"bench process `{args[0]}` exited with {process.returncode}: {_tail(err)}")
+                    raise ServerError(f"bench process `{args[0]}` exited with {process.returncode}: {stderr_tail(err)}")
                 samples.append(msgspec.json.decode(out.strip().splitlines()[-1], type=BenchSample))
             return samples
         finally:
@@ -121,10 +122,6 @@ def sample_processes(runs: list[list[str]]) -> list[BenchSample]:
                     process.kill()
                     process.wait()
 
-
-def _tail(err) -> str:
-    err.seek(0)
-    return err.read().decode(errors="replace")[-1500:]
 
 
 # --- the fresh processes

@@ -56,6 +56,7 @@ from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.protocols.daemon_client import DaemonClient, wait_until_ready
 from lorafaas.protocols.daemon_config import DaemonPaths
+from lorafaas.testing.child_process import stderr_tail, stop_child
 
 ATTACKS = ("lm-head-flood", "sealed-buffer", "idle-active", "bogus-groups", "proc-fd")  # findings 1-5
 ATTACK_PAUSE_S = 0.005
@@ -190,12 +191,7 @@ def _daemon(home: Path, backbone: str):
             raise ServerError(f"the backbone daemon did not start: {log.read_text()[-1500:]}") from exc
         yield paths, log
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process, 30)
 
 
 class _Bench:
@@ -216,7 +212,7 @@ class _Bench:
                     line = probe.stdout.readline()  # type: ignore[union-attr]
                     if not line or not json.loads(line).get("ready"):
                         raise ServerError(f"an honest member exited with {probe.wait()} before it was ready: "
-                                          f"{_tail(err)}")
+                                          f"{stderr_tail(err)}")
                 for probe in probes:
                     probe.stdin.write("go\n")  # type: ignore[union-attr]
                     probe.stdin.flush()  # type: ignore[union-attr]
@@ -224,7 +220,7 @@ class _Bench:
                 for probe, err in zip(probes, errors, strict=True):
                     line = probe.stdout.readline()  # type: ignore[union-attr]
                     if not line:
-                        raise ServerError(f"an honest member exited with {probe.wait()}: {_tail(err)}")
+                        raise ServerError(f"an honest member exited with {probe.wait()}: {stderr_tail(err)}")
                     reports.append(json.loads(line) | {"pid": probe.pid})
                 return reports
             finally:
@@ -304,10 +300,6 @@ def _outcome(attack: str, c: dict, evicted: bool, served: int) -> str:
             f"the dumpable control: {c['control_opened']} opened")
 
 
-def _tail(err) -> str:
-    err.seek(0)
-    return err.read().decode(errors="replace")[-1500:]
-
 
 class _Attacker:
     """The attacker process: started, set going (its attack under way) before the honest members start, stopped
@@ -351,7 +343,7 @@ class _Attacker:
         line = self.process.stdout.readline().strip()  # type: ignore[union-attr]
         if line != word:
             raise ServerError(f"the {self.attack} attacker said {line!r}, exited {self.process.poll()}: "
-                              f"{_tail(self.err)}")
+                              f"{stderr_tail(self.err)}")
 
     def __exit__(self, *exc_info) -> None:
         try:
@@ -361,7 +353,7 @@ class _Attacker:
                 out, _ = self.process.communicate("stop\n", timeout=120)
                 if self.process.returncode != 0:
                     raise ServerError(f"the {self.attack} attacker exited {self.process.returncode}: "
-                                      f"{_tail(self.err)}")
+                                      f"{stderr_tail(self.err)}")
                 self.counters = json.loads(out.strip().splitlines()[-1])
         finally:
             self._stop()

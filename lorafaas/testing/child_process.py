@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from typing import IO
 
 
 def stop_child(process: subprocess.Popen, timeout_s: float = 10.0) -> int:
@@ -14,3 +15,9 @@ def stop_child(process: subprocess.Popen, timeout_s: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             process.kill()
     return process.wait()
+
+
+def stderr_tail(err: IO[bytes], nbytes: int = 1500) -> str:
+    """The last `nbytes` a child wrote to `err`, a file it was given for stderr (a pipe could fill and block it)."""
+    err.seek(0)
+    return err.read().decode(errors="replace")[-nbytes:]

@@ -19,6 +19,7 @@ from lorafaas.protocols import base_pass as bp
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon
 from lorafaas.protocols.daemon_config import DaemonConfig, DaemonPaths
 from lorafaas.testing.base_pass_member import RawMember
+from lorafaas.testing.child_process import stop_child
 
 PROMPTS = ([1, 5, 9, 13, 17, 21, 3, 7], [2, 4, 6, 8, 10, 12])
 STEPS = 12
@@ -33,12 +34,7 @@ def daemon(tmp_path_factory, tiny_dense_dir):
         process = spawn_daemon(config, timeout_s=120, stderr=log)
     paths = DaemonPaths.of(home, "tiny-dense", "cpu")
     yield paths, home / "daemon.log"
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_child(process, 30)
 
 
 def members(paths: DaemonPaths, alone: bool) -> list[dict]:

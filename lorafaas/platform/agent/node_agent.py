@@ -34,7 +34,7 @@ from lorafaas.platform.agent.config import REQUEST_STAGES, AgentConfig, same_wor
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.agent.instances import Instances
 from lorafaas.platform.agent.observations import observe_prefill
-from lorafaas.platform.agent.retirement import keep_alive_s, retirements
+from lorafaas.platform.agent.retirement import retirements
 from lorafaas.platform.agent.views import describe_function
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers
@@ -115,14 +115,13 @@ class NodeAgent:
                                                         for s in self.functions.values()):
             self._spawn(self.instances.prepare_backbone(spec.backbone))
         state = self.functions.get(spec.name)
-        previous = state.spec if state is not None else None
-        if state is None or previous is None or previous.uid != spec.uid:
+        if state is None or not state.owns(spec.uid):
             self.functions[spec.name] = FunctionState(spec)  # a new deployment: a record of its own
-            if previous is not None:  # under a name in use: the old deployment goes
-                self._forget(previous)
-                self._drain_deployment(previous, f"function {spec.name} was deployed again")
+            if state is not None:  # under a name in use: the old deployment goes
+                self._forget(state.spec)
+                self._drain_deployment(state.spec, f"function {spec.name} was deployed again")
         else:
-            state.spec = spec
+            previous, state.spec = state.spec, spec
             if previous.version != spec.version:
                 if same_worker(previous, spec):
                     moved = self.table.relabel(Identity.of(previous), Identity.of(spec))
@@ -132,9 +131,6 @@ class NodeAgent:
                 else:
                     self._spawn(self._roll(previous, spec))
         self._spawn(self._reconcile(spec.name))
-
-    async def prepare_backbone(self, backbone: str, device: str | None = None) -> None:
-        await self.instances.prepare_backbone(backbone, device)
 
     async def remove(self, name: str) -> None:
         """Delete a function: its queued requests fail at once, a start in progress stops, nothing new starts or is
@@ -380,9 +376,6 @@ class NodeAgent:
         """The idle instances of `spec` to stop now (retirement.py)."""
         return retirements(self.functions[spec.name], self.table, self.scheduler, self.config,
                            self.admission.queued(spec.name), self.clock())
-
-    def keep_alive_s(self, spec: FunctionSpec) -> float:
-        return keep_alive_s(spec, self.scheduler, self.config)
 
     async def _roll(self, previous: FunctionSpec, spec: FunctionSpec) -> None:
         """A new adapter (or LoRA mode): the new version's instance is ready before the old ones drain. Instances
