@@ -26,13 +26,7 @@ app = typer.Typer(help="Asynchronous invocations (`lorafaas invoke --async`): ge
 def get(ctx: typer.Context, invocation_id: str, url: str | None = URL, as_json: bool = JSON) -> None:
     """Show an invocation: its status, and its result or error once it ended (kept one hour)."""
     with client_for(ctx, url) as client:
-        record = client.invocation(invocation_id)
-    if as_json:
-        print_json(record)
-        return
-    err_console.print(_summary(record), markup=False, highlight=False)
-    if record["status"] == "succeeded":
-        print_text(record["result_text"])
+        _show(client.invocation(invocation_id), as_json)
 
 
 @app.command("list")
@@ -97,11 +91,17 @@ def cancel(ctx: typer.Context, invocation_id: str, url: str | None = URL, as_jso
     """Cancel one of your queued or running invocations: its generation stops and it ends `cancelled` (exit 2 if it
     does not exist or already ended)."""
     with client_for(ctx, url) as client:
-        record = client.cancel_invocation(invocation_id)
+        _show(client.cancel_invocation(invocation_id), as_json)
+
+
+def _show(record: dict, as_json: bool) -> None:
+    """An invocation record: its JSON, or its summary on stderr and, once it succeeded, its text on stdout."""
     if as_json:
         print_json(record)
         return
     err_console.print(_summary(record), markup=False, highlight=False)
+    if record["status"] == "succeeded":
+        print_text(record["result_text"])
 
 
 def _summary(record: dict) -> str:
