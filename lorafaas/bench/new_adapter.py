@@ -26,7 +26,7 @@ from typing import Literal
 import httpx
 import msgspec
 
-from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request
+from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request, shown_key
 from lorafaas.platform.adapter_upload import pack_adapter
 from lorafaas.progress import ProgressSink, SilentProgress
 
@@ -98,7 +98,8 @@ async def _run(targets: list[NewAdapterTarget], config: NewAdapterConfig, progre
                           median_ttft_s=statistics.median(s.ttft_s for s in mine),
                           median_total_s=statistics.median(s.total_s for s in mine))
         for t in targets if (mine := [s for s in samples if s.kind == t.kind]))
-    return NewAdapterResult(config=config, targets=tuple(targets), samples=tuple(samples), summaries=summaries)
+    shown = msgspec.structs.replace(config, api_key=shown_key(config.api_key))
+    return NewAdapterResult(config=shown, targets=tuple(targets), samples=tuple(samples), summaries=summaries)
 
 
 async def _sample(http: httpx.AsyncClient, target: NewAdapterTarget, config: NewAdapterConfig, archive: bytes,

@@ -172,9 +172,13 @@ async def run_serve_bench_async(targets: Sequence[Target], config: ServeBenchCon
             for target in order:
                 progress.stage(f"{target.label}: concurrency {concurrency}", config.requests)
                 levels.append(await run_level(http, target, concurrency, prompts, config, progress))
-    # results get shared: never the key itself, only whether one was sent
-    shown = msgspec.structs.replace(config, api_key="<redacted>" if config.api_key else None)
+    shown = msgspec.structs.replace(config, api_key=shown_key(config.api_key))
     return ServeBenchResult(config=shown, targets=tuple(targets), levels=tuple(levels))
+
+
+def shown_key(api_key: str | None) -> str | None:
+    """The key as a benchmark's result shows it: results get shared, so never the key, only whether one was sent."""
+    return "<redacted>" if api_key else None
 
 
 def run_serve_bench(targets: Sequence[Target], config: ServeBenchConfig,

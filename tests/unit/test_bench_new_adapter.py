@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
@@ -84,3 +85,17 @@ def test_a_refused_registration_is_an_error_naming_the_server(vllm_like: str, tm
     with pytest.raises(ValueError, match=r"adapter_config\.json"):
         run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
                               NewAdapterConfig(adapter_dir=str(tmp_path / "nowhere"), repeats=1))
+
+
+def test_the_result_never_carries_the_api_key(vllm_like: str, tmp_path: Path) -> None:
+    """Results get pasted into notes and issues: the key is replaced, as `bench serve` does, and only whether one was
+    sent remains (the requests themselves still carried it)."""
+    config = NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=1, output_len=2, settle_s=0.0,
+                              api_key="lf-secret-key-123")
+    result = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)], config)
+    assert result.config.api_key == "<redacted>"
+    assert "lf-secret-key-123" not in msgspec.json.encode(result).decode()
+    unkeyed = run_new_adapter_bench([NewAdapterTarget(kind="vllm", url=vllm_like)],
+                                    NewAdapterConfig(adapter_dir=str(_adapter(tmp_path)), repeats=1, output_len=2,
+                                                     settle_s=0.0))
+    assert unkeyed.config.api_key is None
