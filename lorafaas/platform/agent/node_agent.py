@@ -28,7 +28,7 @@ from typing import Any
 from lorafaas.errors import FunctionNotFound, InstanceHung, InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.admission import Admission
-from lorafaas.platform.agent.admission_view import build_admission_view
+from lorafaas.platform.agent.admission_view import admission_view_of
 from lorafaas.platform.agent.artifacts import ArtifactPlanner
 from lorafaas.platform.agent.config import REQUEST_STAGES, AgentConfig, same_worker
 from lorafaas.platform.agent.function_state import FunctionState
@@ -294,9 +294,9 @@ class NodeAgent:
         """The function as the admission policy sees it (admission_view.py)."""
         state = self.functions.get(spec.name)
         current = state is not None and state.spec == spec
-        order = self._start_order(spec)
-        return build_admission_view(self.config, self.table, self.scheduler, self.compute_turns, spec, queue_length,
-                                    current, order, state.last_scale_out_s if state else None, self.clock())
+        return admission_view_of(self.config, self.table, self.scheduler, self.compute_turns, spec, queue_length,
+                                 current, lambda: self._start_order(spec),
+                                 state.last_scale_out_s if state else None, self.clock())
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
         """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many
