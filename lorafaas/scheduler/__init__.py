@@ -14,6 +14,7 @@ from lorafaas.scheduler.admission import (
     needs_start_options,
     worth_offering,
 )
+from lorafaas.scheduler.admission_view import AdmissionSettings, ComputeWait, StartOptions, build_admission_view
 from lorafaas.scheduler.batching import (
     BatchDecision,
     BatchPolicy,
@@ -51,6 +52,7 @@ from lorafaas.scheduler.scheduler import Scheduler
 __all__ = [
     "SHARED_PASS",
     "AdmissionDecision",
+    "AdmissionSettings",
     "AdmissionView",
     "ArtifactCost",
     "ArtifactCosts",
@@ -59,6 +61,7 @@ __all__ = [
     "BatchPolicy",
     "ClusterView",
     "ComputeTurns",
+    "ComputeWait",
     "CoreGrants",
     "DeviceId",
     "DeviceView",
@@ -84,8 +87,10 @@ __all__ = [
     "SchedulerConfig",
     "SlotId",
     "StartOption",
+    "StartOptions",
     "WorkerSlot",
     "batch_memory_bytes",
+    "build_admission_view",
     "can_join",
     "decide_admission",
     "for_device_kind",

@@ -2,8 +2,9 @@
 one that is starting, or wait.
 
 One policy for every executor: the node agent (`lorafaas/platform/agent/`) and the simulator
-(`lorafaas/replay/sim/engine.py`) each describe the function as an `AdmissionView` and carry out the
-`AdmissionDecision`, so a decision seen in simulation is the decision the agent makes.
+(`lorafaas/replay/sim/admission.py`) describe the function through one builder (`admission_view.py`, each handing it
+its own instances' loads and start options) and carry out the `AdmissionDecision`, so a decision seen in simulation
+is the decision the agent makes.
 
 The rule, in order:
 1. An instance that is ready and holds fewer than min(B, worker capacity) requests takes up to that many (least

@@ -14,6 +14,7 @@ import math
 from collections.abc import Hashable
 
 from lorafaas.scheduler.admission import AdmissionDecision
+from lorafaas.scheduler.admission_view import ComputeWait
 
 
 class ComputeTurns:
@@ -46,6 +47,11 @@ class ComputeTurns:
         if key not in self._waiting:
             return others, others
         return others, list(self._waiting).index(key)
+
+    def wait_of(self, key: Hashable, now_s: float) -> ComputeWait:
+        """`key`'s place in the turns, as its admission view carries it."""
+        others, ahead = self.counts(key, now_s)
+        return ComputeWait(others, ahead, self.waited_s(key, now_s))
 
     def waiting(self, now_s: float) -> list[Hashable]:
         self._expire(now_s)

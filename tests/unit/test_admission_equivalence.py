@@ -1,8 +1,9 @@
 """The node agent and the simulator make the same admission decision in the same situation.
 
-Both carry out `lorafaas.scheduler.decide_admission`; what could still differ is how each describes a function's
-queue (which instances count, which are ready, how busy the device is, what B is). Each scenario of the shared table
-is set up in both executors' own state, and the two views and decisions must agree.
+Both describe a function's queue through one builder (`lorafaas.scheduler.build_admission_view`) and carry out
+`lorafaas.scheduler.decide_admission`; what could still differ is what each hands the builder (which instances count,
+which are ready, how busy the device is, what B is, the settings). Each scenario of the shared table is set up in both
+executors' own state, and the two views and decisions must agree.
 """
 
 from dataclasses import dataclass, replace
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from lorafaas.platform.agent import AgentConfig, NodeAgent
+from lorafaas.platform.agent.admission_view import admission_settings
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
@@ -150,3 +152,14 @@ def test_the_table_covers_every_kind_of_decision() -> None:
     assert seen == {"dispatch", "start", "await_start", "wait"}
     assert {"room", "join", "first_instance", "scale_out", "cold_start", "max_instances", "no_compute",
             "yield"} <= reasons
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_both_executors_hand_the_shared_builder_the_same_settings(strict: bool) -> None:
+    """The agent and the simulator describe a function through `lorafaas.scheduler.build_admission_view`; what they
+    add of their own is its settings (from the agent's config, from the cluster and the policy), and those agree."""
+    config = AgentConfig(max_batch_size=FULL, strict_compute=strict, scheduler=SchedulerConfig(max_batch_size=FULL))
+    cluster = replace(load_cluster("local"), strict_compute=strict)
+    sim = Simulator(cluster, POLICIES["lorafaas"], Workload((Request(0.0, "t", "fn", 10, 2),), 1.0))
+    assert admission_settings(config) == sim.admission.settings
+    assert admission_settings(config).strict_compute is strict

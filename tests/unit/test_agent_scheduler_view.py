@@ -1,66 +1,133 @@
-"""The node agent's view for the scheduler (`ArtifactPlanner.profile`) against a real adapter store: a function whose
-adapter was just deleted (its function deleted or replaced; the store drops the adapter before the agent drops the
-spec) must not make the view fail, since the view is built for other functions' requests too. Found by the random
-lifecycle test: another tenant's call got 404 adapter_not_found."""
+"""The node agent's view for the scheduler (`ArtifactPlanner.view`) against a real adapter store and model store.
+
+The artifacts' sizes come from the agent's catalogue, read when a function is applied: building the view (every plan
+tick, every offload decision) reads no adapter file. So a function whose adapter was just deleted (its function
+deleted or replaced; the store drops the adapter before the agent drops the spec) cannot make the view fail (found by
+the random lifecycle test: another tenant's call got 404 adapter_not_found), a redeploy of another adapter updates the
+size, and a removed function leaves nothing of it behind.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_store import AdapterStore
-from lorafaas.platform.agent import AgentConfig
+from lorafaas.platform.agent import AgentConfig, NodeAgent
 from lorafaas.platform.agent.artifacts import ArtifactPlanner
-from lorafaas.platform.agent.function_state import FunctionState
+from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.instance_table import InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
-from lorafaas.scheduler import Scheduler
+from lorafaas.scheduler import FunctionName, Scheduler, SchedulerConfig
+from lorafaas.testing.tiny_models import save_tiny_adapter
 
 
-def _scheduler(tiny_store: ModelStore, adapters: AdapterStore) -> ArtifactPlanner:
-    launcher = SimpleNamespace(store=tiny_store)
-    instances = SimpleNamespace(library_import_s=None, daemon_start_s={})
-    return ArtifactPlanner(AgentConfig(), InstanceTable(), launcher, Scheduler(), {}, adapters.path,  # type: ignore[arg-type]
-                           instances)  # type: ignore[arg-type]
+class StoreOnlyLauncher:
+    """A backend that runs nothing: what the view reads of one (no daemon, no library pool) and its model store."""
+
+    zygote_pid = None
+    lora_servers = None
+
+    def __init__(self, store: ModelStore) -> None:
+        self.store = store
+
+    def running_backbones(self, device: str | None = None) -> list[str]:
+        return []
+
+    def forget_failures(self, function: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def _spec(digest: str) -> FunctionSpec:
+def _spec(digest: str, version: int = 1) -> FunctionSpec:
     now = time.time()
-    return FunctionSpec(name="f", tenant="t", backbone="tiny-dense", adapter_digest=digest, created_at=now,
-                        updated_at=now)
+    return FunctionSpec(name="f", tenant="t", backbone="tiny-dense", adapter_digest=digest, version=version,
+                        created_at=now, updated_at=now)
 
 
-def test_a_function_whose_adapter_was_just_deleted_does_not_fail_the_view(tiny_store: ModelStore,
-                                                                         tiny_adapter_dir: Path,
-                                                                         tmp_path: Path) -> None:
-    adapters = AdapterStore(tmp_path / "adapters")
-    digest = adapters.put(tiny_adapter_dir, tiny_store, "tiny-dense")
-    scheduler = _scheduler(tiny_store, adapters)
-    stored = scheduler.profile(FunctionState(_spec(digest)), with_instance=True)
-    assert stored.costs.adapter_device.memory_bytes == adapters.size_bytes(digest) - (
-        tiny_adapter_dir / "adapter_config.json").stat().st_size  # the weights' file
-    adapters.delete(digest)
-    gone = scheduler.profile(FunctionState(_spec(digest)), with_instance=True)  # raised AdapterNotFound before
-    assert gone.costs.adapter_device.memory_bytes == 0
-    assert gone.costs.backbone_device == stored.costs.backbone_device  # the rest of its profile stands
+def _weights_bytes(adapters: AdapterStore, digest: str) -> int:
+    return (adapters.path(digest) / "adapter_model.safetensors").stat().st_size
 
 
-def test_kv_bytes_per_token_follow_the_backbones_dtype(tiny_store: ModelStore, tmp_path: Path) -> None:
+@pytest.fixture
+def adapters(tmp_path: Path) -> AdapterStore:
+    return AdapterStore(tmp_path / "adapters")
+
+
+def _agent(tiny_store: ModelStore, adapters: AdapterStore) -> NodeAgent:
+    config = AgentConfig(scheduler=SchedulerConfig(preloading=False))
+    return NodeAgent(StoreOnlyLauncher(tiny_store), adapters.path, config)  # type: ignore[arg-type]
+
+
+def _adapter_in_view(agent: NodeAgent) -> int | None:
+    costs = agent.planner.profile(agent.functions["f"], with_instance=True).costs
+    assert costs.adapter_device is not None
+    return costs.adapter_device.memory_bytes
+
+
+def test_the_view_reads_no_adapter_file_and_follows_redeploys_and_removal(tiny_store: ModelStore,
+                                                                         tiny_adapter_dir: Path, tmp_path: Path,
+                                                                         adapters: AdapterStore) -> None:
+    first = adapters.put(tiny_adapter_dir, tiny_store, "tiny-dense")
+    bigger_dir = save_tiny_adapter(tmp_path / "rank8", tiny_store.path("tiny-dense"), rank=8,
+                                   base_model_name="tiny-dense")
+    second = adapters.put(bigger_dir, tiny_store, "tiny-dense")
+    first_bytes, second_bytes = _weights_bytes(adapters, first), _weights_bytes(adapters, second)
+    assert first_bytes != second_bytes
+    agent = _agent(tiny_store, adapters)
+
+    async def scenario() -> None:
+        agent.apply(_spec(first))
+        adapters.delete(first)  # after apply: the view must not need the file (it reported 0 bytes before)
+        assert _adapter_in_view(agent) == first_bytes
+        assert FunctionName("f") in agent.planner.view().functions  # and building it raises nothing
+        agent.apply(_spec(second, version=2))  # a new adapter under the same deployment: its size is read again
+        assert agent.functions["f"].adapter_bytes == second_bytes
+        assert _adapter_in_view(agent) == second_bytes
+        assert agent.catalogue.known_backbones() == {"tiny-dense"}
+        await agent.remove("f")
+        assert "f" not in agent.functions and agent.planner.view().functions == {}
+        assert agent.catalogue.known_backbones() == frozenset()  # nothing of it is kept
+        await agent.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_already_gone_when_applied_counts_as_zero(tiny_store: ModelStore, adapters: AdapterStore) -> None:
+    agent = _agent(tiny_store, adapters)
+
+    async def scenario() -> None:
+        agent.apply(_spec("0" * 64))  # deleted or replaced before the agent saw it: never another request's error
+        assert _adapter_in_view(agent) == 0
+        assert agent.planner.view().functions[FunctionName("f")].costs.backbone_device.memory_bytes == \
+            tiny_store.get("tiny-dense").bytes  # the rest of its profile stands
+        await agent.stop()
+
+    asyncio.run(scenario())
+
+
+def test_kv_bytes_per_token_follow_the_backbones_dtype(tiny_store: ModelStore, adapters: AdapterStore) -> None:
     """A bf16 backbone's KV cache is half a float32 one's (the figure make_room evicts on was 2x too high for bf16)."""
-    import json
-
     from lorafaas.formats.backbone_dtype import convert_backbone
 
     convert_backbone(tiny_store, "tiny-dense-bf16-kv", "tiny-dense", "bfloat16")
-    scheduler = _scheduler(tiny_store, AdapterStore(tmp_path / "adapters"))
+    instances = SimpleNamespace(library_import_s=None, daemon_start_s={})
+    planner = ArtifactPlanner(AgentConfig(), InstanceTable(), SimpleNamespace(store=tiny_store),  # type: ignore[arg-type]
+                              Scheduler(), {}, ArtifactCatalogue(lambda: tiny_store, adapters.path),
+                              instances)  # type: ignore[arg-type]
     config = json.loads((tiny_store.path("tiny-dense") / "config.json").read_text())
     kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     per_layer_token = 2 * kv_heads * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    float32 = scheduler.kv_bytes_per_token(_spec("x"))
-    bf16 = scheduler.kv_bytes_per_token(msgspec.structs.replace(_spec("x"), backbone="tiny-dense-bf16-kv"))
+    float32 = planner.kv_bytes_per_token(_spec("x"))
+    bf16 = planner.kv_bytes_per_token(msgspec.structs.replace(_spec("x"), backbone="tiny-dense-bf16-kv"))
     assert float32 == per_layer_token * config["num_hidden_layers"] * 4
     assert bf16 == float32 // 2

@@ -132,7 +132,8 @@ def _agent(tmp_path: Path, budgets: dict[str, int], daemons: dict[str, set[str]]
     config = AgentConfig(devices=tuple(Device(d, b) for d, b in budgets.items()), max_batch_size=8,
                          scheduler=SchedulerConfig(max_batch_size=8, preloading=False))
     agent = NodeAgent(launcher, lambda digest: tmp_path / digest, config, clock=lambda: 0.0)  # type: ignore[arg-type]
-    agent.functions.update({spec.name: FunctionState(spec) for spec in specs})
+    agent.functions.update({spec.name: FunctionState(spec, agent.catalogue.adapter_bytes(spec.adapter_digest))
+                            for spec in specs})
     return agent, launcher
 
 

@@ -18,14 +18,13 @@ can be kept resident: no instance is created to pre-load.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
-from lorafaas.errors import AdapterNotFound, LorafaasError
+from lorafaas.errors import LorafaasError
 from lorafaas.function_runtime import messages as m
+from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.agent.config import AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState, OffloadEvent
 from lorafaas.platform.agent.instances import Instances
@@ -60,27 +59,19 @@ POOL_SLOT_BYTES = 1024**4  # host memory is the device's on the CPU: slots are n
 CHARS_PER_TOKEN = 4  # the agent does not tokenize: a prompt's tokens are estimated from its length
 
 
-def compute_dtype_bytes(weight_dtypes: tuple[str, ...]) -> int:
-    """Bytes of one element of the activations and KV cache of a backbone with weights of `weight_dtypes` (safetensors
-    names): a 16-bit float where its matrices are (norms kept in float32 beside them do not change that), else 4."""
-    return 2 if {"BF16", "F16"} & set(weight_dtypes) else 4
-
-
 class ArtifactPlanner:
     """The node's artifacts as the scheduler sees them (`view`) and its plans carried out on the instances: pre-loads
     on the periodic plan, offloads when a batch needs room. Used on the node agent's event loop."""
 
     def __init__(self, config: AgentConfig, table: InstanceTable, launcher: Backend, scheduler: Scheduler,
-                 functions: Mapping[str, FunctionState], adapter_path: Callable[[str], Path],
-                 instances: Instances) -> None:
+                 functions: Mapping[str, FunctionState], catalogue: ArtifactCatalogue, instances: Instances) -> None:
         self.config = config
         self.table = table
         self.launcher = launcher
         self.scheduler = scheduler
         self.functions = functions  # the agent's records, read live
-        self.adapter_path = adapter_path
+        self.catalogue = catalogue  # the artifacts' sizes, read once (no file is read building a view)
         self.instances = instances
-        self._kv_bytes: dict[str, int] = {}
         self._deciding = asyncio.Lock()  # one offloading decision (and its actions) at a time
         self._last_plan_s = -1e9
 
@@ -151,12 +142,8 @@ class ArtifactPlanner:
 
     def profile(self, state: FunctionState, with_instance: bool) -> FunctionProfile:
         spec = state.spec
-        store = self.launcher.store
-        backbone_bytes = store.get(spec.backbone).bytes
-        try:
-            adapter_bytes = _adapter_bytes(self.adapter_path(spec.adapter_digest))
-        except (AdapterNotFound, FileNotFoundError):  # deleted or replaced while this view was built (the store
-            adapter_bytes = 0  # drops the adapter before the agent drops the spec): never another request's error
+        backbone = self.catalogue.backbone(spec.backbone)
+        adapter_bytes = state.adapter_bytes  # read when it was applied
 
         def load_s(kind: str) -> float:
             return state.load_s.get(kind, DEFAULT_LOAD_S[kind])
@@ -165,7 +152,7 @@ class ArtifactPlanner:
         backbone_s = daemon_s + load_s("backbone")
         costs = ArtifactCosts(
             libraries=ArtifactCost(self.instances.library_import_s or DEFAULT_LOAD_S["libraries"], 0),
-            backbone_device=ArtifactCost(backbone_s, backbone_bytes),
+            backbone_device=ArtifactCost(backbone_s, backbone.weight_bytes),
             # adapter and warm-up live in an instance: without one they cannot be pre-loaded
             adapter_host=ArtifactCost(load_s("adapter") / 2, adapter_bytes) if with_instance else None,
             adapter_device=ArtifactCost(load_s("adapter"), adapter_bytes) if with_instance else None,
@@ -173,19 +160,11 @@ class ArtifactPlanner:
         )
         return FunctionProfile(name=FunctionName(spec.name), backbone=BackboneName(spec.backbone),
                                arrival_rate_per_s=0.0, costs=costs,
-                               slo_ttft_s=spec.slo_ttft_ms / 1e3, kv_bytes_per_token=self.kv_bytes_per_token(spec))
+                               slo_ttft_s=spec.slo_ttft_ms / 1e3, kv_bytes_per_token=backbone.kv_bytes_per_token)
 
     def kv_bytes_per_token(self, spec: FunctionSpec) -> int:
         """K and V of every layer for one token, in the dtype the bound backbone computes in (its weights')."""
-        if spec.backbone not in self._kv_bytes:
-            store = self.launcher.store
-            config = json.loads((store.path(spec.backbone) / "config.json").read_text())
-            heads = config.get("num_attention_heads", 1)
-            head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
-            kv_heads = config.get("num_key_value_heads") or heads
-            element = compute_dtype_bytes(store.get(spec.backbone).dtypes)
-            self._kv_bytes[spec.backbone] = 2 * config.get("num_hidden_layers", 1) * kv_heads * head_dim * element
-        return self._kv_bytes[spec.backbone]
+        return self.catalogue.backbone(spec.backbone).kv_bytes_per_token
 
     def request_bytes(self, spec: FunctionSpec, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token(spec)
@@ -266,8 +245,3 @@ class ArtifactPlanner:
         if stage not in instance.loaded and instance.client is not None:
             await instance.client.stage(stage)
             instance.loaded.add(stage)
-
-
-
-def _adapter_bytes(adapter_dir: Path) -> int:
-    return (adapter_dir / "adapter_model.safetensors").stat().st_size

@@ -1,10 +1,10 @@
 """Everything the node agent knows of one deployed function, in one record.
 
 A `FunctionState` is created when a deployment is applied and dropped when it is removed or replaced by a new
-deployment under the same name; every per-function figure the agent keeps (cold starts, failures, admission, the
-artifacts' load times, offloads) lives here, so nothing of a deleted function outlives it: a same-name redeploy,
-maybe by another tenant, starts from an empty record. Work of the old deployment still draining writes into the old
-record, which nobody reads any more.
+deployment under the same name; every per-function figure the agent keeps (cold starts, failures, admission, its
+adapter's size, the artifacts' load times, offloads) lives here, so nothing of a deleted function outlives it: a
+same-name redeploy, maybe by another tenant, starts from an empty record. Work of the old deployment still draining
+writes into the old record, which nobody reads any more.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class OffloadEvent:
 @dataclass
 class FunctionState:
     spec: FunctionSpec  # the current version of the deployment
+    adapter_bytes: int = 0  # its adapter's weights, read when the deployment (or a new adapter) was applied
     last_cold_start: dict[str, float] | None = None  # the steps of its last instance start, in seconds
     last_scale_out_s: float | None = None  # a start beside a running instance: what the next one expects
     cold_starts: dict[str, int] = field(default_factory=dict)  # kind -> count

@@ -28,8 +28,9 @@ from typing import Any
 from lorafaas.errors import FunctionNotFound, InstanceHung, InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.admission import Admission
-from lorafaas.platform.agent.admission_view import build_admission_view
+from lorafaas.platform.agent.admission_view import admission_view_of
 from lorafaas.platform.agent.artifacts import ArtifactPlanner
+from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.agent.config import REQUEST_STAGES, AgentConfig, same_worker
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.agent.instances import Instances
@@ -69,8 +70,9 @@ class NodeAgent:
         self.admission = Admission(self.scheduler, self.clock, self._acquire, self.config.fill_or_expire)
         self.instances = Instances(launcher, self.config, self.table, adapter_path, clock, lora_servers,
                                    self.state_of, self._instance_ready, self._instance_gone, self._spawn)
+        self.catalogue = ArtifactCatalogue(lambda: launcher.store, adapter_path)
         self.planner = ArtifactPlanner(self.config, self.table, launcher, self.scheduler, self.functions,
-                                       adapter_path, self.instances)
+                                       self.catalogue, self.instances)
         self.device_share = DeviceShareClock(self.clock)  # what each request's share of the device is (metering)
         self._tasks: set[asyncio.Task] = set()
         self._reconciler: asyncio.Task | None = None
@@ -116,12 +118,15 @@ class NodeAgent:
             self._spawn(self.instances.prepare_backbone(spec.backbone))
         state = self.functions.get(spec.name)
         if state is None or not state.owns(spec.uid):
-            self.functions[spec.name] = FunctionState(spec)  # a new deployment: a record of its own
+            # a new deployment: a record of its own, with its adapter's size read once, now
+            self.functions[spec.name] = FunctionState(spec, self.catalogue.adapter_bytes(spec.adapter_digest))
             if state is not None:  # under a name in use: the old deployment goes
                 self._forget(state.spec)
                 self._drain_deployment(state.spec, f"function {spec.name} was deployed again")
         else:
             previous, state.spec = state.spec, spec
+            if previous.adapter_digest != spec.adapter_digest:
+                state.adapter_bytes = self.catalogue.adapter_bytes(spec.adapter_digest)
             if previous.version != spec.version:
                 if same_worker(previous, spec):
                     moved = self.table.relabel(Identity.of(previous), Identity.of(spec))
@@ -145,8 +150,9 @@ class NodeAgent:
             await asyncio.to_thread(self.instances.lora_servers.stop, state.spec.backbone)  # its backbone's last
 
     def _forget(self, spec: FunctionSpec) -> None:
-        """What the scheduler and the compute turns learned of a deployment that is gone."""
+        """What the scheduler, the compute turns and the catalogue learned of a deployment that is gone."""
         self.scheduler.forget(FunctionName(spec.name))
+        self.catalogue.retain(s.spec.backbone for s in self.functions.values())
         self.compute_turns.leave(Identity.of(spec))
         self.launcher.forget_failures(spec.name)
 
@@ -294,9 +300,9 @@ class NodeAgent:
         """The function as the admission policy sees it (admission_view.py)."""
         state = self.functions.get(spec.name)
         current = state is not None and state.spec == spec
-        order = self._start_order(spec)
-        return build_admission_view(self.config, self.table, self.scheduler, self.compute_turns, spec, queue_length,
-                                    current, order, state.last_scale_out_s if state else None, self.clock())
+        return admission_view_of(self.config, self.table, self.scheduler, self.compute_turns, spec, queue_length,
+                                 current, lambda: self._start_order(spec),
+                                 state.last_scale_out_s if state else None, self.clock())
 
     async def _acquire(self, spec: FunctionSpec, queue_length: int) -> tuple[Instance, int] | None:
         """Carry out the admission policy for `queue_length` requests accepted with `spec`: (an instance, how many

@@ -1,6 +1,7 @@
-"""The simulator's side of the admission policy: a function's queue described as the node agent describes it
-(`NodeAgent.admission_view`), and `lorafaas.scheduler.decide_admission`'s decision carried out on simulated
-instances. The lorafaas policies and their ablations admit this way; the baselines keep their own rules (engine.py).
+"""The simulator's side of the admission policy: a function's queue described by the builder the node agent uses
+(`lorafaas.scheduler.build_admission_view`), and `lorafaas.scheduler.decide_admission`'s decision carried out on
+simulated instances. The lorafaas policies and their ablations admit this way; the baselines keep their own rules
+(engine.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from lorafaas.replay.sim.state import DeviceState, MemoryState
 from lorafaas.replay.sim.views import ViewBuilder
 from lorafaas.scheduler import (
     AdmissionDecision,
+    AdmissionSettings,
     AdmissionView,
     ComputeTurns,
     FunctionName,
@@ -21,9 +23,8 @@ from lorafaas.scheduler import (
     InstanceLoad,
     Scheduler,
     StartOption,
-    can_join,
+    build_admission_view,
     decide_admission,
-    needs_start_options,
     worth_offering,
 )
 
@@ -60,6 +61,11 @@ class SimAdmission:
         # functions waiting for a core take turns (on several devices the turns are the cluster's, a simplification)
         self.strict = sim.cluster.strict_compute and sim.policy.agent_admission
         self.turns = ComputeTurns()
+        config = sim.scheduler.config
+        self.settings = AdmissionSettings(
+            worker_capacity=sim.cluster.max_batch_size, adaptive=sim.policy.batching == "adaptive",
+            requests_per_background_start=config.requests_per_background_start, strict_compute=self.strict,
+            max_compute_wait_s=config.max_compute_wait_s)
 
     def slo_batch(self, name: FunctionName, fs: FunctionState) -> int:
         policy = self.sim.policy
@@ -69,33 +75,23 @@ class SimAdmission:
 
     def view(self, name: FunctionName, fs: FunctionState, queue_length: int,
              excluded: frozenset[str] = frozenset()) -> AdmissionView:
+        """The function described as the agent describes it (`lorafaas.scheduler.build_admission_view`), from the
+        simulated instances and devices."""
         sim = self.sim
-        waiting_others, waiting_ahead = self.turns.counts(name, sim.now)
+        wait = self.turns.wait_of(name, sim.now)
         loads = tuple(InstanceLoad(InstanceId(i.instance_id), i.ready_at_s <= sim.now + EPS_S, i.num_seqs,
                                    i.ready_at_s - i.cold_start_s, sim.busy(i.device) < sim.compute_slots,
                                    any(o.function != name for o in i.device.instances))
                       for i in fs.instances)
-        steady = sim.scheduler.steady(name)
-        adaptive = sim.policy.batching == "adaptive"
-        slo_batch = self.slo_batch(name, fs)
-        capacity = sim.cluster.max_batch_size
         max_instances = sim.cluster.max_instances_per_function
-        joinable = can_join(loads, slo_batch, capacity, adaptive)
-        options = []
-        devices = self._devices(name, len(loads), max_instances, excluded) if needs_start_options(
-            loads, slo_batch, capacity, steady) else []
-        for device in devices:
-            expected = sum(sim.views.start_delays(name, device).values()) if joinable else None
-            options.append(StartOption(device.device_id, sim.busy(device), sim.compute_slots, expected))
-        return AdmissionView(
-            function=name, queue_length=queue_length, slo_ttft_s=fs.spec.slo_ttft_s, slo_batch=slo_batch,
-            worker_capacity=capacity, adaptive=adaptive, max_instances=max_instances, instances=loads,
-            start_options=tuple(options),
-            requests_per_background_start=sim.scheduler.config.requests_per_background_start,
-            strict_compute=self.strict, compute_waiting_others=waiting_others, compute_waiting_ahead=waiting_ahead,
-            compute_waited_s=self.turns.waited_s(name, sim.now),
-            max_compute_wait_s=sim.scheduler.config.max_compute_wait_s, steady=steady,
-        )
+
+        def options(joinable: bool) -> list[StartOption]:
+            return [StartOption(device.device_id, sim.busy(device), sim.compute_slots,
+                                sum(sim.views.start_delays(name, device).values()) if joinable else None)
+                    for device in self._devices(name, len(loads), max_instances, excluded)]
+
+        return build_admission_view(name, queue_length, fs.spec.slo_ttft_s, self.slo_batch(name, fs), max_instances,
+                                    loads, sim.scheduler.steady(name), self.settings, wait, options)
 
     def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:
         """The devices worth offering, in placement order. The placement (a view of memory) is asked only when one
