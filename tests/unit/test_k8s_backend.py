@@ -176,16 +176,26 @@ def test_adapter_tokens_open_one_function_and_one_digest_and_survive_a_controlle
     assert AdapterAccess.from_admin_key(None).token("p", "a") != AdapterAccess.from_admin_key(None).token("p", "a")
 
 
-def test_a_failed_init_container_is_the_pods_failure_with_its_message() -> None:
-    pod = SERIALIZER.deserialize(json.dumps({
+def function_pod_status(init_state: dict, phase: str = "Pending") -> k8s.V1Pod:
+    def status(name: str, state: dict) -> dict:
+        return {"name": name, "ready": False, "restartCount": 0, "image": "i", "imageID": "", "state": state}
+
+    return SERIALIZER.deserialize(json.dumps({
         "metadata": {"name": "lorafaas-fn-pirate-abc123", "labels": {"lorafaas.io/function": "pirate"},
                      "annotations": {ANNOTATION_INSTANCE_ID: "pirate-abc123"}},
-        "status": {"phase": "Failed", "initContainerStatuses": [{
-            "name": "adapter-fetch", "ready": False, "restartCount": 0, "image": "i", "imageID": "",
-            "state": {"terminated": {"exitCode": 1, "reason": "Error", "message": "adapter fetch failed: refused\n"}}}],
-            "containerStatuses": [{"name": "worker", "ready": False, "restartCount": 0, "image": "i", "imageID": "",
-                                   "state": {"waiting": {"reason": "PodInitializing"}}}]}}), "V1Pod", None)
-    failure = pod_failure(pod)
+        "status": {"phase": phase, "initContainerStatuses": [status("adapter-fetch", init_state)],
+                   "containerStatuses": [status("worker", {"waiting": {"reason": "PodInitializing"}})]}}),
+        "V1Pod", None)
+
+
+def test_a_failed_init_container_is_the_pods_failure_with_its_message() -> None:
+    refused = {"terminated": {"exitCode": 1, "reason": "Error", "message": "adapter fetch failed: refused\n"}}
+    failure = pod_failure(function_pod_status(refused, "Failed"))
     assert failure is not None
     assert (failure.function, failure.reason, failure.exit_code) == ("pirate", "Error", 1)
     assert failure.message == "init container adapter-fetch exited with 1: adapter fetch failed: refused"
+    # the image is pulled for the init container first: its pull failure is the launch's, at once
+    unpullable = {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}
+    failure = pod_failure(function_pod_status(unpullable))
+    assert failure is not None and failure.reason == "ImagePullBackOff"
+    assert pod_failure(function_pod_status({"running": {}})) is None  # fetching: still starting

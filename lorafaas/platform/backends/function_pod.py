@@ -140,13 +140,12 @@ def build_function_pod(
     worker.readiness_probe = k8s.V1Probe(
         tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3
     )
-    fetched = adapter_source is not None and spec.adapter_dir is not None
     if adapter_source is not None and spec.adapter_dir is not None:
         add_adapter_fetch(pod.spec, worker, spec.function, spec.adapter_dir, adapter_source)
     if any(v.name == "home" for v in pod.spec.volumes or []):
         mounted = {m.mount_path for m in worker.volume_mounts or []}
         worker.volume_mounts = [*(worker.volume_mounts or []), *(
-            m for m in home_mounts(spec, home, adapter=not fetched) if m.mount_path not in mounted)]
+            m for m in home_mounts(spec, home, adapter=adapter_source is None) if m.mount_path not in mounted)]
     affinity = pod.spec.affinity or k8s.V1Affinity()
     affinity.node_affinity = k8s.V1NodeAffinity(
         required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(

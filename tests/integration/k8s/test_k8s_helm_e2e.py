@@ -137,6 +137,7 @@ def adapter_copies(runtime: ProcessRuntime, adapter_dir: Path) -> list[Path]:
             if hashlib.sha256(path.read_bytes()).digest() == wanted]
 
 
+@pytest.mark.timeout(2400)  # three built-in backbone imports and a dozen cold starts: 10 minutes at load 8 on 2 cores
 def test_helm_install_with_default_values_on_three_process_nodes_serves_from_every_node_and_survives(
         helm_cluster: HelmCluster, tmp_path: Path) -> None:
     cluster, core = helm_cluster, helm_cluster.core
