@@ -18,14 +18,16 @@ import psutil
 
 from lorafaas.errors import InvalidInput, SegmentError
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.platform.adapter_access import AdapterAccess
 from lorafaas.platform.adapter_limits import DEFAULT_TENANT_ADAPTER_BYTES, AdapterLimits
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.agent import AgentConfig, NodeAgent
 from lorafaas.platform.agent.config import DEFAULT_MAX_BATCH
-from lorafaas.platform.auth import ensure_admin_key
+from lorafaas.platform.auth import ADMIN_KEY_FILE, ensure_admin_key, read_admin_key
 from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.devices import Device, check_devices
+from lorafaas.platform.gateway.adapter_route import install_adapter_route
 from lorafaas.platform.gateway.app import create_app
 from lorafaas.platform.gateway.limits import UPLOAD_MIN_RATE_BYTES_S, UPLOAD_TIMEOUT_S, RequestLimits
 from lorafaas.platform.gateway.metrics import GatewayMetrics
@@ -116,6 +118,10 @@ def _default_budget(device: str) -> int:
     return int(free * 0.8)
 
 
+def _kept_admin_key(home: Path) -> str | None:
+    return read_admin_key(home) if (home / ADMIN_KEY_FILE).is_file() else None
+
+
 class Platform:
     """Everything `lorafaas up` runs, built from a ServerConfig (also used by tests to run a platform in-process)."""
 
@@ -132,7 +138,10 @@ class Platform:
         self.store = open_store(config.state_url or sqlite_url(home))
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")
-        self.launcher = open_backend(config.backend, home, tuple(d.name for d in devices))
+        self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
+        self.adapter_access = AdapterAccess.from_admin_key(config.admin_key or self.new_admin_key
+                                                           or _kept_admin_key(home))
+        self.launcher = open_backend(config.backend, home, tuple(d.name for d in devices), self.adapter_access)
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
             scheduler = replace(scheduler, max_batch_size=config.max_batch_size)
@@ -153,12 +162,12 @@ class Platform:
         self.service = FunctionService(self.store, self.models, self.adapters, self.agent,
                                        AdapterLimits(max_tenant_bytes=config.tenant_adapter_bytes))
         self.metrics = GatewayMetrics(self.agent, self.service.usage)
-        self.new_admin_key = ensure_admin_key(self.store, home, config.admin_key)
         self.ready = False
         limits = RequestLimits(upload_timeout_s=config.upload_timeout_s,
                                upload_min_rate_bytes_s=config.upload_min_rate_bytes_s)
         self.app = create_app(self.service, self.metrics, lifespan=self._lifespan, is_ready=lambda: self.ready,
                               limits=limits)
+        install_adapter_route(self.app, self.adapters, self.adapter_access)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app):

@@ -12,13 +12,13 @@ would run them in containers, well enough for the Helm chart to run unmodified.
   image's ENTRYPOINT would run, given by the test); an image it does not know fails the pod (RunContainerError).
   `python` as the first word is this interpreter.
 - **Processes**: init containers run to completion, in order, before the containers (one that fails fails the pod
-  under restartPolicy Never, else is run again with restartCount raised); `env` values, `secretKeyRef`,
-  `configMapKeyRef` and the downward API (metadata.*, spec.nodeName, status.podIP, status.hostIP), `$(VAR)`
-  expansion as the kubelet does it. Readiness comes from the readiness probe (tcpSocket, httpGet, exec inside the
-  container's namespaces) every `periodSeconds`, with its `timeoutSeconds`, `successThreshold` and
-  `failureThreshold`. A container that exits ends the pod (restartPolicy Never: Failed or
-  Succeeded with its exit code; SIGKILL reports 137, as the OOM killer's victims do) or is started again (Always,
-  OnFailure) after a back-off, with restartCount raised.
+  under restartPolicy Never, its message the log's tail under FallbackToLogsOnError, else is run again with
+  restartCount raised); `env` values, `secretKeyRef`, `configMapKeyRef` and the downward API (metadata.*,
+  spec.nodeName, status.podIP, status.hostIP), `$(VAR)` expansion as the kubelet does it. Readiness comes from the
+  readiness probe (tcpSocket, httpGet, exec inside the container's namespaces) every `periodSeconds`, with its
+  `timeoutSeconds`, `successThreshold` and `failureThreshold`. A container that exits ends the pod (restartPolicy
+  Never: Failed or Succeeded with its exit code; SIGKILL reports 137, as the OOM killer's victims do) or is started
+  again (Always, OnFailure) after a back-off, with restartCount raised.
 
 Not emulated, and not faked: the container image's filesystem (pods share this machine's root filesystem; missing
 mount points are created on it), `securityContext` (every process runs as root with all capabilities: runAsUser,
@@ -245,7 +245,8 @@ class ProcessRuntime:
                 run.init_done += 1
                 kubelet.patch_status(record.namespace, record.name, self._status(run, record, ready=False))
                 continue
-            failed = {"terminated": {"exitCode": code, "reason": "Error", "startedAt": now(), "finishedAt": now()}}
+            failed = {"terminated": {"exitCode": code, "reason": "Error", "startedAt": now(), "finishedAt": now(),
+                                     "message": self._termination_message(container, record)}}
             if run.pod.spec.restart_policy == "Never":
                 kubelet.patch_status(record.namespace, record.name, self._status(run, record, False, failed))
                 kubelet.patch_status(record.namespace, record.name, {"phase": "Failed"})
@@ -254,6 +255,13 @@ class ProcessRuntime:
             kubelet.patch_status(record.namespace, record.name, self._status(run, record, False, failed))
             time.sleep(_backoff(restarts))
         return not run.stopping
+
+    def _termination_message(self, container: k8s.V1Container, record: PodRecord) -> str | None:
+        """FallbackToLogsOnError: the log's last 2048 bytes, as the kubelet takes them (no /dev/termination-log)."""
+        if container.termination_message_policy != "FallbackToLogsOnError":
+            return None
+        log = self.work_dir / f"{record.name}.{container.name}.log"
+        return log.read_bytes()[-2048:].decode(errors="replace") if log.is_file() else None
 
     def _monitor(self, kubelet: FakeKubelet, run: PodRun, record: PodRecord) -> None:
         last: tuple | None = None

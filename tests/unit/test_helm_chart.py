@@ -103,6 +103,8 @@ def test_the_controller_has_probes_scrape_annotations_the_admin_key_secret_and_t
     assert admin_key_source(deployment) == ("lorafaas-admin-key", "admin-key")  # a file, not an env value
     assert env["LORAFAAS_STATE_URL"]["value"] == "redis://lorafaas-redis:6379/0"
     assert env["LORAFAAS_POD_TEMPLATE"]["value"] in by_kind(objects, "ConfigMap")
+    # function pods fetch their adapter from the controller's Service: no volume shared between nodes
+    assert env["LORAFAAS_ADAPTER_URL"]["value"] == "http://lorafaas-controller.lf.svc:80"
     assert container["args"][container["args"].index("--backend") + 1] == "kubernetes"
     assert deployment["spec"]["strategy"]["type"] == "Recreate"  # never two controllers creating the same pods
     secret = by_kind(objects, "Secret")["lorafaas-admin-key"]
@@ -232,3 +234,12 @@ def test_optional_ingress_and_an_existing_admin_key_secret() -> None:
     assert ingress["spec"]["rules"][0]["host"] == "lf.example"
     assert "Secret" not in {o["kind"] for o in objects}
     assert admin_key_source(by_kind(objects, "Deployment")["lorafaas-controller"]) == ("my-key", "token")
+
+
+def test_a_gateway_closed_to_all_but_some_sources_still_lets_function_pods_fetch_their_adapter() -> None:
+    ingress = {"namespaceSelector": {"matchLabels": {"team": "edge"}}}
+    policy = by_kind(render({"networkPolicy": {"gatewayFrom": [ingress]}}), "NetworkPolicy")["lorafaas-controller"]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"][0] == ingress
+    assert rule["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "function"
+    assert "from" not in by_kind(render(), "NetworkPolicy")["lorafaas-controller"]["spec"]["ingress"][0]

@@ -17,17 +17,19 @@ import yaml
 helm = pytest.importorskip("helm_python")
 k8s = pytest.importorskip("kubernetes.client")
 
-from lorafaas.errors import InvalidInput  # noqa: E402
+from lorafaas.errors import Forbidden, InvalidInput  # noqa: E402
 from lorafaas.function_runtime.messages import WorkerSpec  # noqa: E402
+from lorafaas.platform.adapter_access import AdapterAccess  # noqa: E402
 from lorafaas.platform.backends import Backend  # noqa: E402
 from lorafaas.platform.backends.function_pod import (  # noqa: E402
+    AdapterSource,
     build_function_pod,
     label_value,
     pod_name,
     template_owner,
 )
 from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig  # noqa: E402
-from lorafaas.platform.backends.pod_status import ANNOTATION_INSTANCE_ID, ANNOTATION_SPEC  # noqa: E402
+from lorafaas.platform.backends.pod_status import ANNOTATION_INSTANCE_ID, ANNOTATION_SPEC, pod_failure  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[2] / "manifests" / "charts" / "lorafaas"
 KUBERNETES_VERSION = "1.30"
@@ -54,10 +56,10 @@ def worker_spec(function: str = "pirate") -> WorkerSpec:
                       daemon_socket="/var/lib/lorafaas/run/smollm2-135m@cpu.sock")
 
 
-def build(spec: WorkerSpec, nodes: list[str]) -> dict:
+def build(spec: WorkerSpec, nodes: list[str], adapter_source: AdapterSource | None = None) -> dict:
     template, owner = rendered_template()
     pod = build_function_pod(template, owner, spec, namespace=NAMESPACE, release="lorafaas",
-                             backbone="smollm2-135m", nodes=nodes, worker_port=9000)
+                             backbone="smollm2-135m", nodes=nodes, worker_port=9000, adapter_source=adapter_source)
     body = SERIALIZER.sanitize_for_serialization(pod)
     kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
     return body
@@ -132,3 +134,68 @@ def test_the_backend_config_refuses_what_the_api_server_would(field: str, value,
     values = {"namespace": NAMESPACE, "release": "lorafaas", "pod_template": "t", field: value}
     with pytest.raises(InvalidInput, match=message):
         KubernetesConfig(**values)
+
+
+def test_a_fetched_adapter_is_the_pods_own_volume_filled_by_an_init_container_never_the_homes() -> None:
+    spec = worker_spec()
+    source = AdapterSource("http://lorafaas-controller.lf.svc:80", AdapterAccess(b"k" * 32).token("pirate", "ab"))
+    body = build(spec, ["node-a"], source)
+    [fetch] = body["spec"]["initContainers"]
+    worker = body["spec"]["containers"][0]
+    assert fetch["command"] == ["python", "-m", "lorafaas.function_runtime.adapter_fetch"]
+    assert fetch["image"] == worker["image"] and fetch["securityContext"] == worker["securityContext"]
+    assert {e["name"]: e["value"] for e in fetch["env"]} == {
+        "LORAFAAS_ADAPTER_URL": source.url, "LORAFAAS_FUNCTION": "pirate", "LORAFAAS_ADAPTER_DIGEST": "ab",
+        "LORAFAAS_ADAPTER_TOKEN": source.token, "HOME": "/tmp"}
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"  # a refusal is the pod's failure message
+    assert fetch["volumeMounts"] == [{"name": "adapter", "mountPath": "/adapter"}]
+    assert {"name": "adapter", "emptyDir": {}} in body["spec"]["volumes"]
+    assert worker["volumeMounts"] == [  # nothing of the home's adapters: no other function's, not even its own
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "adapter", "mountPath": "/var/lib/lorafaas/adapters/ab", "readOnly": True},
+        {"name": "home", "mountPath": "/var/lib/lorafaas/run", "subPath": "run", "readOnly": True},
+        {"name": "home", "mountPath": "/var/lib/lorafaas/models/smollm2-135m", "subPath": "models/smollm2-135m",
+         "readOnly": True},
+    ]
+
+
+def test_adapter_tokens_open_one_function_and_one_digest_and_survive_a_controller_restart() -> None:
+    access = AdapterAccess.from_admin_key("lf_admin_key_of_this_install")
+    token = access.token("pirate", "a" * 64)
+    access.check("pirate", "a" * 64, f"Bearer {token}")
+    # the next controller (same admin key) honours it; another install's does not
+    AdapterAccess.from_admin_key("lf_admin_key_of_this_install").check("pirate", "a" * 64, f"Bearer {token}")
+    refusals = [(access, "pirate", "b" * 64, f"Bearer {token}"),  # another digest
+                (access, "french", "a" * 64, f"Bearer {token}"),  # another function
+                (access, "pirate", "a" * 64, "Bearer lf_admin_key_of_this_install"),  # an API key
+                (access, "pirate", "a" * 64, None),
+                (AdapterAccess.from_admin_key("lf_another_install"), "pirate", "a" * 64, f"Bearer {token}")]
+    for checker, function, digest, authorization in refusals:
+        with pytest.raises(Forbidden):
+            checker.check(function, digest, authorization)
+    assert AdapterAccess.from_admin_key(None).token("p", "a") != AdapterAccess.from_admin_key(None).token("p", "a")
+
+
+def function_pod_status(init_state: dict, phase: str = "Pending") -> k8s.V1Pod:
+    def status(name: str, state: dict) -> dict:
+        return {"name": name, "ready": False, "restartCount": 0, "image": "i", "imageID": "", "state": state}
+
+    return SERIALIZER.deserialize(json.dumps({
+        "metadata": {"name": "lorafaas-fn-pirate-abc123", "labels": {"lorafaas.io/function": "pirate"},
+                     "annotations": {ANNOTATION_INSTANCE_ID: "pirate-abc123"}},
+        "status": {"phase": phase, "initContainerStatuses": [status("adapter-fetch", init_state)],
+                   "containerStatuses": [status("worker", {"waiting": {"reason": "PodInitializing"}})]}}),
+        "V1Pod", None)
+
+
+def test_a_failed_init_container_is_the_pods_failure_with_its_message() -> None:
+    refused = {"terminated": {"exitCode": 1, "reason": "Error", "message": "adapter fetch failed: refused\n"}}
+    failure = pod_failure(function_pod_status(refused, "Failed"))
+    assert failure is not None
+    assert (failure.function, failure.reason, failure.exit_code) == ("pirate", "Error", 1)
+    assert failure.message == "init container adapter-fetch exited with 1: adapter fetch failed: refused"
+    # the image is pulled for the init container first: its pull failure is the launch's, at once
+    unpullable = {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}
+    failure = pod_failure(function_pod_status(unpullable))
+    assert failure is not None and failure.reason == "ImagePullBackOff"
+    assert pod_failure(function_pod_status({"running": {}})) is None  # fetching: still starting

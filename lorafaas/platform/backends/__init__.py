@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorafaas.errors import InvalidInput
+from lorafaas.platform.adapter_access import AdapterAccess
 from lorafaas.platform.backends.base import Backend, InstanceRef
 
 BACKENDS = ("local", "kubernetes")
@@ -13,9 +14,10 @@ BACKENDS = ("local", "kubernetes")
 __all__ = ["BACKENDS", "Backend", "InstanceRef", "open_backend"]
 
 
-def open_backend(kind: str, home: Path, devices: tuple[str, ...]) -> Backend:
+def open_backend(kind: str, home: Path, devices: tuple[str, ...], adapter_access: AdapterAccess | None = None
+                 ) -> Backend:
     """`local`: processes on this machine, on every device of `devices`; `kubernetes`: pods, configured from the
-    environment the chart sets, on one device (the first)."""
+    environment the chart sets, on one device (the first), fetching their adapters with `adapter_access`'s tokens."""
     if kind == "local":
         from lorafaas.platform.backends.local import LocalLauncher
 
@@ -27,7 +29,7 @@ def open_backend(kind: str, home: Path, devices: tuple[str, ...]) -> Backend:
             from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
         except ImportError as exc:
             raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
-        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices[0]))
+        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices[0]), adapter_access=adapter_access)
         backend.start()  # follow the pods; a previous controller's healthy pods wait to be adopted by launches
         return backend
     raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")

@@ -9,6 +9,9 @@
     worker       `python -m lorafaas.function_runtime.worker <spec>` listening on tcp://0.0.0.0:PORT
     mounts       of the template's `home` volume, read-only and nothing else: the daemon socket directory, the
                  backbone's store entry (config, tokenizer) and the instance's own adapter (subPath mounts)
+    adapter      with an `AdapterSource` (the chart's default): the adapter is not mounted from the home but fetched
+                 by an init container (`adapter-fetch`) from the controller into the pod's own emptyDir, digest
+                 checked, and mounted read-only where the worker reads it: no volume shared between nodes is needed
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import msgspec
@@ -35,6 +39,10 @@ from lorafaas.platform.backends.pod_status import (
 )
 
 WORKER_CONTAINER = "worker"
+FETCH_CONTAINER = "adapter-fetch"
+ADAPTER_VOLUME = "adapter"
+FETCH_DIR = "/adapter"
+FETCH_RESOURCES = ("cpu", "memory", "ephemeral-storage")  # the worker's, less devices (a GPU is not for the fetch)
 MAX_NAME = 63  # a pod name is a DNS subdomain (253), but its hostname, taken from the name, is one DNS label
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -69,6 +77,14 @@ def check_release(release: str) -> str:
     return release
 
 
+@dataclass(frozen=True)
+class AdapterSource:
+    """Where a pod fetches its adapter: the controller's URL, and the token for this function's adapter only."""
+
+    url: str
+    token: str
+
+
 def build_function_pod(
     template: k8s.V1Pod,
     owner: k8s.V1OwnerReference,
@@ -81,6 +97,7 @@ def build_function_pod(
     worker_port: int,
     home: str = "/var/lib/lorafaas",
     listen_on_pod_ip: bool = False,
+    adapter_source: AdapterSource | None = None,
 ) -> k8s.V1Pod:
     """The pod for one instance: the template with our identity, command, port, probe and placement."""
     if not nodes:
@@ -123,10 +140,12 @@ def build_function_pod(
     worker.readiness_probe = k8s.V1Probe(
         tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3
     )
+    if adapter_source is not None and spec.adapter_dir is not None:
+        add_adapter_fetch(pod.spec, worker, spec.function, spec.adapter_dir, adapter_source)
     if any(v.name == "home" for v in pod.spec.volumes or []):
         mounted = {m.mount_path for m in worker.volume_mounts or []}
-        worker.volume_mounts = [*(worker.volume_mounts or []),
-                                *(m for m in home_mounts(spec, home) if m.mount_path not in mounted)]
+        worker.volume_mounts = [*(worker.volume_mounts or []), *(
+            m for m in home_mounts(spec, home, adapter=adapter_source is None) if m.mount_path not in mounted)]
     affinity = pod.spec.affinity or k8s.V1Affinity()
     affinity.node_affinity = k8s.V1NodeAffinity(
         required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(
@@ -142,12 +161,37 @@ def build_function_pod(
     return pod
 
 
-def home_mounts(spec: WorkerSpec, home: str) -> list[k8s.V1VolumeMount]:
+def add_adapter_fetch(pod_spec: k8s.V1PodSpec, worker: k8s.V1Container, function: str, adapter_dir: str,
+                      source: AdapterSource) -> None:
+    """An init container fetching the adapter into the pod's own volume, mounted read-only at `adapter_dir` in the
+    worker; a failed fetch (refused, unreachable, digest mismatch) fails the pod with the fetch's last log lines."""
+    digest = PurePosixPath(adapter_dir).name
+    pod_spec.volumes = [*(v for v in pod_spec.volumes or [] if v.name != ADAPTER_VOLUME),
+                        k8s.V1Volume(name=ADAPTER_VOLUME, empty_dir=k8s.V1EmptyDirVolumeSource())]
+    resources = copy.deepcopy(worker.resources) or k8s.V1ResourceRequirements()
+    resources.limits = {k: v for k, v in (resources.limits or {}).items() if k in FETCH_RESOURCES} or None
+    resources.requests = {k: v for k, v in (resources.requests or {}).items() if k in FETCH_RESOURCES} or None
+    env = {"LORAFAAS_ADAPTER_URL": source.url, "LORAFAAS_FUNCTION": function, "LORAFAAS_ADAPTER_DIGEST": digest,
+           "LORAFAAS_ADAPTER_TOKEN": source.token, "HOME": "/tmp"}
+    fetch = k8s.V1Container(
+        name=FETCH_CONTAINER, image=worker.image, image_pull_policy=worker.image_pull_policy,
+        command=["python", "-m", "lorafaas.function_runtime.adapter_fetch"], args=[FETCH_DIR],
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        security_context=copy.deepcopy(worker.security_context), resources=resources,
+        volume_mounts=[k8s.V1VolumeMount(name=ADAPTER_VOLUME, mount_path=FETCH_DIR)],
+        termination_message_policy="FallbackToLogsOnError",
+    )
+    pod_spec.init_containers = [*(c for c in pod_spec.init_containers or [] if c.name != FETCH_CONTAINER), fetch]
+    worker.volume_mounts = [*(m for m in worker.volume_mounts or [] if m.mount_path != adapter_dir),
+                            k8s.V1VolumeMount(name=ADAPTER_VOLUME, mount_path=adapter_dir, read_only=True)]
+
+
+def home_mounts(spec: WorkerSpec, home: str, adapter: bool = True) -> list[k8s.V1VolumeMount]:
     """What a worker reads from the home, each mounted read-only at its own path: nothing else of the home (other
-    functions' adapters, the state) is visible in its pod."""
+    functions' adapters, the state) is visible in its pod. `adapter`: its adapter too (unless fetched)."""
     root = PurePosixPath(home)
     paths = [PurePosixPath(spec.daemon_socket).parent if spec.daemon_socket else None, PurePosixPath(spec.model_dir),
-             PurePosixPath(spec.adapter_dir) if spec.adapter_dir else None]
+             PurePosixPath(spec.adapter_dir) if spec.adapter_dir and adapter else None]
     mounts: dict[str, k8s.V1VolumeMount] = {}
     for path in paths:
         if path is not None and path != root and path.is_relative_to(root):

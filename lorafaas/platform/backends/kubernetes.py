@@ -33,6 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from lorafaas.errors import DaemonUnavailable, InstanceUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.adapter_access import AdapterAccess
 from lorafaas.platform.backends.function_pod import pod_name
 from lorafaas.platform.backends.kubernetes_config import KubernetesConfig, api_call, load_client_config
 from lorafaas.platform.backends.node_agents import NodeAgents
@@ -60,7 +61,8 @@ log = logging.getLogger(__name__)
 class KubernetesBackend:
     """Function pods for the node agent; the backbone daemons belong to the node-agent DaemonSet."""
 
-    def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api | None = None) -> None:
+    def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api | None = None,
+                 adapter_access: AdapterAccess | None = None) -> None:
         self.config = config
         self.core = core if core is not None else k8s.CoreV1Api(load_client_config())
         self.store = ModelStore(config.home / "models")
@@ -69,7 +71,9 @@ class KubernetesBackend:
         self._lock = threading.Lock()  # `instances` against the watch thread's removals
         self.failures = PodFailures(on_gone=self._gone)
         self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self.failures.observe)
-        self.pod_template = PodTemplate(config, self.core)
+        # the tokens pods fetch their adapter with (the gateway's adapter route checks them with the same access)
+        self.adapter_access = adapter_access or AdapterAccess.from_admin_key(None)
+        self.pod_template = PodTemplate(config, self.core, self.adapter_access)
         self.adoption = PodAdoption(self)
         self.agents = NodeAgents(config, lambda: self._started().pods())
 

@@ -32,6 +32,9 @@ class KubernetesConfig:
     delete_timeout_s: float = 30.0
     adopt_window_s: float = 120.0  # after a restart: how long the previous controller's pods wait to be claimed
     listen_on_pod_ip: bool = False  # workers bind their pod IP, not 0.0.0.0 (pods sharing one network: tests)
+    # The controller's URL as function pods reach it (its Service): each pod fetches its adapter from it into its own
+    # volume. None: pods mount their adapter from the home (a home every node shares, or one node).
+    adapter_url: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -58,6 +61,7 @@ class KubernetesConfig:
             device=device,
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
             listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
+            adapter_url=os.environ.get("LORAFAAS_ADAPTER_URL") or None,
         )
 
     @property

@@ -106,6 +106,13 @@ def pod_failure(pod: k8s.V1Pod) -> PodFailure | None:
         exit_codes = [c.state.terminated.exit_code for c in status.container_statuses or []
                       if c.state is not None and c.state.terminated is not None]
         return failure(status.reason, status.message or "", exit_codes[0] if exit_codes else None)
+    for init in status.init_container_statuses or []:  # e.g. the adapter fetch refused a damaged adapter
+        waiting, done = (init.state.waiting, init.state.terminated) if init.state is not None else (None, None)
+        if waiting is not None and waiting.reason in FAILED_WAITING_REASONS:  # its image first: the worker's
+            return failure(waiting.reason, waiting.message or "")
+        if done is not None and done.exit_code:
+            return failure(done.reason or "Error", f"init container {init.name} exited with {done.exit_code}: "
+                           f"{(done.message or '').strip() or 'no message'}", done.exit_code)
     for container in status.container_statuses or []:
         state = container.state
         if state is not None and state.waiting is not None and state.waiting.reason in FAILED_WAITING_REASONS:

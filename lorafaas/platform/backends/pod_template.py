@@ -4,6 +4,7 @@ into each instance's pod (`function_pod.build_function_pod`)."""
 from __future__ import annotations
 
 import json
+from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
@@ -12,16 +13,18 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafaas.errors import InstanceUnavailable, InvalidInput
 from lorafaas.function_runtime.messages import WorkerSpec
-from lorafaas.platform.backends.function_pod import build_function_pod, template_owner
+from lorafaas.platform.adapter_access import AdapterAccess
+from lorafaas.platform.backends.function_pod import AdapterSource, build_function_pod, template_owner
 from lorafaas.platform.backends.kubernetes_config import KubernetesConfig, api_call, api_message
 
 TEMPLATE_KEY = "pod.yaml"
 
 
 class PodTemplate:
-    def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api) -> None:
+    def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api, adapter_access: AdapterAccess) -> None:
         self.config = config
         self.core = core
+        self.adapter_access = adapter_access
         self._serializer = k8s.ApiClient()  # only (de)serializes model objects; never sends a request
         self._template: k8s.V1Pod | None = None
         self._owner: k8s.V1OwnerReference | None = None
@@ -45,7 +48,15 @@ class PodTemplate:
         return build_function_pod(self.template(), self.owner(), spec, namespace=self.config.namespace,
                                   release=self.config.release, backbone=backbone, nodes=nodes,
                                   worker_port=self.config.worker_port, home=str(self.config.home),
-                                  listen_on_pod_ip=self.config.listen_on_pod_ip)
+                                  listen_on_pod_ip=self.config.listen_on_pod_ip,
+                                  adapter_source=self.adapter_source(spec))
+
+    def adapter_source(self, spec: WorkerSpec) -> AdapterSource | None:
+        """Where the pod fetches its adapter (the controller, `config.adapter_url`), with its own token."""
+        if self.config.adapter_url is None or spec.adapter_dir is None:
+            return None
+        digest = PurePosixPath(spec.adapter_dir).name
+        return AdapterSource(self.config.adapter_url, self.adapter_access.token(spec.function, digest))
 
     def check(self) -> None:
         """Ask the API server whether a pod from the template is valid (a dry run: nothing is created), so that a
@@ -53,7 +64,8 @@ class PodTemplate:
         reason instead of failing every launch."""
         probe = WorkerSpec(function="template-check", instance_id="template-check-0",
                            socket_path=f"tcp://0.0.0.0:{self.config.worker_port}",
-                           model_dir=str(self.config.home / "models" / "template-check"))
+                           model_dir=str(self.config.home / "models" / "template-check"),
+                           adapter_dir=str(self.config.home / "adapters" / ("0" * 64)))
         pod = self.build_pod(probe, "template-check", ["template-check"])
         try:
             self.core.create_namespaced_pod(self.config.namespace, pod, dry_run="All")

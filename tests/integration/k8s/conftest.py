@@ -13,10 +13,11 @@ import pytest
 
 k8s = pytest.importorskip("kubernetes.client")
 
-from k8s_env import BACKBONE, NODES, UNPULLABLE, Release  # noqa: E402
+from k8s_env import BACKBONE, NODES, PROCESS_NODE, UNPULLABLE, Release, require_process_kubelet  # noqa: E402
 
 from tests.support.fake_kubelet import FakeKubelet, StatusRuntime  # noqa: E402
 from tests.support.k8s_cluster import ControlPlane, default_bin_dir, missing_binaries  # noqa: E402
+from tests.support.process_kubelet import ProcessRuntime  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +61,15 @@ def release(control_plane: ControlPlane, kubelet: FakeKubelet, tmp_path: Path) -
         if close is not None:
             close()
     admin.delete_namespace(namespace, body=k8s.V1DeleteOptions(grace_period_seconds=0))
+
+
+@pytest.fixture
+def process_kubelet(release: Release, tmp_path: Path) -> Iterator[tuple[FakeKubelet, ProcessRuntime]]:
+    """One more node, PROCESS_NODE, whose pods run as processes (tests/support/process_kubelet.py)."""
+    require_process_kubelet()
+    runtime = ProcessRuntime(release.plane.api_client(), tmp_path)
+    kubelet = FakeKubelet(release.plane.api_client(), [PROCESS_NODE], runtime=runtime)
+    kubelet.start()
+    yield kubelet, runtime
+    kubelet.stop()
+    kubelet.remove_node(PROCESS_NODE)

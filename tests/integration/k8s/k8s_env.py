@@ -28,6 +28,7 @@ from tests.support.k8s_cluster import ControlPlane  # noqa: E402
 
 CHART = Path(__file__).resolve().parents[3] / "manifests" / "charts" / "lorafaas"
 NODES = ("node-1", "node-2", "node-3")
+PROCESS_NODE = "proc-1"  # the process kubelet's node (fixture `process_kubelet`)
 RELEASE = "lorafaas"
 TEMPLATE = "lorafaas-function-pod"
 SERVICE_ACCOUNT = "lorafaas-controller"

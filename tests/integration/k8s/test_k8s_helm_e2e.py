@@ -1,24 +1,27 @@
-"""`helm install` of the chart, unmodified, onto three nodes of the process kubelet: the real API server, scheduler,
-controllers and garbage collector; every pod the release makes (the controller, Redis, the node agents' DaemonSet, the
-function pods) runs as real processes in its own network and mount namespaces, with its volumes, its service account
-token and Services by name (`tests/support/process_kubelet.py`).
+"""`helm install` of the chart, unmodified and with its **default values**, onto three nodes of the process kubelet:
+the real API server, scheduler, controllers and garbage collector; every pod the release makes (the controller, Redis,
+the node agents' DaemonSet, the function pods) runs as real processes in its own network and mount namespaces, with
+its volumes (a hostPath is each node's own directory), its service account token and Services by name
+(`tests/support/process_kubelet.py`).
 
-The values are what a user of a three-node CPU cluster passes: the home on a ReadWriteMany claim (an NFS volume; its
-server is this machine), each node's daemon sockets on the node (`home.runHostPath`), Redis on a statically
-provisioned volume, small resources and a small backbone imported into the home beforehand. The images' entrypoints
-map to this checkout's code.
+The values are the chart's defaults: the home a hostPath on each node (no volume shared between nodes), the built-in
+backbone imported by each node agent, the default resources. The cluster provides what any cluster does (a volume
+for Redis's claim); the images' entrypoints map to this checkout's code.
 
-Two functions deployed through the gateway's Service answer the `openai` client as the local platform does; they scale
-to zero and back; a SIGKILLed function pod process and a SIGKILLed node agent daemon are replaced and the functions keep
-answering; a node is deleted and its function comes back on another node.
+Two functions deployed through the gateway's Service answer the `openai` client as the local platform does, from pods
+on every node (each pod fetches its adapter from the controller); they scale to zero and back; a SIGKILLed function
+pod process and a SIGKILLed node agent daemon are replaced and the functions keep answering; a node is deleted and its
+function comes back on another node; a deleted function leaves no copy of its adapter on any node.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import ipaddress
 import os
 import secrets
+import shutil
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +43,9 @@ openai = pytest.importorskip("openai")
 
 NODES = ("helm-1", "helm-2", "helm-3")
 RELEASE = "lorafaas"
-BACKBONE = "tiny-dense"
+BACKBONE = "smollm2-135m"  # the chart's default, imported by every node agent
+DEMO_ADAPTERS = CHART.parents[2] / "examples" / "adapters"
+ADAPTERS = {"alpha": DEMO_ADAPTERS / "pirate", "beta": DEMO_ADAPTERS / "french"}
 PROMPT = "The ocean is"
 ENTRYPOINTS = {  # each image's ENTRYPOINT (manifests/images/*/Dockerfile)
     "lorafaas/gateway": ["python", "-m", "lorafaas"],
@@ -50,7 +55,6 @@ ENTRYPOINTS = {  # each image's ENTRYPOINT (manifests/images/*/Dockerfile)
     # without a config file (the container's network is its own); this machine's redis-server has it on
     "redis": ["sh", "-c", '[ "$1" = redis-server ] && set -- "$@" --protected-mode no; exec "$@"', "entrypoint"],
 }
-SMALL = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 ELSEWHERE = {"key": "lorafaas.test/not-for-the-release", "effect": "NoSchedule"}
 
 
@@ -60,7 +64,6 @@ class HelmCluster:
     kubelet: FakeKubelet
     runtime: ProcessRuntime
     namespace: str
-    nfs_home: Path
 
     @property
     def core(self) -> k8s.CoreV1Api:
@@ -101,21 +104,15 @@ def helm_cluster(control_plane: ControlPlane, tmp_path: Path) -> Iterator[HelmCl
         core.patch_node(node, {"spec": {"taints": [ELSEWHERE]}})
     runtime = ProcessRuntime(api, tmp_path / "kubelet", ENTRYPOINTS)
     kubelet = FakeKubelet(api, list(NODES), runtime=runtime)
-    nfs_home = tmp_path / "nfs" / "home"
-    nfs_home.mkdir(parents=True)
-    volumes = {f"{namespace}-home": ("lorafaas-home", "ReadWriteMany", {"nfs": {"server": "127.0.0.1",
-                                                                                 "path": str(nfs_home)}}),
-               f"{namespace}-redis": (f"data-{RELEASE}-redis-0", "ReadWriteOnce",
+    volumes = {f"{namespace}-redis": (f"data-{RELEASE}-redis-0", "ReadWriteOnce",
                                       {"hostPath": {"path": "/srv/redis", "type": "DirectoryOrCreate"}})}
     try:
         for volume, (claim, mode, source) in volumes.items():
             core.create_persistent_volume({"metadata": {"name": volume}, "spec": {
                 "capacity": {"storage": "1Gi"}, "accessModes": [mode], "persistentVolumeReclaimPolicy": "Retain",
                 "claimRef": {"namespace": namespace, "name": claim}, **source}})
-        core.create_namespaced_persistent_volume_claim(namespace, {"metadata": {"name": "lorafaas-home"}, "spec": {
-            "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
         kubelet.start()
-        yield HelmCluster(control_plane, kubelet, runtime, namespace, nfs_home)
+        yield HelmCluster(control_plane, kubelet, runtime, namespace)
     finally:
         kubelet.stop()
         for node in list(kubelet.nodes):
@@ -132,25 +129,26 @@ def complete(client, function: str) -> str:
     return reply.choices[0].text
 
 
-def test_helm_install_on_three_process_nodes_serves_scales_and_survives_kills_and_a_lost_node(
-        helm_cluster: HelmCluster, tmp_path: Path, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:
+def adapter_copies(runtime: ProcessRuntime, adapter_dir: Path) -> list[Path]:
+    """Every copy of the adapter's weights anywhere the kubelet keeps files: the nodes' directories (hostPath homes)
+    and the pods' own volumes."""
+    wanted = hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).digest()
+    return [path for path in runtime.work_dir.rglob("adapter_model.safetensors")
+            if hashlib.sha256(path.read_bytes()).digest() == wanted]
+
+
+@pytest.mark.timeout(2400)  # three built-in backbone imports and a dozen cold starts: 10 minutes at load 8 on 2 cores
+def test_helm_install_with_default_values_on_three_process_nodes_serves_from_every_node_and_survives(
+        helm_cluster: HelmCluster, tmp_path: Path) -> None:
     cluster, core = helm_cluster, helm_cluster.core
     namespace, runtime = cluster.namespace, cluster.runtime
-    # the backbone in the shared home, as an operator would put it there
-    assert cli("--home", str(cluster.nfs_home), "backbone", "import", BACKBONE, "--from",
-               str(tiny_dense_dir)).returncode == 0
-    values = {
-        "home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"},
-        "controller": {"resources": SMALL},
-        "nodeAgent": {"backbones": [BACKBONE], "importBuiltin": False, "resources": SMALL},
-        "function": {"resources": SMALL},
-        "redis": {"resources": SMALL},
-    }
+    values: dict = {}  # the chart's defaults: nothing here needs setting (Redis's claim is bound by the cluster)
     with helm.Config(kubeconfig_path=str(cluster.plane.kubeconfig), namespace=namespace) as config:
         release = config.install(str(CHART), RELEASE, values, namespace=namespace)
     assert release["status"] == "deployed", {k: v for k, v in release.items() if k != "manifest"}
 
-    wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 180)
+    # each agent imports the built-in backbone into its own node's directory first
+    wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 1200)
     [controller] = wait_until(lambda: cluster.ready("controller"), "the controller ready", 180)
     [redis] = wait_until(lambda: cluster.ready("redis"), "Redis ready", 60)
     service = core.read_namespaced_service(f"{RELEASE}-controller", namespace)
@@ -160,15 +158,27 @@ def test_helm_install_on_three_process_nodes_serves_scales_and_survives_kills_an
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=admin_key, max_retries=2)
     with ApiClient(url, admin_key) as api:
-        for name in ("alpha", "beta"):
-            api.deploy({"name": name, "backbone": BACKBONE, "keep_alive_s": 5}, tiny_adapter_dir)
-        first = {}
-        for name in ("alpha", "beta"):
-            first[name] = complete(client, name)
-            [pod] = cluster.function_pods(name)  # one worker process, on a node, at its own address
-            assert pod.spec.node_name in NODES, pod.spec
-            assert ipaddress.ip_address(pod.status.pod_ip) in runtime.network.subnet, pod.status
+        for name, adapter in ADAPTERS.items():
+            api.deploy({"name": name, "backbone": BACKBONE, "keep_alive_s": 5}, adapter)
+        first = {name: complete(client, name) for name in ADAPTERS}
         assert all(first.values())
+
+        # both functions served from a pod on every node, one node at a time (the others cordoned): the adapter
+        # store is on the controller's node only, so every other node's pods fetch their adapter from it
+        for node in NODES:
+            for other in NODES:
+                core.patch_node(other, {"spec": {"unschedulable": other != node}})
+            for name in ADAPTERS:
+                for pod in cluster.function_pods(name):
+                    if pod.spec.node_name != node:
+                        core.delete_namespaced_pod(pod.metadata.name, namespace)
+                        wait_until(lambda pod=pod: cluster.pod(pod.metadata.name) is None, "the pod gone", 60)
+                assert complete(client, name) == first[name]
+                [pod] = cluster.function_pods(name)  # one worker process, on this node, at its own address
+                assert pod.spec.node_name == node, (name, pod.spec.node_name)
+                assert ipaddress.ip_address(pod.status.pod_ip) in runtime.network.subnet, pod.status
+        for node in NODES:
+            core.patch_node(node, {"spec": {"unschedulable": False}})
 
         # scale to zero: idle past keep-alive, the pods go; the next request starts one again
         wait_until(lambda: not cluster.pods("function"), "every function pod retired after keep-alive", 90)
@@ -213,11 +223,23 @@ def test_helm_install_on_three_process_nodes_serves_scales_and_survives_kills_an
         assert complete(client, "alpha") == first["alpha"]
         assert complete(client, "beta") == first["beta"]
 
+        # a deleted function leaves no copy of its adapter on any node; a live one's copies are its pods' own
+        # and the controller's store
+        assert adapter_copies(runtime, ADAPTERS["alpha"])
+        api.delete("alpha")
+        wait_until(lambda: not adapter_copies(runtime, ADAPTERS["alpha"]), "alpha's adapter gone from every node", 90)
+        store = runtime.work_dir / "nodes" / controller.spec.node_name
+        beta_pods = {p.metadata.name for p in cluster.function_pods("beta")}
+        for copy in adapter_copies(runtime, ADAPTERS["beta"]):
+            assert copy.is_relative_to(store) or any(f".{name}." in str(copy) for name in beta_pods), copy
+        assert complete(client, "beta") == first["beta"]
+
     # the same functions on the local platform (processes, no Kubernetes) answer the same
     local_home = tmp_path / "local"
-    assert cli("--home", str(local_home), "backbone", "import", BACKBONE, "--from", str(tiny_dense_dir)).returncode == 0
+    node_models = store / "var" / "lib" / "lorafaas" / "models"  # the entry the controller's node agent imported
+    shutil.copytree(node_models / BACKBONE, local_home / "models" / BACKBONE)
     with PlatformProcess(local_home) as local, ApiClient(local.url, local.admin_key) as api:
         local_client = openai.OpenAI(base_url=f"{local.url}/v1", api_key=local.admin_key)
-        for name in ("alpha", "beta"):
-            api.deploy({"name": name, "backbone": BACKBONE}, tiny_adapter_dir)
+        for name, adapter in ADAPTERS.items():
+            api.deploy({"name": name, "backbone": BACKBONE}, adapter)
             assert complete(local_client, name) == first[name]

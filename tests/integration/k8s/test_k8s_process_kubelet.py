@@ -7,28 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-from k8s_env import Release, require_process_kubelet, wait_until
-
-from tests.support.fake_kubelet import FakeKubelet
-from tests.support.process_kubelet import ProcessRuntime
-
-NODE = "proc-1"
-
-
-@pytest.fixture
-def process_kubelet(release: Release, tmp_path: Path) -> Iterator[tuple[FakeKubelet, ProcessRuntime]]:
-    require_process_kubelet()
-    runtime = ProcessRuntime(release.plane.api_client(), tmp_path)
-    kubelet = FakeKubelet(release.plane.api_client(), [NODE], runtime=runtime)
-    kubelet.start()
-    yield kubelet, runtime
-    kubelet.stop()
-    kubelet.remove_node(NODE)
+from k8s_env import PROCESS_NODE as NODE
+from k8s_env import Release, wait_until
 
 
 def python_pod(name: str, script: str, **spec) -> dict:
