@@ -48,7 +48,7 @@ def admin(platform) -> ApiClient:
     with platform.client() as client:
         yield client
         for function in client.list():
-            client.delete(function["name"])
+            client.delete(function.name)
 
 
 @pytest.fixture
@@ -352,7 +352,7 @@ def test_function_yaml_takes_the_flag_spellings_and_names_unknown_keys(tmp_path,
     twice = write_yaml(tmp_path / "twice.yaml", "name: other\nkeep-alive: 3\nkeep_alive_s: 4\n")
     doubled = lorafaas("deploy", "-f", str(twice))
     assert doubled.returncode == 2 and "keep-alive and keep_alive_s" in " ".join(doubled.stderr.split())
-    assert [f["name"] for f in admin.list()] == ["spelled"]
+    assert [f.name for f in admin.list()] == ["spelled"]
 
 
 # -- item 13: --json everywhere, sampling flags, stdin, aliases --------------------------------------------------------
