@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -121,13 +122,12 @@ def list_functions(ctx: typer.Context, url: str | None = URL, as_json: bool = JS
     with client_for(ctx, url) as client:
         functions = client.list()
     if as_json:
-        print_json(functions)
+        print_json(msgspec.to_builtins(functions))
         return
     table = Table("name", "tenant", "backbone", "adapter", "version", "SLO TTFT", "keep-alive", "min/max")
     for f in functions:
-        bounds = f"{f['min_instances']}/{f['max_instances']}"
-        table.add_row(f["name"], f["tenant"], f["backbone"], f["adapter_digest"][:12], str(f["version"]),
-                      f"{f['slo_ttft_ms']} ms", f"{f['keep_alive_s']:g} s", bounds)
+        table.add_row(f.name, f.tenant, f.backbone, f.adapter_digest[:12], str(f.version), f"{f.slo_ttft_ms} ms",
+                      f"{f.keep_alive_s:g} s", f"{f.min_instances}/{f.max_instances}")
     print_table(table)
 
 
@@ -378,12 +378,12 @@ def list_keys(ctx: typer.Context, url: str | None = URL, as_json: bool = JSON) -
     with client_for(ctx, url) as client:
         keys = client.list_keys()
     if as_json:
-        print_json(keys)
+        print_json(msgspec.to_builtins(keys))
         return
     table = Table("key id", "tenant", "admin", "created", "last used")
     for k in keys:
-        table.add_row(k["key_id"], k["tenant"], "yes" if k["is_admin"] else "", _when(k.get("created_at")),
-                      _when(k.get("last_used_at")) or "never")
+        table.add_row(k.key_id, k.tenant, "yes" if k.is_admin else "", _when(k.created_at),
+                      _when(k.last_used_at) or "never")
     print_table(table)
 
 

@@ -10,11 +10,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+import msgspec
 
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import PlatformUnavailable, Unauthorized
 from lorafaas.platform.adapter_upload import pack_adapter
-from lorafaas.platform.auth import read_admin_key
+from lorafaas.platform.auth import KeyInfo, read_admin_key
+from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.sse import events
 from lorafaas.wire import error_class
 
@@ -63,6 +65,16 @@ def resolve_key(config: LorafaasConfig) -> str:
     )
 
 
+class FunctionList(msgspec.Struct):
+    """GET /v1/functions' body, as the client decodes it (the gateway's `responses.FunctionList`)."""
+
+    functions: list[FunctionSpec]
+
+
+class KeyList(msgspec.Struct):
+    keys: list[KeyInfo]
+
+
 class ApiClient:
     def __init__(self, url: str, key: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
@@ -85,8 +97,8 @@ class ApiClient:
         files = {"adapter": ("adapter.tar.gz", pack_adapter(adapter_dir), "application/gzip")} if adapter_dir else None
         return self._call("PATCH", f"/v1/functions/{name}", data={"spec": json.dumps(spec)}, files=files).json()
 
-    def list(self) -> list[dict]:
-        return self._call("GET", "/v1/functions").json()["functions"]
+    def list(self) -> list[FunctionSpec]:
+        return msgspec.json.decode(self._call("GET", "/v1/functions").content, type=FunctionList).functions
 
     def describe(self, name: str) -> dict:
         return self._call("GET", f"/v1/functions/{name}").json()
@@ -142,8 +154,8 @@ class ApiClient:
     def create_key(self, tenant: str) -> dict:
         return self._call("POST", "/v1/keys", json={"tenant": tenant}).json()
 
-    def list_keys(self) -> builtins.list[dict]:
-        return self._call("GET", "/v1/keys").json()["keys"]
+    def list_keys(self) -> builtins.list[KeyInfo]:
+        return msgspec.json.decode(self._call("GET", "/v1/keys").content, type=KeyList).keys
 
     def revoke_key(self, key_id: str) -> dict:
         return self._call("DELETE", f"/v1/keys/{quote(key_id, safe='')}").json()

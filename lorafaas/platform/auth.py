@@ -42,6 +42,21 @@ RESERVED_TENANTS = frozenset({ADMIN_TENANT, "root", "system", "lorafaas", "platf
 KEY_USE_RESOLUTION_S = 60.0
 
 
+class KeyInfo(msgspec.Struct, kw_only=True):
+    """A key as GET /v1/keys lists it (never the key itself); `lorafaas keys list` decodes it."""
+
+    key_id: str
+    tenant: str
+    is_admin: bool
+    created_at: float
+    last_used_at: float | None
+
+    @classmethod
+    def of(cls, record: ApiKeyRecord) -> KeyInfo:
+        return cls(key_id=record.key_id, tenant=record.tenant, is_admin=record.is_admin,
+                   created_at=record.created_at, last_used_at=record.last_used_at)
+
+
 def new_key() -> tuple[str, str]:
     """A fresh (plaintext key, key_id)."""
     key_id = secrets.token_hex(KEY_ID_BYTES)  # hex: never contains the '_' that separates the parts

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lorafaas.function_runtime.client import WorkerClient
+from lorafaas.function_runtime.messages import AdapterStats
 from lorafaas.platform.backends.base import InstanceRef
+from lorafaas.platform.descriptions import InstanceView
 from lorafaas.platform.state.records import FunctionSpec
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ class Instance:
     ready_s: float = 0.0  # agent clock: when its start finished (a request that arrived before waited for it)
     backbone_bytes: int = 0  # the backbone copy it is bound to (shared with the instances on that backbone)
     loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it
-    adapter: dict | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held): AdapterStats
+    adapter: AdapterStats | None = None  # the adapter it loaded at start (kind, LoRA mode, bytes held)
     reason: str = ""  # why it is in its state (draining, hung, crashed)
     staged: bool = False  # its start finished (until then only the start may stop it)
     hung: str = ""  # why it was declared hung (its requests' errors say so after it is gone)
@@ -115,12 +117,11 @@ class Instance:
         """May take requests of its identity: ready, or draining what was accepted for it."""
         return self.state in ("ready", "draining") and self.client is not None and self.client.connected
 
-    def describe(self) -> dict:
-        return {"instance_id": self.instance_id, "pid": self.pid, "device": self.device, "state": self.state,
-                "version": self.version, "deployment": self.identity.uid, "in_flight": self.in_flight,
-                "started_at": self.started_at, "loaded": sorted(self.loaded), "cold_start": dict(self.cold_start),
-                "adapter": self.adapter, "shared_base": self.in_shared_base,
-                **({"reason": self.reason} if self.reason else {})}
+    def describe(self) -> InstanceView:
+        return InstanceView(instance_id=self.instance_id, pid=self.pid, device=self.device, state=self.state,
+                            version=self.version, deployment=self.identity.uid, in_flight=self.in_flight,
+                            started_at=self.started_at, loaded=sorted(self.loaded), cold_start=dict(self.cold_start),
+                            adapter=self.adapter, shared_base=self.in_shared_base, reason=self.reason)
 
     @property
     def in_shared_base(self) -> bool:

@@ -107,7 +107,7 @@ class UsageMeter:
 
 
 def adapter_bytes(instance: Instance) -> int:
-    return int((instance.adapter or {}).get("held_bytes", 0))
+    return instance.adapter.held_bytes if instance.adapter is not None else 0
 
 
 def idle_s(instance: Instance, now_s: float) -> float:

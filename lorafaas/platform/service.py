@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import msgspec
 
@@ -44,6 +44,7 @@ from lorafaas.platform.adapter_upload import unpack_adapter
 from lorafaas.platform.agent import NodeAgent
 from lorafaas.platform.auth import revoke_key
 from lorafaas.platform.backends.local import deployment_log_dir, remove_deployment_logs
+from lorafaas.platform.descriptions import FunctionDescription
 from lorafaas.platform.in_flight import InFlight, Ticket
 from lorafaas.platform.metering import UsageMeter
 from lorafaas.platform.state.interface import StateStore
@@ -62,61 +63,6 @@ INVOCATION_RETENTION_S = 3600.0
 SPEC_FIELDS = ("slo_ttft_ms", "keep_alive_s", "min_instances", "max_instances", "max_tokens_limit", "max_request_s",
                "lora_mode", "shared_base")
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen-MoE, DeepSeek
-
-
-class InstanceView(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One instance of a function as `describe` shows it (`reason` only when it has one)."""
-
-    instance_id: str
-    pid: int | None
-    device: str
-    state: str
-    version: int
-    deployment: str
-    in_flight: int
-    started_at: float
-    loaded: list[str]
-    cold_start: dict[str, float]
-    adapter: dict[str, Any] | None  # AdapterStats: kind, LoRA mode, bytes held
-    shared_base: bool
-    reason: str = ""
-
-
-class OffloadView(msgspec.Struct, kw_only=True):
-    kind: str
-    from_tier: str = msgspec.field(name="from")
-    to_tier: str = msgspec.field(name="to")  # "dropped" when it left every tier
-    at: float
-    reason: str
-
-
-class BatchingView(msgspec.Struct, kw_only=True):
-    max_batch_size: int
-    prefill_t0_s: float
-    prefill_per_request_s: float
-    prefills_observed: int
-    most_in_flight: int
-
-
-class AdmissionView(msgspec.Struct, kw_only=True):
-    queued: int
-    last_decision: str | None
-    reason: str | None
-    waits: dict[str, int]
-
-
-class FunctionDescription(msgspec.Struct, kw_only=True):
-    """`describe`: the function's spec and its life on the node (the agent's view, lorafaas/platform/agent/views.py).
-    `failures`: the agent's (instance_id, pid, reason, version, at) and the backend's (a pod's), whose fields differ."""
-
-    function: FunctionSpec
-    instances: list[InstanceView]
-    last_cold_start: dict[str, float] | None
-    offloaded: list[OffloadView]
-    batching: BatchingView
-    admission: AdmissionView
-    cold_starts: dict[str, int]
-    failures: list[dict[str, Any]]
 
 
 class UsageGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -254,8 +200,7 @@ class FunctionService:
 
     async def describe(self, caller: ApiKeyRecord, name: str) -> FunctionDescription:
         spec = await self.aget(caller, name)
-        return msgspec.convert({"function": msgspec.to_builtins(spec), **self.agent.describe(spec)},
-                               FunctionDescription, strict=False)
+        return self.agent.describe(spec)
 
     async def logs(self, caller: ApiKeyRecord, name: str, tail: int | None = None, since: float | None = None,
                    tail_bytes: int = 64 * 1024) -> str:

@@ -23,7 +23,7 @@ def demo_platform(tmp_path_factory, smollm2_store):
 
 def test_demo_functions_are_deployed_and_the_admin_key_printed_once(demo_platform) -> None:
     with demo_platform.client() as client:
-        assert sorted(f["name"] for f in client.list()) == ["french", "haiku", "pirate"]
+        assert sorted(f.name for f in client.list()) == ["french", "haiku", "pirate"]
     log = demo_platform.log()
     assert log.count(demo_platform.admin_key) == 1
     assert (demo_platform.home / "admin.key").stat().st_mode & 0o777 == 0o600

@@ -66,7 +66,7 @@ def test_bench_new_adapter_deploys_a_new_function_per_sample_and_removes_it(plat
     [summary] = document["summaries"]
     assert summary["median_total_s"] == (samples[0]["total_s"] + samples[1]["total_s"]) / 2
     with platform.client() as admin:  # each sample's function was deleted after its first token
-        assert {f["name"] for f in admin.list()} == {"alpha", "beta"}
+        assert {f.name for f in admin.list()} == {"alpha", "beta"}
 
 
 def test_bench_new_adapter_says_what_is_wrong(platform, cli, tmp_path) -> None:

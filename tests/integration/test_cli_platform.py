@@ -48,7 +48,7 @@ def admin(platform) -> ApiClient:
     with platform.client() as client:
         yield client
         for function in client.list():
-            client.delete(function["name"])
+            client.delete(function.name)
 
 
 @pytest.fixture
@@ -352,7 +352,7 @@ def test_function_yaml_takes_the_flag_spellings_and_names_unknown_keys(tmp_path,
     twice = write_yaml(tmp_path / "twice.yaml", "name: other\nkeep-alive: 3\nkeep_alive_s: 4\n")
     doubled = lorafaas("deploy", "-f", str(twice))
     assert doubled.returncode == 2 and "keep-alive and keep_alive_s" in " ".join(doubled.stderr.split())
-    assert [f["name"] for f in admin.list()] == ["spelled"]
+    assert [f.name for f in admin.list()] == ["spelled"]
 
 
 # -- item 13: --json everywhere, sampling flags, stdin, aliases --------------------------------------------------------
@@ -481,3 +481,30 @@ def test_logs_tail_since_and_follow(platform, admin, adapters, lorafaas) -> None
         if follower is not None:
             follower.terminate()
             follower.wait(30)
+
+
+# -- issue 37: the client decodes typed structs; the CLI prints what the gateway sent ---------------------------------
+
+
+def test_list_keys_list_and_describe_print_the_json_the_gateway_sent(platform, admin, adapters, lorafaas) -> None:
+    deploy(admin, "typed", adapters["alpha"])
+    admin.create_key("typed-team")
+    headers = {"Authorization": f"Bearer {platform.admin_key}"}
+    for argv, path, field in [(("list",), "/v1/functions", "functions"), (("keys", "list"), "/v1/keys", "keys")]:
+        printed = lorafaas(*argv, "--json")
+        assert printed.returncode == 0, printed.stderr
+        sent = httpx.get(platform.url + path, headers=headers, timeout=30).raise_for_status().json()[field]
+        assert json.loads(printed.stdout) == sent and [list(item) for item in json.loads(printed.stdout)] == \
+            [list(item) for item in sent], "the same fields, in the same order"
+        table = lorafaas(*argv)
+        assert table.returncode == 0 and "typed" in table.stdout, table.stderr
+    admin.invoke("typed", {"prompt": PROMPT, "max_tokens": 2})
+    described = lorafaas("describe", "typed", "--json")
+    body = httpx.get(f"{platform.url}/v1/functions/typed", headers=headers, timeout=30).raise_for_status().json()
+    printed = json.loads(described.stdout)
+    # (an instance's state and counters may move between the two reads: its fields are compared by name)
+    assert [list(i) for i in printed.pop("instances")] == [list(i) for i in body.pop("instances")]
+    assert printed == body
+    [instance] = admin.describe("typed")["instances"]
+    assert list(instance["adapter"]) == ["kind", "lora_mode", "held_bytes", "expert_bytes"]
+    assert instance["adapter"]["kind"] == "dense" and instance["adapter"]["held_bytes"] > 0

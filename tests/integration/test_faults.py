@@ -270,5 +270,5 @@ def test_a_full_disk_during_a_deploy_is_a_clear_error_and_leaves_no_half_written
         error = reply.json()["error"]
         assert error["code"] == "storage_full" and "No space left on device" in error["message"], error
         assert sorted(p.name for p in (home / "adapters").iterdir()) == before, "nothing half-written is left"
-        assert [f["name"] for f in admin.list()] == ["small"]
+        assert [f.name for f in admin.list()] == ["small"]
         assert admin.invoke("small", body(3))["usage"]["completion_tokens"] == 3

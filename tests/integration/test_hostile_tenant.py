@@ -387,14 +387,14 @@ def test_reserved_tenant_names_and_other_tenants_in_a_spec_are_refused(platform,
 def test_keys_are_listed_with_their_last_use_and_revoked(platform, admin_headers, cli) -> None:
     with platform.client() as admin:
         created = admin.create_key("keys-a")
-        listed = {k["key_id"]: k for k in admin.list_keys()}
-        assert listed[created["key_id"]]["last_used_at"] is None
+        listed = {k.key_id: k for k in admin.list_keys()}
+        assert listed[created["key_id"]].last_used_at is None
         before = time.time()
         assert httpx.get(f"{platform.url}/v1/functions", timeout=30,
                          headers={"Authorization": f"Bearer {created['key']}"}).status_code == 200
-        used = {k["key_id"]: k for k in admin.list_keys()}[created["key_id"]]["last_used_at"]
+        used = {k.key_id: k for k in admin.list_keys()}[created["key_id"]].last_used_at
         assert used is not None and used >= before - 1
-        admin_id = next(k["key_id"] for k in admin.list_keys() if k["is_admin"])
+        admin_id = next(k.key_id for k in admin.list_keys() if k.is_admin)
     refused = httpx.delete(f"{platform.url}/v1/keys/{admin_id}", headers=admin_headers, timeout=30)
     assert "admin key" in error_of(refused, 403, "forbidden")
     env = {"LORAFAAS_API_KEY": platform.admin_key}

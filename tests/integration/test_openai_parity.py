@@ -168,6 +168,20 @@ def test_parameters_lorafaas_does_not_implement_are_refused_by_name(client, para
     assert error["param"] == param
 
 
+@pytest.mark.parametrize(("tool", "param"), [
+    ({"type": "function", "function": {"parameters": {"type": "object"}}}, "tools[0].function.name"),
+    ({"type": "retrieval", "function": {"name": "f"}}, "tools[0].type"),
+    ({"type": "function", "function": {"name": "f", "parameters": "{}"}}, "tools[0].function.parameters"),
+    ({"type": "function", "function": {"name": "f", "arguments": "{}"}}, "tools[0].function.arguments"),
+    ({"type": "function"}, "tools[0].function"),
+])
+def test_a_malformed_tool_is_a_400_naming_its_field(client, tool, param) -> None:
+    """Issue 37: chat's tools are OpenAI's function tools, typed (the parameters a free-form JSON Schema)."""
+    error = bad_request(lambda: client.chat.completions.create(model="alpha", messages=USER, max_tokens=2,
+                                                               tools=[tool], tool_choice="none"))
+    assert error["param"] == param, error
+
+
 def test_unsupported_parameters_at_their_off_value_and_echo_are_handled(client) -> None:
     off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_k": -1, "logit_bias": {},
            "response_format": {"type": "text"}, "tool_choice": "none", "repetition_penalty": 1}

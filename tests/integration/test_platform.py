@@ -54,14 +54,14 @@ def chat(prompt: str = PROMPT, max_tokens: int = 8, **extra) -> dict:
 
 def cleanup(client: ApiClient) -> None:
     for function in client.list():
-        client.delete(function["name"])
+        client.delete(function.name)
 
 
 def test_deploy_list_describe_invoke_stream_async_delete(admin, adapters) -> None:
     spec = deploy(admin, "alpha", adapters["alpha"])
     try:
         assert spec["version"] == 1 and len(spec["adapter_digest"]) == 64
-        assert [f["name"] for f in admin.list()] == ["alpha"]
+        assert [f.name for f in admin.list()] == ["alpha"]
         answer = admin.invoke("alpha", chat())
         assert answer["usage"]["completion_tokens"] >= 1 and answer["finish_reason"] in ("stop", "length")
         events = list(admin.invoke_stream("alpha", chat()))
@@ -150,7 +150,7 @@ def test_keys_and_tenant_isolation(platform, admin, adapters) -> None:
     with ApiClient(platform.url, key_a) as a, ApiClient(platform.url, key_b) as b:
         deploy(a, "alpha", adapters["alpha"])
         try:
-            assert [f["name"] for f in a.list()] == ["alpha"] and a.list()[0]["tenant"] == "team-a"
+            assert [f.name for f in a.list()] == ["alpha"] and a.list()[0].tenant == "team-a"
             assert b.list() == []
             headers_b = {"Authorization": f"Bearer {key_b}"}
             for method, path, body in [("GET", "/v1/functions/alpha", None),
@@ -263,7 +263,7 @@ def test_functions_survive_a_restart(tmp_path, tiny_dense_dir, adapters) -> None
         assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "stopping the platform stops its instances"
         running.start()
         with running.client() as client:
-            assert sorted(f["name"] for f in client.list()) == ["alpha", "beta", "gamma"]
+            assert sorted(f.name for f in client.list()) == ["alpha", "beta", "gamma"]
             for name, text in answers.items():
                 assert client.invoke(name, chat())["text"] == text
     finally:
@@ -283,7 +283,7 @@ def test_a_platform_on_redis_keeps_its_functions_across_restarts(tmp_path, tiny_
         assert not (tmp_path / "state.db").exists(), "the state lives in Redis, not in SQLite"
         running.start()
         with running.client() as client:
-            assert [f["name"] for f in client.list()] == ["alpha"]
+            assert [f.name for f in client.list()] == ["alpha"]
             assert client.invoke("alpha", chat())["text"] == answer
     finally:
         running.stop()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.platform.agent import AgentConfig, NodeAgent
 from lorafaas.platform.agent.function_state import FunctionState
+from lorafaas.platform.descriptions import FailureView
 from lorafaas.platform.devices import Device
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
@@ -110,7 +111,7 @@ class RecordingLauncher:
     def close(self) -> None:
         pass
 
-    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
+    def describe_failures(self, function: str, since: float = 0.0) -> list[FailureView]:
         return []
 
     def forget_failures(self, function: str) -> None:
@@ -142,8 +143,8 @@ def _bound_own_daemons(launcher: RecordingLauncher, agent: NodeAgent) -> None:
         assert spec.daemon_socket.endswith(f"@{spec.device}.sock"), spec  # never a daemon on another device
     for instance in agent.table.all():
         assert instance.handle.spec.device == instance.device
-        described = agent.describe(agent.functions[instance.function].spec)["instances"]
-        assert described[0]["device"] == agent.table.of_function(instance.function)[0].device
+        described = agent.describe(agent.functions[instance.function].spec).instances
+        assert described[0].device == agent.table.of_function(instance.function)[0].device
 
 
 def test_functions_start_on_the_device_whose_daemon_serves_their_backbone(tmp_path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from lorafaas.platform.descriptions import FailureView, OffloadView
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import AdmissionDecision, FunctionName
 
@@ -34,9 +35,9 @@ class FailureRecord:
         return "hung" if self.reason.startswith("hung") else \
             "start_failed" if self.reason.startswith("start") else "crashed"
 
-    def describe(self) -> dict[str, object]:
-        return {"instance_id": self.instance_id, "pid": self.pid, "reason": self.reason, "version": self.version,
-                "at": self.at}
+    def describe(self) -> FailureView:
+        return FailureView(instance_id=self.instance_id, pid=self.pid, reason=self.reason, version=self.version,
+                           at=self.at)
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class OffloadEvent:
     at: float  # unix time
     reason: str
 
-    def describe(self) -> dict[str, object]:
-        return {"kind": self.kind, "from": self.from_tier, "to": self.to_tier or "dropped", "at": self.at,
-                "reason": self.reason}
+    def describe(self) -> OffloadView:
+        return OffloadView(kind=self.kind, from_tier=self.from_tier, to_tier=self.to_tier or "dropped", at=self.at,
+                           reason=self.reason)
 
 
 @dataclass

@@ -242,7 +242,7 @@ class Instances:
             instance.cold_start[stage] = done.seconds
             instance.loaded.add(stage)
             if stage == "adapter" and done.adapter is not None:
-                instance.adapter = msgspec.to_builtins(done.adapter)
+                instance.adapter = done.adapter
         check()
 
     def _backbone_bytes(self, backbone: str) -> int:

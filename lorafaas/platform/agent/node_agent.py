@@ -40,6 +40,7 @@ from lorafaas.platform.agent.views import describe_function
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.backends.lora_servers import LoraServers
 from lorafaas.platform.compute_gate import ComputeGate
+from lorafaas.platform.descriptions import FunctionDescription
 from lorafaas.platform.devices import start_order
 from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import DeviceShareClock, UsageMeter
@@ -405,7 +406,7 @@ class NodeAgent:
 
     # -- views -------------------------------------------------------------------------------------------------------
 
-    def describe(self, spec: FunctionSpec) -> dict[str, Any]:
+    def describe(self, spec: FunctionSpec) -> FunctionDescription:
         """What `describe` shows of this deployment's life here (never a deleted namesake's)."""
         state = self.functions.get(spec.name)
         if state is None or not state.owns(spec.uid):

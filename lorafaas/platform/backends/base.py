@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.platform.descriptions import FailureView
 
 
 @runtime_checkable
@@ -64,7 +65,7 @@ class Backend(Protocol):
 
     # what the backend saw of a function's instances that did not run (a pod that could not be scheduled, pull its
     # image or stay alive), recorded at `since` (unix time) or later; forgotten when the function is deleted
-    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]: ...
+    def describe_failures(self, function: str, since: float = 0.0) -> list[FailureView]: ...
 
     def forget_failures(self, function: str) -> None: ...
 

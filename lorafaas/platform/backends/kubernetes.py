@@ -52,6 +52,7 @@ from lorafaas.platform.backends.pod_status import (
     pod_name_of,
 )
 from lorafaas.platform.backends.pod_template import PodTemplate
+from lorafaas.platform.descriptions import FailureView
 
 __all__ = ["KubernetesBackend", "KubernetesConfig", "PodInstance", "ReconcileResult"]
 
@@ -232,7 +233,7 @@ class KubernetesBackend:
     def list_function_pods(self) -> list[k8s.V1Pod]:
         return [p for p in self._started().pods() if (pod_meta(p).labels or {}).get(LABEL_COMPONENT) == "function"]
 
-    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
+    def describe_failures(self, function: str, since: float = 0.0) -> list[FailureView]:
         return self.failures.describe(function, since)
 
     def forget_failures(self, function: str) -> None:

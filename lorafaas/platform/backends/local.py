@@ -46,6 +46,7 @@ from lorafaas.platform.backends.local_record import (
     terminate_all,
     wait_gone,
 )
+from lorafaas.platform.descriptions import FailureView
 from lorafaas.platform.devices import check_devices
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.protocols.daemon_config import DaemonConfig
@@ -461,7 +462,7 @@ class LocalLauncher:
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
 
-    def describe_failures(self, function: str, since: float = 0.0) -> list[dict]:
+    def describe_failures(self, function: str, since: float = 0.0) -> list[FailureView]:
         return []  # a local worker that fails is seen by the node agent itself (its process exits)
 
     def forget_failures(self, function: str) -> None:

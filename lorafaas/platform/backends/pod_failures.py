@@ -18,6 +18,7 @@ from lorafaas.platform.backends.pod_status import (
     pod_meta,
     pod_name_of,
 )
+from lorafaas.platform.descriptions import FailureView
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class PodFailures:
         log.warning("%s: pod %s failed: %s: %s", failure.function, failure.pod, failure.reason, failure.message)
         return True
 
-    def describe(self, function: str, since: float = 0.0) -> list[dict]:
+    def describe(self, function: str, since: float = 0.0) -> list[FailureView]:
         with self._lock:
             return [failure.describe() for failure in self._failures.get(function, []) if failure.at >= since]
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from kubernetes import client as k8s
 
+from lorafaas.platform.descriptions import FailureView
+
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -46,15 +48,9 @@ class PodFailure:
     exit_code: int | None = None
     at: float = field(default_factory=time.time)
 
-    def describe(self) -> dict:
-        return {
-            "instance_id": self.instance_id,
-            "pod": self.pod,
-            "reason": self.reason,
-            "message": self.message,
-            "exit_code": self.exit_code,
-            "at": self.at,
-        }
+    def describe(self) -> FailureView:
+        return FailureView(instance_id=self.instance_id, pod=self.pod, reason=self.reason, message=self.message,
+                           exit_code=self.exit_code, at=self.at)
 
 
 def pod_meta(pod: k8s.V1Pod) -> k8s.V1ObjectMeta:

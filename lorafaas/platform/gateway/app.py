@@ -26,7 +26,7 @@ from starlette.routing import Match
 from lorafaas import __version__
 from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge, ServerError
 from lorafaas.function_runtime import messages as m
-from lorafaas.platform.auth import authenticate, create_key, key_id_of
+from lorafaas.platform.auth import KeyInfo, authenticate, create_key, key_id_of
 from lorafaas.platform.gateway.limits import RequestLimits, RequestLimitsMiddleware
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
@@ -48,7 +48,6 @@ from lorafaas.platform.gateway.responses import (
     InvocationRecord,
     InvokeResult,
     KeyCreated,
-    KeyInfo,
     KeyList,
     KeyRevoked,
     Status,
@@ -103,8 +102,9 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     @app.get("/readyz", tags=["health"], response_model=None, responses={
         200: reply(Status, "Serving"),
-        503: {"description": "Starting, or the state store is unreachable",
-              "content": {"application/json": {"schema": {"type": "object"}}}}})
+        503: {"description": "Starting (a Status), or the state store is unreachable (an ErrorBody)",
+              "content": {"application/json": {"schema": {"anyOf": [
+                  {"$ref": "#/components/schemas/Status"}, {"$ref": "#/components/schemas/ErrorBody"}]}}}}})
     async def readyz() -> Response:
         await asyncio.to_thread(service.store.ping)  # a remote store: never waited for on the event loop
         if not is_ready():
@@ -239,9 +239,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
              responses={200: reply(KeyList, "Every key (never the key itself)"), **errors(403)})
     async def list_keys(who: ApiKeyRecord = Depends(caller)) -> Response:
         _require_admin(who)
-        return encoded(KeyList(keys=[KeyInfo(key_id=k.key_id, tenant=k.tenant, is_admin=k.is_admin,
-                                             created_at=k.created_at, last_used_at=k.last_used_at)
-                                     for k in await asyncio.to_thread(service.store.list_keys)]))
+        return encoded(KeyList(keys=[KeyInfo.of(k) for k in await asyncio.to_thread(service.store.list_keys)]))
 
     @app.delete("/v1/keys/{key_id}", tags=["keys"], response_model=None,
                 responses={200: reply(KeyRevoked, "Revoked"), **errors(403, 404)})

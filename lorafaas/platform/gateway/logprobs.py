@@ -18,10 +18,45 @@ that is not valid text on its own can still be told apart.
 
 from __future__ import annotations
 
+import msgspec
+
 from lorafaas.function_runtime.messages import TokenLogprob, TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: a token the model rules out would otherwise be -inf
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound (OpenAI's)
+
+
+class ChatTopLogprob(msgspec.Struct, kw_only=True):
+    """One of a chat token's most likely alternatives (OpenAI's `TopLogprob`)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]  # the UTF-8 of `token` as shown
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    """One generated token of a chat choice (OpenAI's `ChatCompletionTokenLogprob`)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]  # most likely first; empty with top_logprobs 0
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """A chat choice's (or chunk's) `logprobs` (OpenAI's `ChoiceLogprobs`)."""
+
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """A completion choice's (or chunk's) `logprobs` (OpenAI's legacy `Logprobs`): four lists, one entry per
+    token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # token -> logprob: the sampled token and the most likely alternatives
+    text_offset: list[int]  # where each token's text starts in the choice's text
 
 
 class LogprobsShaper:
@@ -38,37 +73,39 @@ class LogprobsShaper:
         if logprobs is not None:
             self._pending.append(logprobs)
 
-    def take(self) -> dict | None:
+    def take(self) -> ChatLogprobs | CompletionLogprobs | None:
         """The entries added since the last take, shaped; None when there are none."""
         if not self._pending:
             return None
         entries, self._pending = self._pending, []
         return self._chat(entries) if self.chat else self._completion(entries)
 
-    def _chat(self, entries: list[TokenLogprobs]) -> dict:
-        return {"content": [
-            self._chat_entry(e.sampled) | {"top_logprobs": [self._chat_entry(t) for t in e.top[: self.num_top]]}
-            for e in entries
-        ]}
+    def _chat(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            sampled = self._chat_top(entry.sampled)
+            content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes,
+                                            top_logprobs=[self._chat_top(t) for t in entry.top[: self.num_top]]))
+        return ChatLogprobs(content=content)
 
-    def _completion(self, entries: list[TokenLogprobs]) -> dict:
-        shaped: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    def _completion(self, entries: list[TokenLogprobs]) -> CompletionLogprobs:
+        shaped = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for entry in entries:
             token = self._token(entry.sampled)
-            shaped["tokens"].append(token)
-            shaped["token_logprobs"].append(_clamp(entry.sampled.logprob))
+            shaped.tokens.append(token)
+            shaped.token_logprobs.append(_clamp(entry.sampled.logprob))
             top = {token: _clamp(entry.sampled.logprob)}
             for alternative in entry.top[: self.num_top]:
                 top.setdefault(self._token(alternative), _clamp(alternative.logprob))
-            shaped["top_logprobs"].append(top)
-            shaped["text_offset"].append(self._text_offset)
+            shaped.top_logprobs.append(top)
+            shaped.text_offset.append(self._text_offset)
             self._text_offset += len(entry.sampled.token)
         return shaped
 
-    def _chat_entry(self, token: TokenLogprob) -> dict:
+    def _chat_top(self, token: TokenLogprob) -> ChatTopLogprob:
         shown = self._token(token)
-        return {"token": shown, "logprob": _clamp(token.logprob),
-                "bytes": list(shown.encode("utf-8", errors="replace"))}
+        return ChatTopLogprob(token=shown, logprob=_clamp(token.logprob),
+                              bytes=list(shown.encode("utf-8", errors="replace")))
 
     def _token(self, token: TokenLogprob) -> str:
         return f"token_id:{token.token_id}" if self.as_token_ids else token.token

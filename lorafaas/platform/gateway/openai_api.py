@@ -87,7 +87,7 @@ def openai_router(service: FunctionService, metrics: GatewayMetrics,
             spec = await service.aget(who, body.model)
             tools = None
             if body.tools or body.tool_choice is not None:
-                tools = tools_to_render(body.tools, body.tool_choice, spec.backbone,
+                tools = tools_to_render(body.tools_as_sent(), body.tool_choice, spec.backbone,
                                         service.models.path(spec.backbone))
             requested, param = body.requested_max_tokens()
             max_tokens = await max_tokens_for(service, spec, requested, CHAT_DEFAULT_MAX_TOKENS, param)

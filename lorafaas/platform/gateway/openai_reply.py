@@ -11,9 +11,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from lorafaas.errors import LorafaasError, ServerError
 from lorafaas.function_runtime import messages as m
-from lorafaas.platform.gateway.logprobs import LogprobsShaper
+from lorafaas.platform.gateway.logprobs import ChatLogprobs, CompletionLogprobs, LogprobsShaper
 from lorafaas.platform.gateway.streaming import InvocationEvents, error_body, sse
 from lorafaas.platform.service import FunctionService
 
@@ -83,7 +85,7 @@ class ChoicesReply:
             self._shapers[index] = LogprobsShaper(self.chat, *self.logprobs)
         return self._shapers[index]
 
-    def _take_logprobs(self, index: int) -> dict | None:
+    def _take_logprobs(self, index: int) -> ChatLogprobs | CompletionLogprobs | None:
         shaper = self._shaper(index)
         return None if shaper is None else shaper.take()
 
@@ -99,7 +101,7 @@ class ChoicesReply:
     def _delta(self, index: int, delta: dict, finish_reason: str | None, text: str = "") -> dict:
         """A chunk's choice, carrying the logprobs of that choice's tokens since its last chunk (a token whose text
         is held back, a partial character or a possible stop string, has its entry in the chunk showing the text)."""
-        logprobs = self._take_logprobs(index)
+        logprobs = msgspec.to_builtins(self._take_logprobs(index))  # a chunk is encoded as built (`sse`)
         if self.chat:
             return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}

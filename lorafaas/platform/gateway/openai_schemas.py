@@ -7,7 +7,7 @@ any field neither defines, is a 400 naming it (`param`): nothing a caller sends 
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
@@ -102,6 +102,26 @@ class ToolCallIn(BaseModel):
     function: FunctionCallIn
 
 
+class FunctionDefinitionIn(BaseModel):
+    """A tool's function (OpenAI's `FunctionDefinition`, vLLM's): what the chat template renders."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    # A JSON Schema of the function's arguments: arbitrary JSON by definition, so a free-form mapping, passed to the
+    # chat template as sent.
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolIn(BaseModel):
+    """One of chat's `tools` (OpenAI's `ChatCompletionFunctionToolParam`): a function tool, the only kind."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinitionIn
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -194,8 +214,8 @@ class ChatBody(OpenAIBody):
     endpoint_off_values: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict] | None = Field(None, description="rendered by a chat template that reads them, with "
-                                     'tool_choice "none"; otherwise a 400 naming tools (docs/platform.md)')
+    tools: list[ToolIn] | None = Field(None, description="rendered by a chat template that reads them, with "
+                                       'tool_choice "none"; otherwise a 400 naming tools (docs/platform.md)')
     tool_choice: str | dict | None = Field(None, description='"none" (or absent without tools)')
     logprobs: StrictBool | None = Field(None, description="return each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -211,6 +231,10 @@ class ChatBody(OpenAIBody):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def tools_as_sent(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template: the fields the request gave, nothing defaulted in."""
+        return None if self.tools is None else [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
     def records(self) -> list[ChatMessage]:
         return [message.to_record(i) for i, message in enumerate(self.messages)]

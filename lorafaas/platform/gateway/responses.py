@@ -13,7 +13,10 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from lorafaas.platform.service import FunctionDescription, UsageReport
+from lorafaas.platform.auth import KeyInfo
+from lorafaas.platform.descriptions import FunctionDescription
+from lorafaas.platform.gateway.logprobs import ChatLogprobs, CompletionLogprobs
+from lorafaas.platform.service import UsageReport
 from lorafaas.platform.state.records import FunctionSpec, InvocationRecord
 
 # -- native routes ------------------------------------------------------------------------------------------------
@@ -71,14 +74,6 @@ class KeyCreated(msgspec.Struct, kw_only=True):
     key: str  # shown once
 
 
-class KeyInfo(msgspec.Struct, kw_only=True):
-    key_id: str
-    tenant: str
-    is_admin: bool
-    created_at: float
-    last_used_at: float | None
-
-
 class KeyList(msgspec.Struct, kw_only=True):
     keys: list[KeyInfo]
 
@@ -106,7 +101,7 @@ class ModelList(msgspec.Struct, kw_only=True):
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     finish_reason: str
-    logprobs: dict[str, Any] | None  # tokens, token_logprobs, top_logprobs, text_offset
+    logprobs: CompletionLogprobs | None
     text: str
 
 
@@ -127,7 +122,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     finish_reason: str
-    logprobs: dict[str, Any] | None  # content: [{token, logprob, bytes, top_logprobs}]
+    logprobs: ChatLogprobs | None
     message: AssistantMessage
 
 
@@ -143,7 +138,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class OutputText(msgspec.Struct, kw_only=True):
     type: Literal["output_text"]
     text: str
-    annotations: list[Any]
+    annotations: tuple[()]  # lorafaas makes none (OpenAI's are citations)
 
 
 class OutputMessage(msgspec.Struct, kw_only=True):
@@ -199,7 +194,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     temperature: float
     top_p: float
     tool_choice: str
-    tools: list[Any]
+    tools: tuple[()]  # a request with tools is refused (responses_api.py)
     text: TextConfig
     store: bool
     metadata: dict[str, str]

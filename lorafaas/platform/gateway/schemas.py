@@ -42,6 +42,7 @@ class JsonSchemaIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="the schema's name (OpenAI requires one)")
     description: str | None = None
+    # A JSON Schema is arbitrary JSON by definition: a free-form mapping here, checked when it is compiled.
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema")
     strict: StrictBool | None = Field(None, description="accepted either way: lorafaas always enforces the schema "
                                       "exactly")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from lorafaas.errors import InvalidInput
 
@@ -36,7 +37,8 @@ def chat_template_text(model_dir: Path) -> str:
     return template or ""
 
 
-def tools_to_render(tools: list | None, tool_choice: str | dict | None, backbone: str, model_dir: Path) -> str | None:
+def tools_to_render(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None, backbone: str,
+                    model_dir: Path) -> str | None:
     """The tool definitions to give the chat template (JSON text), or None; refuses what it cannot honour by name."""
     if not tools:
         if tool_choice not in (None, "none"):

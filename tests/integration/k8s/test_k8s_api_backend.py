@@ -66,8 +66,8 @@ def test_a_pod_whose_image_cannot_be_pulled_fails_the_launch_and_is_recorded(rel
         backend.launch(spec, timeout_s=START_S)
     wait_until(lambda: release.pod(backend.pod_name(spec)) is None, "the failed pod deleted")
     [failure] = backend.describe_failures("pirate")
-    assert failure["reason"] == "ImagePullBackOff" and failure["instance_id"] == spec.instance_id
-    assert UNPULLABLE in failure["message"]
+    assert failure.reason == "ImagePullBackOff" and failure.instance_id == spec.instance_id
+    assert UNPULLABLE in failure.message
     assert backend.instances == []
 
 
@@ -78,7 +78,7 @@ def test_an_unschedulable_pod_fails_with_the_schedulers_reason(release: Release,
     spec = backend.spec("pirate", BACKBONE, None)
     with pytest.raises(InstanceUnavailable, match="Insufficient memory"):
         backend.launch(spec, timeout_s=8)
-    assert [f["reason"] for f in backend.describe_failures("pirate")] == ["Unschedulable"]
+    assert [f.reason for f in backend.describe_failures("pirate")] == ["Unschedulable"]
     wait_until(lambda: not release.function_pods(), "the pending pod deleted")
 
 
@@ -98,9 +98,9 @@ def test_failures_of_running_pods_reach_describe_through_the_watch(release: Rele
     wait_until(lambda: backend.describe_failures("oom") and backend.describe_failures("evicted"),
                "both failures seen by the watch")
     [killed] = backend.describe_failures("oom")
-    assert (killed["reason"], killed["exit_code"]) == ("OOMKilled", 137)
+    assert (killed.reason, killed.exit_code) == ("OOMKilled", 137)
     [gone] = backend.describe_failures("evicted")
-    assert gone["reason"] == "Evicted" and "low on resource" in gone["message"]
+    assert gone.reason == "Evicted" and "low on resource" in gone.message
     assert not oom.alive() and not evicted.alive()
 
 
@@ -122,7 +122,7 @@ def test_a_restarted_controller_adopts_healthy_pods_and_deletes_failed_and_orpha
     assert result.deleted == (pods["orphan"],)
     assert set(result.created) == {specs["crashed"].instance_id, specs["missing"].instance_id}
     assert sorted(i.spec.instance_id for i in after.instances) == sorted(s.instance_id for s in wanted)
-    assert [f["reason"] for f in after.describe_failures("crashed")] == ["OOMKilled"]
+    assert [f.reason for f in after.describe_failures("crashed")] == ["OOMKilled"]
     wait_until(lambda: {p.metadata.name for p in release.function_pods()}
                == {after.pod_name(s) for s in wanted}, "only the wanted pods left")
 
@@ -172,7 +172,7 @@ def test_an_evicted_pod_by_the_eviction_api_is_seen_gone_like_kubectl_drain_does
     wait_until(lambda: release.pod(instance.pod_name) is None, "the pod gone")
     [failure] = wait_until(lambda: backend.describe_failures("drained"), "the deletion recorded")
     assert instance not in backend.instances
-    assert failure["reason"] == "Deleted"
+    assert failure.reason == "Deleted"
 
 
 def test_the_service_account_may_make_every_call_the_backend_makes_and_nothing_else(release: Release, serving):
