@@ -43,6 +43,7 @@ class FakeWorker:
 
 class FakeHandle:
     pid = None
+    adopted = False
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -75,6 +76,7 @@ class RecordingLauncher:
     """GPUs whose daemons serve given backbones; records every worker spec it launches."""
 
     zygote_pid = None
+    keeps_instances = False
 
     def __init__(self, root: Path, daemons: dict[str, set[str]]) -> None:
         self.store = FakeStore(root)

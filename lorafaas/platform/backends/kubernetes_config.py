@@ -32,6 +32,7 @@ class KubernetesConfig:
     delete_timeout_s: float = 30.0
     adopt_window_s: float = 120.0  # after a restart: how long the previous controller's pods wait to be claimed
     listen_on_pod_ip: bool = False  # workers bind their pod IP, not 0.0.0.0 (pods sharing one network: tests)
+    agent_port: int | None = None  # the node agents' liveness port (their holder's); None: not probed
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -39,6 +40,8 @@ class KubernetesConfig:
         if not (NAMESPACE.match(self.namespace) and len(self.namespace) <= 63):
             raise InvalidInput(f"namespace {self.namespace!r} is not a DNS label")
         check_release(self.release)
+        if self.agent_port is not None and not 0 < self.agent_port < 65536:
+            raise InvalidInput(f"agent port is {self.agent_port}; it must lie between 1 and 65535")
         if not 0 <= self.adopt_window_s <= 3600:
             raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
 
@@ -58,6 +61,7 @@ class KubernetesConfig:
             device=device,
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
             listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
+            agent_port=int(os.environ["LORAFAAS_AGENT_PORT"]) if os.environ.get("LORAFAAS_AGENT_PORT") else None,
         )
 
     @property
