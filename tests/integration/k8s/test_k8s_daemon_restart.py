@@ -44,8 +44,9 @@ def test_a_daemon_killed_on_a_node_is_restarted_by_the_kubelet_and_maps_the_same
         [agent] = [p for p in cluster.ready("node-agent") if p.spec.node_name == pod.spec.node_name]
         killed = runtime.pids(agent.metadata.uid)[CONTAINER]
         [inode] = wait_until(lambda: segment_inodes(killed), "the daemon's segment", 60)
-        holder = runtime.pids(agent.metadata.uid)["holder"]
-        wait_until(lambda: inode in segment_inodes(holder), "the holder holding the segment", 60)
+        holder = runtime.pids(agent.metadata.uid).get("holder")
+        if holder is not None:  # (a chart without one: the restarted daemon has nothing to adopt)
+            wait_until(lambda: inode in segment_inodes(holder), "the holder holding the segment", 60)
 
         os.killpg(killed, signal.SIGKILL)
         restarted = wait_until(lambda: (pid := runtime.pids(agent.metadata.uid).get(CONTAINER)) != killed and pid,
