@@ -28,6 +28,7 @@ from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon import adoption
 from lorafaas.backbone_daemon.base_pass import BasePassExecutor
 from lorafaas.backbone_daemon.loader import load_into_segment
+from lorafaas.backbone_daemon.segment_holder import fetch_held_segment
 from lorafaas.config import LorafaasConfig
 from lorafaas.cuda_ipc.shm import list_segments, unlink_segment
 from lorafaas.errors import (
@@ -137,6 +138,11 @@ class BackboneDaemon:
         it holds these weights; the descriptor is closed otherwise."""
         record = adoption.read_record(self.paths.record)
         fd = self.config.adopt_fd
+        if fd is None and record is not None:  # restarted by a kubelet: a node agent's holder may keep it
+            fd = fetch_held_segment(self.paths.holder)
+            if fd is not None:
+                log.info("daemon %d: the segment holder handed over daemon %d's segment", os.getpid(),
+                         record.daemon_pid)
         if fd is None:
             if record is not None:
                 log.info("daemon %d: daemon %d's segment was not handed over; loading the backbone again",

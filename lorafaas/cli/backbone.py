@@ -117,3 +117,39 @@ def serve(
         print(paths.socket, flush=True)
 
     serve_daemon(daemon_config, on_ready=ready)
+
+
+@app.command("hold")
+def hold(
+    ctx: typer.Context,
+    names: list[str] = typer.Argument(..., help="The backbones whose daemons this node runs."),
+    device: str = typer.Option("cpu", "--device", help="Their device: cpu (a GPU daemon's segment is not held)."),
+    port: int | None = typer.Option(None, "--port", help="Answer liveness probes on this TCP port.",
+                                    show_default=False),
+) -> None:
+    """Hold each backbone daemon's segment, so that a daemon restarted after a crash maps the same copy.
+
+    The node agent's companion on Kubernetes (the kubelet restarts the daemons); runs until SIGTERM.
+    """
+    import logging
+    import signal
+
+    from rich.logging import RichHandler
+
+    from lorafaas.backbone_daemon.segment_holder import SegmentHolder
+    from lorafaas.protocols.daemon_config import DaemonConfig
+
+    config: LorafaasConfig = ctx.obj
+    if port is not None and not 0 < port < 65536:
+        raise typer.BadParameter(f"port is {port}; it must lie between 1 and 65535", param_hint="--port")
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(console=err_console, show_path=False)])
+    holder = SegmentHolder([DaemonConfig(home=config.home, backbone=name, device=device) for name in names],
+                           port=port)
+    signal.signal(signal.SIGTERM, lambda *_: holder.stop())
+    try:
+        holder.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        holder.stop()

@@ -87,7 +87,7 @@ class Instance:
     last_progress_s: float = 0.0  # agent clock: the last token, heartbeat or dispatch while it held requests
     num_steps: int = -1  # the worker's engine steps at the last heartbeat (-1: none yet)
     cold_start: dict[str, float] = field(default_factory=dict)  # seconds per step of the start that made it
-    start_kind: str = ""  # why it was started (libraries_preloaded, scale_out, prewarm, redeploy)
+    start_kind: str = ""  # why it was started (libraries_preloaded, scale_out, prewarm, redeploy) or adopted
     ready_s: float = 0.0  # agent clock: when its start finished (a request that arrived before waited for it)
     backbone_bytes: int = 0  # the backbone copy it is bound to (shared with the instances on that backbone)
     loaded: set[str] = field(default_factory=set)  # artifact kinds loaded in it

@@ -98,7 +98,8 @@ class UsageMeter:
     def charge_dispatch(self, table: InstanceTable, instance: Instance, dispatched_s: float) -> None:
         """What a request dispatched to `instance` is charged besides its device share."""
         self.dispatched_s, self.instance_id = dispatched_s, instance.instance_id
-        if instance.ready_s >= self.arrived_s:  # it became ready after the request arrived: the request waited
+        # it became ready after the request arrived: the request waited for its start (an adopted one ran already)
+        if instance.ready_s >= self.arrived_s and instance.start_kind != "adopted":
             self.cold_start, self.cold_start_s = instance.start_kind, dict(instance.cold_start)
         self.active_bytes = instance.backbone_bytes + adapter_bytes(instance)
         if instance.in_flight == 1:  # it was idle until this request: the keep-alive since is charged to it

@@ -177,6 +177,7 @@ class Platform:
         await self.agent.start()
         restored = await self.service.restore()
         log.info("restored %d function(s) from the store", restored)
+        await self.agent.adopt()  # before serving: what a previous controller left running serves warm
         demo_names: list[str] = []
         if self.config.demo:
             from lorafaas.platform.demo_functions import deploy_demo_functions

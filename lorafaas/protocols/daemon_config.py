@@ -70,6 +70,7 @@ class DaemonPaths:
     lock: Path
     record: Path  # the sealed segment and its leases, for a successor to adopt (see adoption.py)
     base_pass: Path  # a CPU daemon's base-pass executor (`lorafaas.protocols.base_pass`), beside the socket
+    holder: Path  # where a node agent's holder hands a restarted daemon its segment (segment_holder.py)
     segment_prefix: str  # every segment of this (home, backbone, device) starts with it, followed by a pid
 
     @classmethod
@@ -88,6 +89,7 @@ class DaemonPaths:
             lock=run_dir / f"{stem}.lock",
             record=run_dir / f"{stem}.segment",
             base_pass=base_pass_socket(socket),
+            holder=socket.with_name(f"{stem}.holder.sock"),
             segment_prefix=f"{SEGMENT_PREFIX}{home_tag}.{backbone}.{device.replace(':', '-')}.",
         )
 

@@ -7,9 +7,12 @@ over the socket: nothing of ours ever appears in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -302,3 +305,51 @@ def test_stopping_a_daemon_whose_socket_is_already_gone_waits_for_it_instead_of_
     os.kill(process.pid, signal.SIGSTOP)  # caught between removing its socket and exiting
     config.paths.socket.unlink()
     assert stop_daemon(process, config.paths.socket, force=True, timeout_s=1.0) == -signal.SIGKILL
+
+
+def _held_inodes(pid: int, prefix: str) -> set[int]:
+    """The inodes of the segments process `pid` holds a descriptor of."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(fd).startswith(f"/memfd:{prefix}"):
+                inodes.add(os.stat(fd).st_ino)
+    return inodes
+
+
+def test_a_daemon_restarted_with_no_descriptor_adopts_the_one_the_node_agents_holder_keeps(daemons) -> None:
+    """On Kubernetes the kubelet restarts a killed daemon's container and hands it nothing: the node agent's segment
+    holder (`lorafaas backbone hold`, another container of its pod) keeps the segment and hands it over, so the
+    restarted daemon maps the same copy. The holder also answers the controller's liveness probe."""
+    home = daemons.home()
+    config, first = daemons.start(home)
+    inode, contents = _segment_digest(config)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with (home / "holder.log").open("ab") as log:
+        holder = subprocess.Popen([sys.executable, "-m", "lorafaas", "--home", str(home), "backbone", "hold", BACKBONE,
+                                   "--port", str(port)], stdout=log, stderr=log)
+    try:
+        _wait_for(lambda: holder.poll() is not None or _held_inodes(holder.pid, config.paths.segment_prefix) == {inode},
+                  READY_TIMEOUT_S)
+        assert holder.poll() is None, (home / "holder.log").read_text()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as alive:
+            assert alive.recv(8) == b"ok\n"
+        with _probe(config, "fn-survivor") as survivor:
+            before = survivor.wait_report()
+            first.kill()
+            first.wait()
+            _config, second = daemons.start(home)  # no --adopt-fd: as the kubelet starts it
+            with DaemonClient.connect(config.paths.socket) as client:
+                status = client.status()
+            assert status.adopted_from_pid == first.pid and status.num_leases_adopted == 1
+            assert _segment_digest(config) == (inode, contents)  # the same memfd: one copy, not a second load
+            assert survivor.request("report").logits_sha256 == before.logits_sha256
+        _wait_for(lambda: _leases(config) == {})
+        assert stop_daemon(second, config.paths.socket) == 0
+    finally:
+        holder.terminate()
+        holder.wait(30)
+    assert holder.returncode == 0, (home / "holder.log").read_text()
+    assert not config.paths.holder.exists()

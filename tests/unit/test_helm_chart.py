@@ -128,13 +128,18 @@ def test_redis_persists_append_only_or_an_external_url_replaces_it() -> None:
         render({"redis": {"enabled": False}})
 
 
+def daemons(agent_pod_spec: dict) -> list[dict]:
+    """The node agent's daemon containers (one per backbone; the holder is the other)."""
+    return [c for c in agent_pod_spec["containers"] if c["name"].startswith("daemon-")]
+
+
 def test_gpu_values_request_gpus_and_select_gpu_nodes_cpu_values_request_none() -> None:
     gpu = render(values_of("gpu"))
     agent = by_kind(gpu, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
     assert agent["hostIPC"] is True
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == "1" for c in agent["containers"])
+    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == "1" for c in daemons(agent))
     assert agent["containers"][0]["image"] == "lorafaas/node-agent:0.1.0-cuda"
     assert "cuda:0" in agent["containers"][0]["args"]
     assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -149,9 +154,18 @@ def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_
     objects = render({"nodeAgent": {"backbones": ["smollm2-135m", "tiny"]}})
     agent = by_kind(objects, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]
     assert agent["metadata"]["annotations"]["lorafaas.io/backbones"] == "smollm2-135m,tiny"
-    containers = agent["spec"]["containers"]
+    containers = daemons(agent["spec"])
     assert [c["args"][4] for c in containers] == ["smollm2-135m", "tiny"]
     assert containers[1]["readinessProbe"]["exec"]["command"] == ["test", "-S", "/var/lib/lorafaas/run/tiny@cpu.sock"]
+    # beside them the holder: their segments across a restart, and the liveness port the controller probes
+    [holder] = [c for c in agent["spec"]["containers"] if c["name"] == "holder"]
+    assert holder["args"] == ["--home", "/var/lib/lorafaas", "backbone", "hold", "smollm2-135m", "tiny",
+                              "--device", "cpu", "--port", "9100"]
+    assert holder["readinessProbe"]["tcpSocket"] == {"port": "agent"}
+    controller = by_kind(objects, "Deployment")["lorafaas-controller"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "LORAFAAS_AGENT_PORT", "value": "9100"} in controller["env"]
+    policy = by_kind(objects, "NetworkPolicy")["lorafaas-node-agent"]["spec"]
+    assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9100}]
     volumes = {v["name"]: v for v in agent["spec"]["volumes"]}
     assert volumes["shm"] == {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}  # not the host's
     assert volumes["home"]["hostPath"] == {"path": "/var/lib/lorafaas", "type": "DirectoryOrCreate"}
@@ -169,7 +183,7 @@ def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_
 def test_the_daemons_float32_kernel_is_measured_unless_set_and_a_bad_setting_is_refused() -> None:
     def kernels(values: dict | None) -> list[str]:
         agent = by_kind(render(values), "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
-        return [{e["name"]: e["value"] for e in c["env"]}["LORAFAAS_CPU_LINEAR"] for c in agent["containers"]]
+        return [{e["name"]: e["value"] for e in c["env"]}["LORAFAAS_CPU_LINEAR"] for c in daemons(agent)]
 
     assert kernels(None) == ["auto"]
     assert kernels({"nodeAgent": {"cpuLinear": "torch", "backbones": ["smollm2-135m", "tiny"]}}) == ["torch", "torch"]

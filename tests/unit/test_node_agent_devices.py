@@ -44,6 +44,7 @@ class FakeWorker:
 
 class FakeHandle:
     pid = None
+    adopted = False
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -76,6 +77,7 @@ class RecordingLauncher:
     """GPUs whose daemons serve given backbones; records every worker spec it launches."""
 
     zygote_pid = None
+    keeps_instances = False
 
     def __init__(self, root: Path, daemons: dict[str, set[str]]) -> None:
         self.store = FakeStore(root)

@@ -107,7 +107,10 @@ class Instances:
         for task in self._probes.values():
             task.cancel()
         for instance in self.table.all():
-            await self.stop(instance, "the node agent is stopping")
+            if self.launcher.keeps_instances and instance.state in ("ready", "draining"):
+                await self._leave_running(instance)
+            else:
+                await self.stop(instance, "the node agent is stopping")
         await asyncio.to_thread(self.launcher.close)
         if self.gate is not None:
             await self.gate.stop()
@@ -178,14 +181,15 @@ class Instances:
             launching.cancel()
         instance.cold_start["total"] = time.perf_counter() - started
         instance.staged = True
-        instance.start_kind = kind
+        adopted = instance.handle is not None and instance.handle.adopted  # running already: no cold start
+        instance.start_kind = "adopted" if adopted else kind
         instance.last_used_s = instance.last_progress_s = instance.ready_s = self.clock()
         self._spawn(self._watch(instance))
         state = self._state_of(instance)
-        if state is not None:
+        if state is not None and not adopted:
             state.record_cold_start(kind, instance.cold_start, scale_out)
-        log.info("%s: instance %s (pid %s) started in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
-                 instance.cold_start["total"] * 1e3, kind)
+        log.info("%s: instance %s (pid %s) %s in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
+                 "adopted" if adopted else "started", instance.cold_start["total"] * 1e3, instance.start_kind)
         self._on_ready(instance)
         return instance
 
@@ -269,8 +273,7 @@ class Instances:
     async def stop(self, instance: Instance, reason: str = "") -> None:
         if instance.state in ("stopping", "stopped", "crashed"):
             return
-        if instance.staged and not instance.in_flight and self.on_keep_alive is not None:
-            self.on_keep_alive(instance, idle_s(instance, self.clock()), idle_bytes(self.table, instance))
+        self._charge_keep_alive(instance)
         self.table.transition(instance, "stopping", reason)
         if instance.client is not None:
             with contextlib.suppress(LorafaasError, OSError):
@@ -278,6 +281,19 @@ class Instances:
         await self.kill(instance, 15)
         self.table.transition(instance, "stopped")
         self._on_gone(instance, False)
+
+    async def _leave_running(self, instance: Instance) -> None:
+        """The agent stops but the instance outlives it (a pod): only our connection closes; the next controller
+        adopts it."""
+        self._charge_keep_alive(instance)
+        self.table.transition(instance, "stopping", "left running for the next controller")
+        if instance.client is not None:
+            await instance.client.close()
+        self.table.transition(instance, "stopped")
+
+    def _charge_keep_alive(self, instance: Instance) -> None:
+        if instance.staged and not instance.in_flight and self.on_keep_alive is not None:
+            self.on_keep_alive(instance, idle_s(instance, self.clock()), idle_bytes(self.table, instance))
 
     async def _watch(self, instance: Instance) -> None:
         assert instance.client is not None

@@ -103,6 +103,27 @@ class NodeAgent:
         await self.instances.start_pool()
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
+    async def adopt(self) -> int:
+        """Take over the instances a previous controller left running (`Backend.adoptable`: pods after an upgrade)
+        for the functions deployed here, so that they serve warm; the others the backend deletes after its adopt
+        window. Returns how many were adopted."""
+        left = await asyncio.to_thread(self.launcher.adoptable)
+        starts = []
+        for worker in left:
+            state = self.functions.get(worker.function)
+            if state is None or worker.deployment != state.spec.uid:
+                continue
+            if worker.adapter_dir != str(self.instances.adapter_path(state.spec.adapter_digest)):
+                continue  # an older version's adapter: not what the function serves now
+            starts.append(self.instances.start(state.spec, REQUEST_STAGES, "prewarm", self._start_order(state.spec)[0]))
+        started = await asyncio.gather(*starts, return_exceptions=True)
+        for failure in [s for s in started if isinstance(s, LorafaasError)]:
+            log.warning("adopting an instance failed: %s", failure.message)
+        adopted = sum(1 for s in started if isinstance(s, Instance) and s.start_kind == "adopted")
+        if left:
+            log.info("adopted %d of %d instance(s) a previous controller left running", adopted, len(left))
+        return adopted
+
     async def stop(self) -> None:
         if self._reconciler:
             self._reconciler.cancel()

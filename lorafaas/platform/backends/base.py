@@ -33,6 +33,9 @@ class InstanceRef(Protocol):
 
     async def connect(self) -> WorkerClient: ...
 
+    @property
+    def adopted(self) -> bool: ...  # found running, left by a previous controller (not started for this launch)
+
     def alive(self) -> bool: ...
 
     def kill(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None: ...
@@ -43,6 +46,9 @@ class Backend(Protocol):
     store: ModelStore  # backbones: their config and sizes, read by the node agent's scheduler
     instances: list  # the InstanceRefs launched and not yet stopped
     log_dir: Path  # the platform's logs (per deployment, billing); on Kubernetes workers log to their pods instead
+    # True where instances outlive the controller (pods): stopping leaves them running and `close()` does not stop
+    # them; the next controller finds them in `adoptable()` and its launches of the same specs adopt them
+    keeps_instances: bool
 
     # -- function instances ----------------------------------------------------------------------------------------
 
@@ -61,7 +67,9 @@ class Backend(Protocol):
 
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> InstanceRef: ...
 
-    def close(self) -> None: ...  # stop every instance (and daemon) this backend started
+    def close(self) -> None: ...  # stop every instance (and daemon) this backend started, unless keeps_instances
+
+    def adoptable(self) -> list[WorkerSpec]: ...  # what a previous controller left running, waiting to be claimed
 
     # what the backend saw of a function's instances that did not run (a pod that could not be scheduled, pull its
     # image or stay alive), recorded at `since` (unix time) or later; forgotten when the function is deleted

@@ -50,6 +50,7 @@ from lorafaas.platform.backends.pod_status import (
     pod_ip,
     pod_meta,
     pod_name_of,
+    pod_spec,
 )
 from lorafaas.platform.backends.pod_template import PodTemplate
 from lorafaas.platform.descriptions import FailureView
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 
 class KubernetesBackend:
     """Function pods for the node agent; the backbone daemons belong to the node-agent DaemonSet."""
+
+    keeps_instances = True  # pods outlive the controller: see close()
 
     def __init__(self, config: KubernetesConfig, core: k8s.CoreV1Api | None = None,
                  adapter_access: AdapterAccess | None = None) -> None:
@@ -86,15 +89,27 @@ class KubernetesBackend:
         if self.cache.started:
             return
         self.cache.start(timeout_s)
+        self.agents.start()
         self.pod_template.check()
         self.adoption.take_stock()
 
     def stop(self) -> None:
         """Stop following; the pods stay (a controller restart adopts them)."""
         self.adoption.cancel()
+        self.agents.stop()
         self.cache.stop()
 
     def close(self) -> None:
+        """Stop following and leave the pods running: a controller stops for an upgrade, a move or a restart, and the
+        next one adopts them. `helm uninstall` deletes them through their owner (the template ConfigMap)."""
+        self.instances.clear()
+        self.stop()
+
+    def adoptable(self) -> list[WorkerSpec]:
+        self._started()
+        return self.adoption.waiting()
+
+    def delete_instances(self) -> None:
         """Delete every pod this controller runs, then stop."""
         for instance in list(self.instances):
             with contextlib.suppress(InstanceUnavailable):
@@ -193,7 +208,7 @@ class KubernetesBackend:
                 return seen  # gone after it was seen (before, the watch has not caught up yet)
             seen = True
             return (pod_meta(pod).deletion_timestamp is not None or pod_failure(pod) is not None
-                    or (is_ready(pod) and bool(pod_ip(pod))))
+                    or (is_ready(pod) and bool(pod_ip(pod))) or self.agents.lost(pod_spec(pod).node_name))
 
         pod = self.cache.wait_for(name, settled, timeout_s)
         if pod is None and seen:
@@ -207,6 +222,12 @@ class KubernetesBackend:
             raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
         if pod is not None and is_ready(pod) and (ip := pod_ip(pod)):
             return PodInstance(spec, name, ip, self)
+        if pod is not None and self.agents.lost(node := pod_spec(pod).node_name):  # its machine is gone: not waited
+            self.failures.record(PodFailure(spec.function, spec.instance_id, name, "NodeLost",
+                                            f"the node agent on {node} stopped answering"))
+            self.delete_pod(name, grace_period_s=0)
+            raise InstanceUnavailable(f"{spec.function}: pod {name} was placed on {node}, whose node agent stopped "
+                                      "answering")
         reason, message = pending_reason(pod)
         self.failures.record(PodFailure(spec.function, spec.instance_id, name, reason,
                                         f"not ready after {timeout_s:.0f} s: {message}"))

@@ -35,6 +35,7 @@ class KubernetesConfig:
     # The controller's URL as function pods reach it (its Service): each pod fetches its adapter from it into its own
     # volume. None: pods mount their adapter from the home (a home every node shares, or one node).
     adapter_url: str | None = None
+    agent_port: int | None = None  # the node agents' liveness port (their holder's); None: not probed
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -42,6 +43,8 @@ class KubernetesConfig:
         if not (NAMESPACE.match(self.namespace) and len(self.namespace) <= 63):
             raise InvalidInput(f"namespace {self.namespace!r} is not a DNS label")
         check_release(self.release)
+        if self.agent_port is not None and not 0 < self.agent_port < 65536:
+            raise InvalidInput(f"agent port is {self.agent_port}; it must lie between 1 and 65535")
         if not 0 <= self.adopt_window_s <= 3600:
             raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
 
@@ -62,6 +65,7 @@ class KubernetesConfig:
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
             listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
             adapter_url=os.environ.get("LORAFAAS_ADAPTER_URL") or None,
+            agent_port=int(os.environ["LORAFAAS_AGENT_PORT"]) if os.environ.get("LORAFAAS_AGENT_PORT") else None,
         )
 
     @property

@@ -76,6 +76,7 @@ class InstanceHandle:
     pid: int
     log_path: Path
     process: subprocess.Popen | None  # set for fresh workers (our children); zygote children are the zygote's
+    adopted = False  # every launch starts a process (a dead launcher's instances are stopped, not adopted)
 
     async def connect(self) -> WorkerClient:
         return await WorkerClient.connect(self.spec.socket_path, client="launcher")
@@ -157,6 +158,8 @@ class DaemonProcess:
 
 
 class LocalLauncher:
+    keeps_instances = False  # its workers stop with it (a dead launcher's are stopped by the next, not adopted)
+
     def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",)) -> None:
         check_devices(devices)
         self.home = Path(home)
@@ -467,6 +470,9 @@ class LocalLauncher:
 
     def forget_failures(self, function: str) -> None:
         pass
+
+    def adoptable(self) -> list[WorkerSpec]:
+        return []
 
     def close(self) -> None:
         with self._lock:

@@ -95,12 +95,18 @@ class PodAdoption:
                 if (msgspec.structs.replace(theirs, instance_id=spec.instance_id) == spec and is_ready(pod)
                         and (ip := pod_ip(pod))):
                     del self._adoptable[name]
-                    instance = PodInstance(theirs, name, ip, backend)
+                    instance = PodInstance(theirs, name, ip, backend, adopted=True)
                     backend.instances.append(instance)
                     log.info("%s: adopted pod %s (instance %s) of a previous controller", spec.function, name,
                              theirs.instance_id)
                     return instance
         return None
+
+    def waiting(self) -> list[WorkerSpec]:
+        """The specs of the previous controller's healthy pods that no launch has claimed yet."""
+        with self._lock:
+            pods = [self.backend.cache.get(name) for name in self._adoptable]
+        return [spec for pod in pods if pod is not None and (spec := spec_of(pod)) is not None]
 
     def release_unclaimed(self) -> list[str]:
         """Delete the previous controller's pods no launch claimed (functions deleted or scaled in meanwhile)."""
@@ -128,7 +134,8 @@ class PodAdoption:
                 continue
             present.add(instance_id)
             if instance_id not in known and is_ready(pod) and (ip := pod_ip(pod)):
-                backend.instances.append(PodInstance(wanted_by_id[instance_id], pod_name_of(pod), ip, backend))
+                backend.instances.append(PodInstance(wanted_by_id[instance_id], pod_name_of(pod), ip, backend,
+                                                     adopted=True))
                 adopted.append(instance_id)
             self.drop(pod_name_of(pod))
         created = []

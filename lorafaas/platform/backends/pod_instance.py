@@ -32,6 +32,7 @@ class PodInstance:
     pod_name: str
     pod_ip: str
     backend: PodHost
+    adopted: bool = False  # a previous controller's pod, claimed by this controller's launch
 
     @property
     def pid(self) -> int | None:

@@ -54,7 +54,7 @@ def test_pods_land_on_serving_nodes_become_ready_and_are_deleted(release: Releas
     assert not first.alive()
     assert first not in backend.instances
     first.kill(signal.SIGKILL)  # already gone: not an error
-    backend.close()
+    backend.delete_instances()
     wait_until(lambda: not release.function_pods(), "every function pod deleted")
 
 
@@ -137,13 +137,16 @@ def test_a_restarted_controller_hands_a_healthy_pod_to_the_next_launch_of_the_sa
     adoption window."""
     before = release.backend()
     kept = launch(before, "kept")
-    launch(before, "forgotten")
-    before.stop()
+    forgotten = launch(before, "forgotten")
+    before.close()  # the controller's SIGTERM (an upgrade): its pods stay
 
     after = release.backend(adopt_window_s=3.0)
     after.start()
+    assert sorted(s.instance_id for s in after.adoptable()) == sorted([kept.spec.instance_id,
+                                                                        forgotten.spec.instance_id])
     again = after.launch(after.spec("kept", BACKBONE, None), timeout_s=START_S)
-    assert again.pod_name == kept.pod_name and again.spec.instance_id == kept.spec.instance_id
+    assert again.pod_name == kept.pod_name and again.spec.instance_id == kept.spec.instance_id and again.adopted
+    assert [s.instance_id for s in after.adoptable()] == [forgotten.spec.instance_id]
     assert {p.metadata.name for p in release.function_pods()} >= {kept.pod_name}
     wait_until(lambda: [p.metadata.name for p in release.function_pods()] == [kept.pod_name],
                "the unclaimed pod deleted after the adoption window")

@@ -1,0 +1,51 @@
+"""The chart installed as the helm end-to-end test installs it (test_k8s_helm_e2e.py: its values, on its
+`helm_cluster`), for the tests that then do something to a running release: upgrade it, lose a machine."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from k8s_env import CHART, wait_until
+from test_k8s_helm_e2e import BACKBONE, NODES, RELEASE, SMALL, HelmCluster
+
+helm = pytest.importorskip("helm_python")
+
+VALUES = {
+    "home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"},
+    "controller": {"resources": SMALL},
+    "nodeAgent": {"backbones": [BACKBONE], "importBuiltin": False, "resources": SMALL},
+    "function": {"resources": SMALL},
+    "redis": {"resources": SMALL},
+}
+
+
+@dataclass
+class Installed:
+    url: str  # the gateway's Service
+    admin_key: str
+    controller: object  # its pod
+    redis: object
+
+
+def install(cluster: HelmCluster, cli, tiny_dense_dir: Path, values: dict = VALUES) -> Installed:
+    """The backbone imported into the shared home, the chart installed, every pod ready."""
+    assert cli("--home", str(cluster.nfs_home), "backbone", "import", BACKBONE, "--from",
+               str(tiny_dense_dir)).returncode == 0
+    helm_apply(cluster, values, upgrade=False)
+    wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 180)
+    [controller] = wait_until(lambda: cluster.ready("controller"), "the controller ready", 180)
+    [redis] = wait_until(lambda: cluster.ready("redis"), "Redis ready", 60)
+    service = cluster.core.read_namespaced_service(f"{RELEASE}-controller", cluster.namespace)
+    secret = cluster.core.read_namespaced_secret(f"{RELEASE}-admin-key", cluster.namespace)
+    return Installed(f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}",
+                     base64.b64decode(secret.data["admin-key"]).decode(), controller, redis)
+
+
+def helm_apply(cluster: HelmCluster, values: dict, upgrade: bool) -> None:
+    with helm.Config(kubeconfig_path=str(cluster.plane.kubeconfig), namespace=cluster.namespace) as config:
+        apply = config.upgrade if upgrade else config.install
+        release = apply(str(CHART), RELEASE, values, namespace=cluster.namespace)
+    assert release["status"] == "deployed", {k: v for k, v in release.items() if k != "manifest"}
