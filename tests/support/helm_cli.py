@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except (helm.HelmError, OSError, ValueError, yaml.YAMLError) as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
-    print(f"NAME: {args.name}\nNAMESPACE: {namespace}\nSTATUS: {release.get('status')}\n"
-          f"REVISION: {release.get('version')}")
+    print(f"NAME: {args.name}\nNAMESPACE: {namespace}\nSTATUS: {release.get('status')}")
     return 0
 
 

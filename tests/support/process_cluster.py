@@ -27,7 +27,7 @@ from pathlib import Path
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.k8s_cluster import ControlPlane, default_bin_dir
 from tests.support.kubelet_server import KubeletServer
-from tests.support.process_kubelet import ProcessRuntime
+from tests.support.process_kubelet import ProcessRuntime, missing_tools
 from tests.support.volume_provisioner import HostPathProvisioner
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
+    missing = missing_tools()
+    if missing:
+        print(f"process nodes need {', '.join(missing)}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness probes, every few seconds
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="lorafaas-k8s-"))
