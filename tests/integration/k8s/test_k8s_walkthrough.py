@@ -7,8 +7,8 @@ the cluster.
 While it runs, the pods' processes are watched in /proc: the function pod's worker runs as the chart's uid (10001) in
 a PID namespace other than its node agent's daemon, and maps the very memfd the daemon made (the same inode), so the
 descriptor hand-off works across PID namespaces as a non-root uid. After `stop`, none of the processes the
-walk-through started is left (they are told by a marker in the PYTHONPATH every one of them inherits), nor any of its
-pods' mounts.
+walk-through started is left (they are told by a marker in the PYTHONPATH every one of them inherits, or by their
+/etc/hosts), nor any of its pods' mounts.
 """
 
 from __future__ import annotations
@@ -61,14 +61,19 @@ class Seen:
     memfds: set[int] = field(default_factory=set)  # inodes of the memfds it maps
 
 
-def marked_processes(marker: str) -> list[int]:
+def marked_processes(marker: str, work_dir: Path) -> list[int]:
+    """The walk-through's processes: those with the marker in their environment, and the pods' processes whose
+    /etc/hosts is a file of the walk-through's kubelet (a process that rewrites its title, as redis-server does,
+    overwrites its environment)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and entry.name != str(os.getpid()):
             try:
-                if marker.encode() in (entry / "environ").read_bytes():
+                if marker.encode() in (entry / "environ").read_bytes() or any(
+                        fields[4] == "/etc/hosts" and fields[3].startswith(str(work_dir))
+                        for fields in map(str.split, (entry / "mountinfo").read_text().splitlines())):
                     pids.append(int(entry.name))
-            except OSError:
+            except (OSError, IndexError):
                 continue
     return pids
 
@@ -88,15 +93,16 @@ def look(pid: int) -> Seen | None:
 
 
 class Watcher(threading.Thread):
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, work_dir: Path) -> None:
         super().__init__(daemon=True, name="walkthrough-watcher")
         self.marker = marker
+        self.work_dir = work_dir
         self.seen: dict[int, Seen] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            for pid in marked_processes(self.marker):
+            for pid in marked_processes(self.marker, self.work_dir):
                 now = look(pid)
                 if now is not None:
                     before = self.seen.setdefault(pid, now)
@@ -125,7 +131,7 @@ def test_the_walkthrough_runs_as_written_on_three_process_nodes(tmp_path: Path) 
             "LORAFAAS_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp")}
     script = "set -euo pipefail -x\n" + "\n".join(walkthrough_blocks())
     log = tmp_path / "walkthrough.log"
-    watcher = Watcher(marker)
+    watcher = Watcher(marker, tmp_path)
     watcher.start()
     with log.open("wb") as out:
         walk = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -140,7 +146,7 @@ def test_the_walkthrough_runs_as_written_on_three_process_nodes(tmp_path: Path) 
             walk.wait()
         watcher.done.set()
         watcher.join()
-        left = marked_processes(marker)
+        left = marked_processes(marker, tmp_path)
         for pid in left:  # the test's own cleanup; the assertion below reports them
             os.kill(pid, signal.SIGKILL)
     output = log.read_text(errors="replace")
