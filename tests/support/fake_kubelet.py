@@ -145,6 +145,7 @@ class FakeKubelet:
         memory: str = "32Gi",
         termination_delay_s: float = 0.5,
         labels: dict[str, str] | None = None,
+        kubelet_port: int = 10250,
     ) -> None:
         self.core = k8s.CoreV1Api(api)
         self.coordination = k8s.CoordinationV1Api(api)
@@ -152,6 +153,7 @@ class FakeKubelet:
         self.capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
         self.termination_delay_s = termination_delay_s
         self.labels = labels or {}
+        self.kubelet_port = kubelet_port  # where the API server reaches the nodes (kubelet_server: port-forward)
         self.nodes: dict[str, int] = {}  # name -> index (its pod IP range)
         self.records: dict[str, PodRecord] = {}  # by pod uid
         self._next_ip: dict[str, int] = {}
@@ -263,7 +265,7 @@ class FakeKubelet:
                          "kernelVersion": "fake", "kubeProxyVersion": KUBELET_VERSION,
                          "kubeletVersion": KUBELET_VERSION, "machineID": name, "operatingSystem": "linux",
                          "osImage": "lorafaas fake kubelet", "systemUUID": name},
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
         }
         self.core.patch_node_status(name, {"status": status})
 

@@ -9,24 +9,20 @@ and service-account tokens (the token controller signs them), so RBAC is enforce
     with ControlPlane(bin_dir, work_dir) as plane:           # about 10 s to a ready API server
         api = plane.api_client()                              # admin; plane.api_client(token) for another identity
 
-`python -m tests.support.k8s_cluster start --nodes 3` runs one in the foreground with fake nodes and prints the
-KUBECONFIG to use (scripts/k8s-testenv.sh start).
+`tests.support.process_cluster` runs one with process nodes for a person to use (scripts/k8s-testenv.sh start).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ipaddress
 import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -184,6 +180,11 @@ class ControlPlane:
 
     # -- pieces ------------------------------------------------------------------------------------------------------
 
+    @property
+    def kubelet_certificate(self) -> tuple[Path, Path]:
+        """The kubelet's serving certificate and key (for 127.0.0.1, signed by the cluster's CA)."""
+        return self._pki("kubelet.crt"), self._pki("kubelet.key")
+
     def _pki(self, name: str) -> Path:
         return self.work_dir / "pki" / name
 
@@ -206,6 +207,12 @@ class ControlPlane:
                 "-out", "apiserver.csr")
         openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                 "-days", "30", "-extfile", "san.cnf", "-extensions", "v3", "-out", "apiserver.crt")
+        # the process kubelet's serving certificate (port-forward): the API server checks it against the CA
+        (pki / "kubelet.cnf").write_text("[v3]\nsubjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kubelet", "-keyout", "kubelet.key",
+                "-out", "kubelet.csr")
+        openssl("x509", "-req", "-in", "kubelet.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "30", "-extfile", "kubelet.cnf", "-extensions", "v3", "-out", "kubelet.crt")
         openssl("genrsa", "-out", "sa.key", "2048")
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
         # the control plane's own identities are the admin: a test cluster needs no finer split
@@ -253,6 +260,9 @@ class ControlPlane:
             f"--service-cluster-ip-range={self.service_cidr}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", f"--cert-dir={self.work_dir / 'pki'}",
             "--enable-admission-plugins=NodeRestriction", "--profiling=false",
+            # nodes are reached at their InternalIP (127.0.0.1; their Hostname resolves to nothing), over TLS checked
+            # against the CA (tests.support.kubelet_server)
+            "--kubelet-preferred-address-types=InternalIP", f"--kubelet-certificate-authority={self.ca_file}",
         ])
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -288,35 +298,3 @@ class ControlPlane:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"service account {namespace}/default not created after {timeout_s:.0f} s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tests.support.fake_kubelet import FakeKubelet
-
-    parser = argparse.ArgumentParser(prog="python -m tests.support.k8s_cluster")
-    sub = parser.add_subparsers(dest="command", required=True)
-    start = sub.add_parser("start", help="run a control plane and fake nodes in the foreground until interrupted")
-    start.add_argument("--nodes", type=int, default=3)
-    start.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="lorafaas-k8s-"))
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    with ControlPlane(default_bin_dir(), work_dir) as plane:
-        kubelet = FakeKubelet(plane.api_client(), [f"node-{i}" for i in range(1, args.nodes + 1)])
-        kubelet.start()
-        print(f"export KUBECONFIG={plane.kubeconfig}", flush=True)
-        try:
-            while not stopping:
-                plane.check_alive()
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            kubelet.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,12 +12,18 @@ volumeMounts turned into bind mounts (`sandbox_script`, run in the container's o
 
 Mount points that do not exist are created (as a container runtime does), on this machine's filesystem: the pods share
 its root filesystem, only their mounts are their own.
+
+With `owners` (the pods run as their securityContext's uid: `run_as`), volumes are owned as the kubelet owns them:
+an emptyDir is mode 0777; with the pod's fsGroup, configMap, secret, downwardAPI and projected files belong to that
+group, and so does a claim's volume (group-writable, setgid), which Kubernetes does for the volume types that support
+ownership management (here every claim's).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -46,9 +52,13 @@ class Mount:
 class PodVolumes:
     """The volumes of one pod: `prepare()` makes them, `mounts(container)` lists a container's, `remove()` undoes."""
 
-    def __init__(self, core: k8s.CoreV1Api, pod: k8s.V1Pod, node_root: Path, pod_dir: Path) -> None:
+    def __init__(self, core: k8s.CoreV1Api, pod: k8s.V1Pod, node_root: Path, pod_dir: Path,
+                 owners: bool = False) -> None:
         self.core = core
         self.pod = pod
+        context = pod.spec.security_context
+        self.owners = owners
+        self.fs_group: int | None = context.fs_group if owners and context is not None else None
         self.node_root = Path(node_root)
         self.pod_dir = Path(pod_dir)
         self.volumes: dict[str, Volume] = {}
@@ -56,7 +66,16 @@ class PodVolumes:
 
     def prepare(self) -> None:
         for volume in self.pod.spec.volumes or []:
-            self.volumes[volume.name] = self._make(volume)
+            made = self.volumes[volume.name] = self._make(volume)
+            if self.fs_group is not None and volume.empty_dir is None and volume.host_path is None:
+                self._own(made.path, writable=volume.persistent_volume_claim is not None)
+
+    def _own(self, path: Path, writable: bool) -> None:
+        """The pod's fsGroup as the group of the volume's files (and, writable, its directories g+rwx with setgid)."""
+        for item in [path, *path.rglob("*")]:
+            os.chown(item, -1, self.fs_group, follow_symlinks=False)
+            if writable and item.is_dir() and not item.is_symlink():
+                item.chmod(item.stat().st_mode | 0o2070)
 
     def remove(self) -> None:
         for path in self._tmpfs:
@@ -84,6 +103,8 @@ class PodVolumes:
         own = self.pod_dir / "volumes" / volume.name
         if volume.empty_dir is not None:
             own.mkdir(parents=True, exist_ok=True)
+            if self.owners:
+                own.chmod(0o777)  # as the kubelet makes it: any uid of the pod writes there
             if volume.empty_dir.medium == "Memory":
                 size = f",size={_bytes(volume.empty_dir.size_limit)}" if volume.empty_dir.size_limit else ""
                 _run(["mount", "-t", "tmpfs", "-o", f"mode=1777{size}", "tmpfs", str(own)])
@@ -217,6 +238,25 @@ def field_value(pod: k8s.V1Pod, field_path: str) -> str:
         pairs = (meta.labels if field_path == "metadata.labels" else meta.annotations) or {}
         return "\n".join(f"{k}={json.dumps(v)}" for k, v in sorted(pairs.items()))
     raise OSError(f"downward API field {field_path!r} is not emulated")
+
+
+def run_as(pod: k8s.V1Pod, container: k8s.V1Container) -> list[str]:
+    """The argv prefix that runs `container` as its securityContext's uid, gid and groups (the container's settings
+    over the pod's; the pod's fsGroup and supplementalGroups as supplementary groups); [] for root or none set.
+
+    The process keeps one capability, CAP_DAC_READ_SEARCH: the pods run this machine's interpreter and packages, which
+    may lie where only root reads (a Python under /root, mode 0700); what it writes, creates and connects to is
+    still decided by its uid and groups."""
+    pod_context = pod.spec.security_context or k8s.V1PodSecurityContext()
+    context = container.security_context or k8s.V1SecurityContext()
+    uid = context.run_as_user if context.run_as_user is not None else pod_context.run_as_user
+    if not uid:
+        return []
+    gid = context.run_as_group if context.run_as_group is not None else pod_context.run_as_group
+    groups = [g for g in [pod_context.fs_group, *(pod_context.supplemental_groups or [])] if g is not None]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid if gid is not None else 0}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", "--"]
 
 
 def sandbox_script(mounts: list[Mount], hosts: Path | None, working_dir: str | None = None) -> str:

@@ -21,11 +21,13 @@ would run them in containers, well enough for the Helm chart to run unmodified.
   again (Always, OnFailure) after a back-off, with restartCount raised.
 
 Not emulated, and not faked: the container image's filesystem (pods share this machine's root filesystem; missing
-mount points are created on it), `securityContext` (every process runs as root with all capabilities: runAsUser,
-runAsNonRoot, readOnlyRootFilesystem, capabilities, seccomp and allowPrivilegeEscalation are not applied), resource
-requests and limits (nothing is limited or OOM-killed), liveness and startup probes (not run), pid, IPC and UTS
-namespaces, `envFrom`, image pull policies and pull secrets, NetworkPolicies (every pod reaches every pod), UDP
-Services, NodePorts. Needs root: network and mount namespaces, bind mounts (`ip`, `nsenter`, `unshare`, `mount`).
+mount points are created on it), `securityContext` but with `run_as_users` its runAsUser, runAsGroup, fsGroup and
+supplementalGroups (otherwise every process runs as root; capabilities, readOnlyRootFilesystem, seccomp and
+allowPrivilegeEscalation never apply), resource requests and limits (nothing is limited or OOM-killed), liveness and
+startup probes (not run), IPC and UTS namespaces (each container has a PID namespace of its own, as without
+shareProcessNamespace), `envFrom`, image pull policies and pull secrets, NetworkPolicies (every pod reaches every pod),
+UDP Services, NodePorts. Needs root: network, mount and PID namespaces, bind mounts (`ip`, `nsenter`, `unshare`,
+`mount`, `setpriv`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.support.fake_kubelet import FakeKubelet, PodRecord, conditions, container_status, now
 from tests.support.pod_network import PodNetwork
-from tests.support.pod_volumes import PodVolumes, field_value, sandbox_script
+from tests.support.pod_volumes import PodVolumes, field_value, run_as, sandbox_script
 from tests.support.service_proxy import ServiceProxy
 
 MONITOR_INTERVAL_S = 0.5
@@ -58,7 +60,7 @@ MAX_BACKOFF_S = 10.0
 
 def missing_tools() -> list[str]:
     """What the process kubelet needs and this machine lacks: root and the namespace tools."""
-    missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "bash") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "nsenter", "unshare", "mount", "bash", "setpriv") if shutil.which(tool) is None]
     return missing + (["root (uid 0)"] if os.geteuid() != 0 else [])
 
 
@@ -77,8 +79,10 @@ class PodRun:
 
 
 class ProcessRuntime:
-    def __init__(self, api: k8s.ApiClient, work_dir: Path, entrypoints: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, api: k8s.ApiClient, work_dir: Path, entrypoints: dict[str, list[str]] | None = None,
+                 run_as_users: bool = False) -> None:
         self.core = k8s.CoreV1Api(api)
+        self.run_as_users = run_as_users  # each container as its securityContext's uid (pod_volumes.run_as)
         self.work_dir = Path(work_dir)
         self.entrypoints = entrypoints or {}
         self.network = PodNetwork()
@@ -99,7 +103,7 @@ class ProcessRuntime:
         self._start_services()
         pod_dir = self.work_dir / "pods" / f"{record.namespace}.{record.name}.{record.uid[:8]}"
         pod_dir.mkdir(parents=True, exist_ok=True)
-        volumes = PodVolumes(self.core, pod, self.work_dir / "nodes" / record.node, pod_dir)
+        volumes = PodVolumes(self.core, pod, self.work_dir / "nodes" / record.node, pod_dir, self.run_as_users)
         record.pod_ip = self.network.add_pod(record.uid, kubelet.nodes[record.node])
         run = PodRun(pod, volumes, self.proxy.hosts_file(record.uid, record.namespace, record.name, record.pod_ip))
         with self._lock:
@@ -201,14 +205,20 @@ class ProcessRuntime:
             argv[0] = sys.executable
         if not argv:
             raise OSError(f"container {container.name}: nothing to run (no command, no args)")
+        identity = run_as(run.pod, container) if self.run_as_users else []
+        if identity and not any(var.name == "HOME" for var in container.env or []):
+            env["HOME"] = "/"  # what a runtime sets for a uid the image's /etc/passwd does not name
         pod_dir = run.volumes.pod_dir
         script = pod_dir / f"{container.name}.sh"
         script.write_text(sandbox_script(run.volumes.mounts(container), run.hosts, container.working_dir))
+        # a PID namespace per container, as Kubernetes gives without shareProcessNamespace; unshare (the process the
+        # kubelet holds) ignores SIGTERM, waits for the container and exits as it did
         sandbox = ["nsenter", f"--net={self.network.netns_path(record.uid)}", "--",
-                   "unshare", "--mount", "--propagation", "private", "--", "bash", str(script)]
+                   "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+                   "--mount-proc", "--", "bash", str(script)]
         log = open(self.work_dir / f"{record.name}.{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
         with log:
-            process = subprocess.Popen([*sandbox, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+            process = subprocess.Popen([*sandbox, *identity, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         if run.stopping:  # stop() came while it started, and did not see it
             os.killpg(process.pid, signal.SIGKILL)
