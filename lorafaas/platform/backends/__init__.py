@@ -15,7 +15,7 @@ __all__ = ["BACKENDS", "Backend", "InstanceRef", "open_backend"]
 
 def open_backend(kind: str, home: Path, devices: tuple[str, ...]) -> Backend:
     """`local`: processes on this machine, on every device of `devices`; `kubernetes`: pods, configured from the
-    environment the chart sets, on one device (the first)."""
+    environment the chart sets, on the devices each agent node serves (cpu, or its GPUs: a daemon per GPU)."""
     if kind == "local":
         from lorafaas.platform.backends.local import LocalLauncher
 
@@ -27,7 +27,7 @@ def open_backend(kind: str, home: Path, devices: tuple[str, ...]) -> Backend:
             from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
         except ImportError as exc:
             raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
-        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices[0]))
+        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices))
         backend.start()  # follow the pods; a previous controller's healthy pods wait to be adopted by launches
         return backend
     raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")
