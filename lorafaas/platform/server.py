@@ -131,10 +131,7 @@ class Platform:
         home = config.home
         home.mkdir(parents=True, exist_ok=True)
         devices = config.devices or (Device("cpu", _default_budget("cpu")),)
-        if config.backend != "local" and len(devices) > 1:
-            raise InvalidInput(f"the {config.backend} backend drives one device per node agent; "
-                               f"--devices names {len(devices)}")
-        device = devices[0]  # the kind of every device (cpu, or GPUs), and where a backend of one device runs
+        device = devices[0]  # the kind of every device (cpu, or GPUs: on Kubernetes, the GPUs of each agent node)
         self.store = open_store(config.state_url or sqlite_url(home))
         self.models = ModelStore(home / "models")
         self.adapters = AdapterStore(home / "adapters")

@@ -129,25 +129,48 @@ def test_redis_persists_append_only_or_an_external_url_replaces_it() -> None:
 
 
 def daemons(agent_pod_spec: dict) -> list[dict]:
-    """The node agent's daemon containers (one per backbone; the holder is the other)."""
+    """The node agent's daemon containers (one per device and backbone; the holder is the other)."""
     return [c for c in agent_pod_spec["containers"] if c["name"].startswith("daemon-")]
 
 
-def test_gpu_values_request_gpus_and_select_gpu_nodes_cpu_values_request_none() -> None:
-    gpu = render(values_of("gpu"))
+def test_gpu_values_run_a_daemon_per_gpu_and_backbone_on_gpu_nodes_cpu_values_request_none() -> None:
+    """The agent pod holds all gpu.perNode GPUs of its node (one container requests them) and runs a daemon per
+    (GPU, backbone); function pods request no GPU (the controller pins each to its daemon's GPU); no host namespace."""
+    values = values_of("gpu")
+    values["gpu"]["perNode"] = 2
+    values["nodeAgent"]["backbones"] = ["smollm2-135m", "tiny"]
+    gpu = render(values)
     agent = by_kind(gpu, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
-    assert agent["hostIPC"] is True
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
-    assert all(c["resources"]["limits"]["nvidia.com/gpu"] == "1" for c in daemons(agent))
-    assert agent["containers"][0]["image"] == "lorafaas/node-agent:0.1.0-cuda"
-    assert "cuda:0" in agent["containers"][0]["args"]
-    assert function_pod(gpu)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert function_pod(gpu)["spec"]["hostIPC"] is True  # CUDA IPC between a daemon and its functions
+    daemons = {(c["args"][4], c["args"][c["args"].index("--device") + 1]): c for c in daemons(agent)}
+    assert set(daemons) == {(b, f"cuda:{i}") for b in ("smollm2-135m", "tiny") for i in (0, 1)}
+    for (backbone, device), container in daemons.items():
+        socket = f"/var/lib/lorafaas/run/{backbone}@{device.replace(':', '-')}.sock"
+        assert container["readinessProbe"]["exec"]["command"] == ["test", "-S", socket]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "0,1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert container["image"] == "lorafaas/node-agent:0.1.0-cuda"
+    requests = [c["resources"]["limits"].get("nvidia.com/gpu") for c in agent["containers"] if c["name"] != "holder"]
+    assert requests == ["2", None, None, None]  # the node's GPUs, held once by the pod
+    controller = by_kind(gpu, "Deployment")["lorafaas-controller"]["spec"]["template"]["spec"]["containers"][0]
+    assert controller["args"][controller["args"].index("--devices") + 1] == "cuda:0=20G,cuda:1=20G"
+    worker = function_pod(gpu)["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in yaml.safe_dump(worker["resources"])
+    assert not {"hostIPC", "hostPID"} & set(yaml.safe_dump(gpu).replace(":", " ").split())
     for values_name in ("default", "cpu"):
         objects = render(values_of(values_name))
         assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
-        assert "hostIPC" not in yaml.safe_dump(objects)  # the CPU transport passes descriptors over a socket
+        assert "NVIDIA_VISIBLE_DEVICES" not in yaml.safe_dump(objects)
+
+
+def test_a_runtime_class_for_the_nvidia_runtime_applies_to_agents_and_function_pods_on_gpus() -> None:
+    values = {**values_of("gpu"), "gpu": {"perNode": 1, "runtimeClassName": "nvidia"}}
+    objects = render(values)
+    assert by_kind(objects, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]["runtimeClassName"] == (
+        "nvidia")
+    assert function_pod(objects)["spec"]["runtimeClassName"] == "nvidia"
+    assert "runtimeClassName" not in yaml.safe_dump(render({"gpu": {"runtimeClassName": "nvidia"}}))  # CPU: none
 
 
 def test_node_agents_serve_each_backbone_and_function_pods_mount_nothing_of_the_home_by_themselves() -> None:

@@ -1,6 +1,6 @@
 """The chart's hardening: values checked by values.schema.json, every container's securityContext and resources, the
-Pod Security level docs/kubernetes.md states, the optional PodDisruptionBudget and ServiceMonitor, and checkov on the
-default render with no failed check beyond the justified list in docs/kubernetes.md."""
+Pod Security level docs/kubernetes.md states, the optional PodDisruptionBudget and ServiceMonitor, and checkov on
+every documented render with no failed check beyond the justified list in docs/kubernetes.md."""
 
 import json
 import os
@@ -75,9 +75,13 @@ def test_every_container_is_hardened_and_has_cpu_and_memory_requests_and_limits(
 
 
 def test_with_a_claim_for_the_home_every_pod_meets_pod_security_restricted() -> None:
-    """docs/kubernetes.md: `restricted` with home.existingClaim on CPU; the default hostPath home needs
-    `privileged` (hostPath volumes, the root init container); GPUs too (hostIPC)."""
-    for name, pod in pod_specs(render({"home": {"existingClaim": "lorafaas-home"}})).items():
+    """docs/kubernetes.md: `restricted` with home.existingClaim, on CPUs or GPUs (no host namespace: descriptors
+    cross the daemon's socket); the default hostPath home needs `privileged` (hostPath volumes, the root init
+    container)."""
+    claim = {"home": {"existingClaim": "lorafaas-home"}}
+    gpu = {**yaml.safe_load((CHART / "values-gpu.yaml").read_text()), **claim}
+    claimed = [*pod_specs(render(claim)).items(), *pod_specs(render(gpu)).items()]
+    for name, pod in claimed:
         assert not {"hostIPC", "hostPID", "hostNetwork"} & {k for k, v in pod.items() if v}, name
         assert {key for v in pod.get("volumes", []) for key in v if key != "name"} <= RESTRICTED_VOLUMES, name
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
@@ -116,10 +120,28 @@ def checkov_binary() -> str | None:
     return os.environ.get("LORAFAAS_CHECKOV") or shutil.which("checkov")
 
 
+DIGEST = "sha256:" + "0" * 64
+# Every render docs/kubernetes.md documents, and one with every image pinned by digest (CKV_K8S_43's remedy)
+DOCUMENTED_RENDERS = {
+    "default": None,
+    "values-cpu": "values-cpu.yaml",
+    "shared claim": {"home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"}},
+    "values-gpu": "values-gpu.yaml",
+    "digests": {"image": {name: {"repository": f"lorafaas/{repository}", "digest": DIGEST}
+                          for name, repository in [("gateway", "gateway"), ("nodeAgent", "node-agent"),
+                                                   ("function", "function")]},
+                "redis": {"image": {"repository": "redis", "tag": f"7.2-alpine@{DIGEST}"}}},
+}
+
+
 @pytest.mark.skipif(checkov_binary() is None and os.environ.get("LORAFAAS_REQUIRE_CHECKOV") != "1",
                     reason="checkov is not installed (it needs its own venv: see .ci/run)")
-def test_checkov_fails_only_the_justified_checks_on_the_default_render(tmp_path: Path) -> None:
-    objects = render()
+@pytest.mark.parametrize("render_name", DOCUMENTED_RENDERS)
+def test_checkov_fails_only_the_justified_checks_on_every_documented_render(render_name: str, tmp_path: Path) -> None:
+    values = DOCUMENTED_RENDERS[render_name]
+    if isinstance(values, str):
+        values = yaml.safe_load((CHART / values).read_text())
+    objects = render(values)
     pod = yaml.safe_load(next(o for o in objects if o["kind"] == "ConfigMap"
                               and "pod.yaml" in o.get("data", {}))["data"]["pod.yaml"])
     pod["metadata"].update(name="lorafaas-fn-template", namespace="lf")  # what the controller creates, too
@@ -133,3 +155,6 @@ def test_checkov_fails_only_the_justified_checks_on_the_default_render(tmp_path:
     failed = {(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]}
     assert report["summary"]["passed"] > 300
     assert {check for check, _ in failed} <= justified_checks(), sorted(failed)
+    assert not {"CKV_K8S_17", "CKV_K8S_18", "CKV_K8S_19"} & {check for check, _ in failed}  # host PID, IPC, network
+    if render_name == "digests":
+        assert "CKV_K8S_43" not in {check for check, _ in failed}, sorted(failed)

@@ -17,7 +17,8 @@ __all__ = ["BACKENDS", "Backend", "InstanceRef", "open_backend"]
 def open_backend(kind: str, home: Path, devices: tuple[str, ...], adapter_access: AdapterAccess | None = None
                  ) -> Backend:
     """`local`: processes on this machine, on every device of `devices`; `kubernetes`: pods, configured from the
-    environment the chart sets, on one device (the first), fetching their adapters with `adapter_access`'s tokens."""
+    environment the chart sets, on the devices each agent node serves (cpu, or its GPUs: a daemon per GPU),
+    fetching their adapters with `adapter_access`'s tokens."""
     if kind == "local":
         from lorafaas.platform.backends.local import LocalLauncher
 
@@ -29,7 +30,7 @@ def open_backend(kind: str, home: Path, devices: tuple[str, ...], adapter_access
             from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
         except ImportError as exc:
             raise InvalidInput("the kubernetes backend needs the k8s extra: pip install 'lorafaas[k8s]'") from exc
-        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices[0]), adapter_access=adapter_access)
+        backend = KubernetesBackend(KubernetesConfig.from_env(home, devices), adapter_access=adapter_access)
         backend.start()  # follow the pods; a previous controller's healthy pods wait to be adopted by launches
         return backend
     raise InvalidInput(f"backend {kind!r} is unknown; choose one of {', '.join(BACKENDS)}")

@@ -7,6 +7,9 @@
     affinity     required: one of the nodes whose node-agent pod is ready and serves the backbone, one
                  nodeSelectorTerm per node (the API server allows a single value per `matchFields` requirement)
     worker       `python -m lorafaas.function_runtime.worker <spec>` listening on tcp://0.0.0.0:PORT
+    GPU          an instance on cuda:N (its daemon's GPU on every agent node) gets NVIDIA_VISIBLE_DEVICES=N and no
+                 nvidia.com/gpu: the NVIDIA runtime gives the pod that one GPU, which its worker sees as cuda:0
+                 (docs/kubernetes.md, "GPUs": a device-plugin request could not give it its daemon's GPU)
     mounts       of the template's `home` volume, read-only and nothing else: the daemon socket directory, the
                  backbone's store entry (config, tokenizer) and the instance's own adapter (subPath mounts)
     adapter      with an `AdapterSource` (the chart's default): the adapter is not mounted from the home but fetched
@@ -45,6 +48,7 @@ FETCH_DIR = "/adapter"
 FETCH_RESOURCES = ("cpu", "memory", "ephemeral-storage")  # the worker's, less devices (a GPU is not for the fetch)
 MAX_NAME = 63  # a pod name is a DNS subdomain (253), but its hostname, taken from the name, is one DNS label
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+VISIBLE_GPUS = "NVIDIA_VISIBLE_DEVICES"  # read by the NVIDIA container runtime: the GPUs it gives the container
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -129,13 +133,18 @@ def build_function_pod(
     if worker is None:
         raise InvalidInput(f"the function pod template has no container named {WORKER_CONTAINER!r}")
     worker.command = ["python", "-m", "lorafaas.function_runtime.worker"]
-    worker.args = [msgspec.json.encode(spec).decode()]
+    in_pod = spec
+    gpu = gpu_index(spec.device)
+    if gpu is not None:  # pinned to its daemon's GPU, the only one the pod sees
+        in_pod = msgspec.structs.replace(in_pod, device="cuda:0")
+        worker.env = [*(e for e in worker.env or [] if e.name != VISIBLE_GPUS),
+                      k8s.V1EnvVar(name=VISIBLE_GPUS, value=str(gpu))]
     if listen_on_pod_ip:  # the kubelet expands $(POD_IP) in args from the downward API
-        listen = msgspec.structs.replace(spec, socket_path=f"tcp://$(POD_IP):{worker_port}")
-        worker.args = [msgspec.json.encode(listen).decode()]
+        in_pod = msgspec.structs.replace(in_pod, socket_path=f"tcp://$(POD_IP):{worker_port}")
         pod_ip = k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="status.podIP"))
         worker.env = [*(e for e in worker.env or [] if e.name != "POD_IP"), k8s.V1EnvVar(name="POD_IP",
                                                                                          value_from=pod_ip)]
+    worker.args = [msgspec.json.encode(in_pod).decode()]
     worker.ports = [k8s.V1ContainerPort(name="worker", container_port=worker_port, protocol="TCP")]
     worker.readiness_probe = k8s.V1Probe(
         tcp_socket=k8s.V1TCPSocketAction(port="worker"), period_seconds=1, failure_threshold=3
@@ -184,6 +193,16 @@ def add_adapter_fetch(pod_spec: k8s.V1PodSpec, worker: k8s.V1Container, function
     pod_spec.init_containers = [*(c for c in pod_spec.init_containers or [] if c.name != FETCH_CONTAINER), fetch]
     worker.volume_mounts = [*(m for m in worker.volume_mounts or [] if m.mount_path != adapter_dir),
                             k8s.V1VolumeMount(name=ADAPTER_VOLUME, mount_path=adapter_dir, read_only=True)]
+
+
+def gpu_index(device: str) -> int | None:
+    """N for cuda:N (the GPU, as every daemon of an agent node numbers them); None for the CPU."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return None
+    if not index.isdigit():
+        raise InvalidInput(f"device {device!r} is not 'cpu' or 'cuda:N'")
+    return int(index)
 
 
 def home_mounts(spec: WorkerSpec, home: str, adapter: bool = True) -> list[k8s.V1VolumeMount]:

@@ -144,7 +144,7 @@ class KubernetesBackend:
 
     def daemon_socket(self, backbone: str, device: str | None = None) -> Path:
         self.agents.check_device(device)
-        return self.agents.daemon_socket(backbone)
+        return self.agents.daemon_socket(backbone, device)
 
     def stop_daemon(self, backbone: str, device: str | None = None) -> bool:
         return False  # the DaemonSet owns the daemons: they are not the controller's to stop
@@ -171,8 +171,8 @@ class KubernetesBackend:
             socket_path=f"tcp://0.0.0.0:{self.config.worker_port}",
             model_dir=str(self.store.path(backbone)),
             adapter_dir=str(adapter_dir) if adapter_dir else None,
-            daemon_socket=str(self.daemon_socket(backbone)) if shared else None,
-            device=self.config.device,
+            daemon_socket=str(self.daemon_socket(backbone, device)) if shared else None,
+            device=device or self.config.device,
             max_batch_size=max_batch_size,
             num_threads=num_threads,
         )

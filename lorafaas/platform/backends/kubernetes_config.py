@@ -27,7 +27,8 @@ class KubernetesConfig:
     release: str  # the Helm release: every object of ours carries app.kubernetes.io/instance=<release>
     pod_template: str  # the ConfigMap holding the function pod template under `pod.yaml`
     home: Path = Path("/var/lib/lorafaas")  # LORAFAAS_HOME, the same path in the controller, agents and functions
-    device: str = "cpu"
+    device: str = "cpu"  # the first device: what a launch without one runs on
+    devices: tuple[str, ...] = ()  # every device each agent node serves (cuda:0, cuda:1, ...); empty: (device,)
     worker_port: int = 9000
     delete_timeout_s: float = 30.0
     adopt_window_s: float = 120.0  # after a restart: how long the previous controller's pods wait to be claimed
@@ -45,11 +46,13 @@ class KubernetesConfig:
         check_release(self.release)
         if self.agent_port is not None and not 0 < self.agent_port < 65536:
             raise InvalidInput(f"agent port is {self.agent_port}; it must lie between 1 and 65535")
+        if self.devices and self.devices[0] != self.device:
+            raise InvalidInput(f"devices {', '.join(self.devices)} must start with device {self.device}")
         if not 0 <= self.adopt_window_s <= 3600:
             raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
 
     @classmethod
-    def from_env(cls, home: Path, device: str = "cpu") -> KubernetesConfig:
+    def from_env(cls, home: Path, devices: tuple[str, ...] = ("cpu",)) -> KubernetesConfig:
         """In the controller pod: the chart sets these (the namespace from the downward API)."""
         missing = [k for k in ("POD_NAMESPACE", "LORAFAAS_RELEASE", "LORAFAAS_POD_TEMPLATE") if not os.environ.get(k)]
         if missing:
@@ -61,12 +64,17 @@ class KubernetesConfig:
             release=os.environ["LORAFAAS_RELEASE"],
             pod_template=os.environ["LORAFAAS_POD_TEMPLATE"],
             home=Path(home),
-            device=device,
+            device=devices[0],
+            devices=tuple(devices),
             worker_port=int(os.environ.get("LORAFAAS_WORKER_PORT", "9000")),
             listen_on_pod_ip=os.environ.get("LORAFAAS_WORKER_LISTEN", "any") == "pod-ip",
             adapter_url=os.environ.get("LORAFAAS_ADAPTER_URL") or None,
             agent_port=int(os.environ["LORAFAAS_AGENT_PORT"]) if os.environ.get("LORAFAAS_AGENT_PORT") else None,
         )
+
+    @property
+    def served_devices(self) -> tuple[str, ...]:
+        return self.devices or (self.device,)
 
     @property
     def watch_selector(self) -> str:

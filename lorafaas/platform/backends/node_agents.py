@@ -75,17 +75,19 @@ class NodeAgents:
     def backbones(self) -> list[str]:
         return sorted(set().union(*self.agent_nodes().values()))
 
-    def daemon_socket(self, backbone: str) -> Path:
+    def daemon_socket(self, backbone: str, device: str | None = None) -> Path:
+        """The socket of the daemon serving `backbone` on `device` (the same path on every agent node)."""
         if not self.backbone_nodes(backbone):
             raise DaemonUnavailable(
                 f"no ready node agent serves backbone {backbone!r}; add it to the chart's "
                 "nodeAgent.backbones and check the node-agent pods"
             )
-        return DaemonPaths.of(self.config.home, backbone, self.config.device).socket
+        return DaemonPaths.of(self.config.home, backbone, device or self.config.device).socket
 
     def check_device(self, device: str | None) -> None:
-        if device is not None and device != self.config.device:
-            raise InvalidInput(f"device {device} is not this backend's; its pods run on {self.config.device}")
+        if device is not None and device not in self.config.served_devices:
+            raise InvalidInput(f"device {device} is not this backend's; its pods run on "
+                               f"{', '.join(self.config.served_devices)}")
 
 
 class AgentLiveness:

@@ -25,16 +25,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* An image reference: {{ include "lorafaas.image" (dict "root" . "image" .Values.image.gateway) }} */}}
+{{/* An image reference, registry/repository:tag[-cuda][@digest]: {{ include "lorafaas.image" (dict "root" .
+"image" .Values.image.gateway) }}. Each image has its own digest (three builds, three digests); the tag is kept before
+it for people reading the pod (the runtime pulls by the digest). */}}
 {{- define "lorafaas.image" -}}
 {{- $values := .root.Values.image -}}
 {{- $tag := default .root.Chart.AppVersion $values.tag -}}
 {{- if eq $values.variant "cuda" }}{{ $tag = printf "%s-cuda" $tag }}{{ end -}}
-{{- if $values.registry -}}
-{{- printf "%s/%s:%s" $values.registry .image.repository $tag -}}
-{{- else -}}
-{{- printf "%s:%s" .image.repository $tag -}}
-{{- end -}}
+{{- $repository := .image.repository -}}
+{{- if $values.registry }}{{ $repository = printf "%s/%s" $values.registry $repository }}{{ end -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- with .image.digest }}{{ printf "@%s" . }}{{ end -}}
 {{- end -}}
 
 {{- define "lorafaas.serviceAccountName" -}}
@@ -58,7 +59,16 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end -}}
 
 {{- define "lorafaas.isCuda" -}}
-{{- if hasPrefix "cuda" .Values.device }}true{{ end -}}
+{{- if eq .Values.device "cuda" }}true{{ end -}}
+{{- end -}}
+
+{{/* The devices the controller schedules on: cpu, or cuda:0 ... cuda:<gpu.perNode - 1> (a daemon each). */}}
+{{- define "lorafaas.devices" -}}
+{{- if include "lorafaas.isCuda" . -}}
+{{- range $index := until (int .Values.gpu.perNode) }}{{ if $index }},{{ end }}cuda:{{ $index }}{{ end -}}
+{{- else -}}
+cpu
+{{- end -}}
 {{- end -}}
 
 {{/* The home: a ReadWriteMany claim, or a node directory. */}}
