@@ -143,9 +143,9 @@ def test_gpu_values_run_a_daemon_per_gpu_and_backbone_on_gpu_nodes_cpu_values_re
     agent = by_kind(gpu, "DaemonSet")["lorafaas-node-agent"]["spec"]["template"]["spec"]
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert agent["tolerations"][0]["key"] == "nvidia.com/gpu"
-    daemons = {(c["args"][4], c["args"][c["args"].index("--device") + 1]): c for c in daemons(agent)}
-    assert set(daemons) == {(b, f"cuda:{i}") for b in ("smollm2-135m", "tiny") for i in (0, 1)}
-    for (backbone, device), container in daemons.items():
+    by_device = {(c["args"][4], c["args"][c["args"].index("--device") + 1]): c for c in daemons(agent)}
+    assert set(by_device) == {(b, f"cuda:{i}") for b in ("smollm2-135m", "tiny") for i in (0, 1)}
+    for (backbone, device), container in by_device.items():
         socket = f"/var/lib/lorafaas/run/{backbone}@{device.replace(':', '-')}.sock"
         assert container["readinessProbe"]["exec"]["command"] == ["test", "-S", socket]
         env = {e["name"]: e["value"] for e in container["env"]}
