@@ -74,7 +74,8 @@ class KubernetesBackend:
         self.instances: list[PodInstance] = []
         self._lock = threading.Lock()  # `instances` against the watch thread's removals
         self.failures = PodFailures(on_gone=self._gone)
-        self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self.failures.observe)
+        self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self.failures.observe,
+                              watch_timeout_s=config.watch_timeout_s)
         # the tokens pods fetch their adapter with (the gateway's adapter route checks them with the same access)
         self.adapter_access = adapter_access or AdapterAccess.from_admin_key(None)
         self.pod_template = PodTemplate(config, self.core, self.adapter_access)

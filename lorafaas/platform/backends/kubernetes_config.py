@@ -36,6 +36,7 @@ class KubernetesConfig:
     # volume. None: pods mount their adapter from the home (a home every node shares, or one node).
     adapter_url: str | None = None
     agent_port: int | None = None  # the node agents' liveness port (their holder's); None: not probed
+    watch_timeout_s: int = 240  # the server ends each pod watch after this; the client gives up 5 s later
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -47,6 +48,8 @@ class KubernetesConfig:
             raise InvalidInput(f"agent port is {self.agent_port}; it must lie between 1 and 65535")
         if not 0 <= self.adopt_window_s <= 3600:
             raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
+        if not 1 <= self.watch_timeout_s <= 3600:
+            raise InvalidInput(f"watch timeout is {self.watch_timeout_s} s; it must lie between 1 and 3600 s")
 
     @classmethod
     def from_env(cls, home: Path, device: str = "cpu") -> KubernetesConfig:
