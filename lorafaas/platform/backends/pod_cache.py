@@ -4,11 +4,14 @@
 broken stream or a read timeout (every call carries a client-side `_request_timeout`, so a half-open connection fails
 instead of blocking the thread forever); it runs in a daemon thread and hands every object to callbacks. `PodCache`
 keeps the latest state of each pod it reflects, so that readers (placement, readiness, liveness) never call the API
-server, and lets a thread wait for a pod to reach a state.
+server, and lets a thread (`wait_for`) or a coroutine (`wait_until`, which holds no thread) wait for a pod to reach a
+state.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -119,6 +122,7 @@ class PodCache:
     ) -> None:
         self._pods: dict[str, k8s.V1Pod] = {}
         self._changed = threading.Condition()
+        self._wakers: set[Callable[[], None]] = set()  # of the coroutines in `wait_until`, called on every change
         self._on_change = on_change
         self.reflector = Reflector(f"pods {namespace}/{label_selector}", core.list_namespaced_pod, namespace,
                                    label_selector=label_selector, on_list=self._replace, on_event=self._apply,
@@ -158,11 +162,45 @@ class PodCache:
                 self._changed.wait(min(left, 1.0))
             return self._pods.get(name)
 
+    async def wait_until(self, name: str, done: Callable[[k8s.V1Pod | None], bool],
+                         timeout_s: float) -> k8s.V1Pod | None:
+        """`wait_for` for a coroutine: it awaits the watch's changes (the watch thread wakes its event loop) and holds
+        no thread meanwhile, however long the pod takes."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:  # in the watch thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(changed.set)
+
+        with self._changed:
+            self._wakers.add(wake)
+        try:
+            deadline = loop.time() + timeout_s
+            while True:
+                changed.clear()  # before reading: a change after the read wakes the wait below
+                pod = self.get(name)
+                left = deadline - loop.time()
+                if done(pod) or left <= 0:
+                    return pod
+                with contextlib.suppress(TimeoutError):  # at least each second: `done` may read more than the pod
+                    await asyncio.wait_for(changed.wait(), min(left, 1.0))
+        finally:
+            with self._changed:
+                self._wakers.discard(wake)
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+            wakers = list(self._wakers)
+        for wake in wakers:
+            wake()
+
     def _replace(self, items: list[k8s.V1Pod]) -> None:
         with self._changed:
             self._pods, before = {pod_name_of(pod): pod for pod in items}, self._pods
             gone = [pod for name, pod in before.items() if name not in self._pods]
-            self._changed.notify_all()
+        self._wake()
         if self._on_change is not None:
             for pod in gone:
                 self._on_change(pod, True)
@@ -175,6 +213,6 @@ class PodCache:
                 self._pods.pop(pod_name_of(pod), None)
             else:
                 self._pods[pod_name_of(pod)] = pod
-            self._changed.notify_all()
+        self._wake()
         if self._on_change is not None:
             self._on_change(pod, kind == "DELETED")
