@@ -28,6 +28,7 @@ def values_with(quantities: str) -> dict:
     memory = yaml.safe_load(quantities)["memory"]
     text = (f"controller:\n{resources}redis:\n{resources}  persistence:\n    size: {memory}\n"
             f"nodeAgent:\n{resources}  shmSizeLimit: {memory}\n"
+            f"{resources.replace('  resources:', '  holderResources:')}"
             f"function:\n{resources}  tmpSizeLimit: {memory}\n")
     return helm.values_from_yaml(text)
 
