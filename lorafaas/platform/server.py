@@ -192,11 +192,12 @@ class Platform:
             await self.agent.stop()
             await self.service.usage.flush()  # the usage of the last invocations and keep-alives is stored first
             self.store.close()
+            self.service.store_threads.close()
 
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_INTERVAL_S)
-            removed = await asyncio.to_thread(self.service.expire_invocations)
+            removed = await self.service.store_threads.run(self.service.expire_invocations)
             if removed:
                 log.info("removed %d expired invocation record(s)", removed)
 

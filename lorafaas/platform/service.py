@@ -55,6 +55,7 @@ from lorafaas.platform.state.records import (
     InvocationRequest,
     InvocationStatus,
 )
+from lorafaas.platform.store_threads import StoreThreads
 from lorafaas.platform.usage import TimeBound, UsageRecorder, parse_time, summarize
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class FunctionService:
                                       for p in (Path(root), Path(root).resolve())}, key=len, reverse=True)
         self._background: dict[str, asyncio.Task] = {}  # async invocations running here, by id
         self.in_flight = InFlight()  # every invocation running here, so a revoke or a cancel reaches it
+        self.store_threads = StoreThreads()  # every store call from a coroutine runs here
         self.usage = UsageRecorder(store, agent.launcher.log_dir)
         agent.instances.on_keep_alive = self.usage.record_keep_alive
 
@@ -139,13 +141,13 @@ class FunctionService:
                             uid=secrets.token_hex(8), created_at=now, updated_at=now, **_spec_values(fields)).check()
         self.models.get(spec.backbone)  # BackboneNotFound before any work
         self._check_lora_mode(spec)
-        if await asyncio.to_thread(self._exists, spec.name):
+        if await self.store_threads.run(self._exists, spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
         digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant)
         spec = msgspec.structs.replace(spec, adapter_digest=digest)
         try:
-            await asyncio.to_thread(self.store.put_function, spec, create=True)
+            await self.store_threads.run(self.store.put_function, spec, create=True)
         finally:
             await self._release_adapter(digest)  # a failed deploy leaves no adapter behind
         self.agent.apply(spec)
@@ -166,18 +168,19 @@ class FunctionService:
                                            updated_at=max(time.time(), current.created_at)).check()
             if "lora_mode" in changes:
                 self._check_lora_mode(spec)
-            await asyncio.to_thread(self.store.put_function, spec, create=False)
+            await self.store_threads.run(self.store.put_function, spec, create=False)
         finally:
             if "adapter_digest" in changes:  # the replaced adapter, or the refused new one, may be unused now
                 await self._release_adapter(changes["adapter_digest"])
         self.agent.apply(spec)
         return spec
 
-    # The state store may be remote (Redis): every call to it from a coroutine goes through a worker thread, so a
-    # slow or unreachable store never stalls the event loop (/healthz, streams in flight).
+    # The state store may be remote (Redis): every call to it from a coroutine goes through a store thread, so a
+    # slow or unreachable store never stalls the event loop (/healthz, streams in flight), and nothing else that
+    # holds threads makes a store call wait (store_threads.py).
 
     async def aget(self, caller: ApiKeyRecord, name: str) -> FunctionSpec:
-        return await asyncio.to_thread(self.get, caller, name)
+        return await self.store_threads.run(self.get, caller, name)
 
     def get(self, caller: ApiKeyRecord, name: str) -> FunctionSpec:
         try:
@@ -189,11 +192,11 @@ class FunctionService:
         return spec
 
     async def list(self, caller: ApiKeyRecord) -> list[FunctionSpec]:
-        return await asyncio.to_thread(self.store.list_functions, None if caller.is_admin else caller.tenant)
+        return await self.store_threads.run(self.store.list_functions, None if caller.is_admin else caller.tenant)
 
     async def delete(self, caller: ApiKeyRecord, name: str) -> None:
         spec = await self.aget(caller, name)
-        await asyncio.to_thread(self.store.delete_function, spec.name)
+        await self.store_threads.run(self.store.delete_function, spec.name)
         await self.agent.remove(spec.name)
         await asyncio.to_thread(remove_deployment_logs, self.agent.launcher.log_dir, spec.uid)
         await self._collect_adapters()
@@ -274,7 +277,7 @@ class FunctionService:
 
     async def _collect_adapters(self) -> None:
         """Remove the adapters no stored function references (and no deploy in progress holds)."""
-        referenced = {spec.adapter_digest for spec in await asyncio.to_thread(self.store.list_functions)}
+        referenced = {spec.adapter_digest for spec in await self.store_threads.run(self.store.list_functions)}
         await asyncio.to_thread(self.adapters.collect, referenced)
 
     # -- invocations -----------------------------------------------------------------------------------------------
@@ -328,7 +331,8 @@ class FunctionService:
         """Usage per function or tenant in [since, until): a tenant's own, or every tenant's (admin)."""
         start, end = parse_time("since", since), parse_time("until", until)
         summarize((), group_by)  # a bad group_by is refused before the store is read
-        records = await asyncio.to_thread(self.store.list_usage, start, end, None if caller.is_admin else caller.tenant)
+        tenant = None if caller.is_admin else caller.tenant
+        records = await self.store_threads.run(self.store.list_usage, start, end, tenant)
         return msgspec.convert({"since": start, "until": end, **summarize(records, group_by)}, UsageReport,
                                strict=False)
 
@@ -342,12 +346,12 @@ class FunctionService:
             key_id=caller.key_id, status="queued",
             request=request, created_at=now, updated_at=now, expires_at=now + INVOCATION_RETENTION_S,
         )
-        await asyncio.to_thread(self.store.put_invocation, record)
+        await self.store_threads.run(self.store.put_invocation, record)
         self._run_in_background(record)
         return record
 
     async def get_invocation(self, caller: ApiKeyRecord, invocation_id: str) -> InvocationRecord:
-        record = await asyncio.to_thread(self.store.get_invocation, invocation_id)
+        record = await self.store_threads.run(self.store.get_invocation, invocation_id)
         if not (caller.is_admin or record.tenant == caller.tenant):
             raise InvocationNotFound(f"invocation {invocation_id!r} does not exist")
         return record
@@ -355,7 +359,7 @@ class FunctionService:
     async def list_invocations(self, caller: ApiKeyRecord, function: str | None, status: str | None, limit: int
                                ) -> builtins.list[InvocationRecord]:
         """The caller's invocations still retained (a tenant's own; every tenant's for the admin), newest first."""
-        records = await asyncio.to_thread(self.store.list_invocations, status)
+        records = await self.store_threads.run(self.store.list_invocations, status)
         mine = [r for r in reversed(records) if (caller.is_admin or r.tenant == caller.tenant)
                 and function in (None, r.function)]
         return mine[:limit]
@@ -369,18 +373,18 @@ class FunctionService:
         reason = InvocationCancelled(f"invocation {invocation_id} was cancelled by its tenant")
         task = self._background.get(invocation_id)
         if task is None:  # accepted, but not running in this gateway (one gateway per state store): ended here
-            await asyncio.to_thread(self.store.put_invocation, _ended(record, "cancelled", reason))
+            await self.store_threads.run(self.store.put_invocation, _ended(record, "cancelled", reason))
         else:
             self.in_flight.cancel(invocation_id, reason)
             await asyncio.wait({task})
-        record = await asyncio.to_thread(self.store.get_invocation, invocation_id)
+        record = await self.store_threads.run(self.store.get_invocation, invocation_id)
         if record.status == "succeeded":
             raise InvocationFinished(f"invocation {invocation_id!r} succeeded before it could be cancelled")
         return record
 
     async def revoke_key(self, key_id: str) -> ApiKeyRecord:
         """Delete a tenant's key and cancel its invocations in flight (streams, sync and async alike)."""
-        record = await asyncio.to_thread(revoke_key, self.store, key_id)
+        record = await self.store_threads.run(revoke_key, self.store, key_id)
         cancelled = self.in_flight.revoke(key_id)
         if cancelled:
             log.info("revoked API key %s: cancelled %d invocation(s) in flight", key_id, cancelled)
@@ -400,9 +404,9 @@ class FunctionService:
 
     async def _run_ticket(self, record: InvocationRecord, ticket: Ticket) -> None:
         running = msgspec.structs.replace(record, status="running", updated_at=time.time())
-        await asyncio.to_thread(self.store.put_invocation, running)
+        await self.store_threads.run(self.store.put_invocation, running)
         try:
-            spec = await asyncio.to_thread(self.store.get_function, record.function)
+            spec = await self.store_threads.run(self.store.get_function, record.function)
             if (record.deployment and spec.uid != record.deployment) or spec.tenant != record.tenant:
                 raise FunctionNotFound(f"function {record.function!r} was deleted before this invocation ran")
             finished = None
@@ -426,7 +430,7 @@ class FunctionService:
             done = msgspec.structs.replace(record, status="failed", error_code=ServerError.code,
                                            error_message=f"the invocation failed inside lorafaas "
                                                          f"({type(exc).__name__})", updated_at=time.time())
-        await asyncio.to_thread(self.store.put_invocation, done)
+        await self.store_threads.run(self.store.put_invocation, done)
 
     def expire_invocations(self) -> int:
         return self.store.delete_expired_invocations(time.time())

@@ -26,7 +26,7 @@ from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.agent.config import GATE_LEASE_S, SHARED_BASE_FROM_PER_SLOT, AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState
-from lorafaas.platform.backends.base import Backend
+from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.devices import backbone_device
@@ -235,7 +235,10 @@ class Instances:
         instance.instance_id = worker_spec.instance_id
         check()
         instance.launching.set()
-        instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
+        if isinstance(self.launcher, AsyncLauncher):  # a pod: its readiness is awaited, no thread held meanwhile
+            instance.handle = await self.launcher.launch_async(worker_spec)
+        else:
+            instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
         instance.instance_id = instance.handle.spec.instance_id  # a pod adopted after a restart keeps its id
         check()
         instance.cold_start["spawn"] = time.perf_counter() - started
@@ -263,7 +266,10 @@ class Instances:
         if instance.client is not None:
             await instance.client.close()
         if instance.handle is not None:
-            await asyncio.to_thread(instance.handle.kill, sig, self.config.stop_timeout_s)
+            if isinstance(instance.handle, AsyncKillable):
+                await instance.handle.kill_async(sig, self.config.stop_timeout_s)
+            else:
+                await asyncio.to_thread(instance.handle.kill, sig, self.config.stop_timeout_s)
             with contextlib.suppress(ValueError):
                 self.launcher.instances.remove(instance.handle)
             address = instance.handle.spec.socket_path

@@ -95,3 +95,19 @@ class Backend(Protocol):
     def zygote_pid(self) -> int | None: ...
 
     def start_zygote(self) -> None: ...
+
+
+# A backend whose instances take long to start or stop (a pod waits for a node, then for its image) waits for them
+# without a thread: the node agent awaits these where a backend has them, instead of running `launch` and `kill` on
+# the default executor, whose few threads the gateway's store calls need.
+
+
+@runtime_checkable
+class AsyncLauncher(Protocol):
+    async def launch_async(self, spec: WorkerSpec, *, fresh: bool = False,
+                           timeout_s: float = 120.0) -> InstanceRef: ...
+
+
+@runtime_checkable
+class AsyncKillable(Protocol):
+    async def kill_async(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None: ...

@@ -3,10 +3,13 @@
 Every call to the API server goes through `self.core` (a `CoreV1Api`). One watch (`PodCache`) follows the release's
 function and node-agent pods, so that placement (`agent_nodes`, `running_backbones`), readiness and liveness are read
 from memory: nothing the gateway does per invocation calls the API server. The calls that remain (create, delete,
-read the template) block, and the node agent makes them from a worker thread (`asyncio.to_thread`).
+read the template) block; from the event loop they run on the backend's own few threads (`API_THREADS`), never on the
+default executor that the gateway's store calls use.
 
 `launch` creates the instance's pod (`function_pod.build_function_pod`) and waits until the watch sees it ready (or
-failed: the failure is recorded, the pod deleted and InstanceUnavailable raised). The watch records failures of
+failed: the failure is recorded, the pod deleted and InstanceUnavailable raised). The node agent calls `launch_async`
+and `PodInstance.kill_async`, which await the watch instead of blocking a thread: a pod that waits two minutes for a
+node holds no thread, so any number of them leave the request path's threads alone. The watch records failures of
 running pods as they happen (OOMKilled, Evicted, deleted by a drain) for `describe`. After a controller restart,
 `start()` finds the previous controller's healthy function pods and hands each to the first `launch` of the same
 function, backbone and adapter (adoption), deleting those nobody claims within `adopt_window_s`;
@@ -20,12 +23,16 @@ kubernetes_config.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
@@ -54,10 +61,14 @@ from lorafaas.platform.backends.pod_status import (
 )
 from lorafaas.platform.backends.pod_template import PodTemplate
 from lorafaas.platform.descriptions import FailureView
+from lorafaas.platform.thread_pools import started_pool
 
 __all__ = ["KubernetesBackend", "KubernetesConfig", "PodInstance", "ReconcileResult"]
 
 log = logging.getLogger(__name__)
+
+API_THREADS = 4  # the backend's own threads for the API calls the event loop makes (create, delete: each brief)
+T = TypeVar("T")
 
 
 class KubernetesBackend:
@@ -74,12 +85,14 @@ class KubernetesBackend:
         self.instances: list[PodInstance] = []
         self._lock = threading.Lock()  # `instances` against the watch thread's removals
         self.failures = PodFailures(on_gone=self._gone)
-        self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self.failures.observe)
+        self.cache = PodCache(self.core, config.namespace, config.watch_selector, on_change=self.failures.observe,
+                              watch_timeout_s=config.watch_timeout_s)
         # the tokens pods fetch their adapter with (the gateway's adapter route checks them with the same access)
         self.adapter_access = adapter_access or AdapterAccess.from_admin_key(None)
         self.pod_template = PodTemplate(config, self.core, self.adapter_access)
         self.adoption = PodAdoption(self)
         self.agents = NodeAgents(config, lambda: self._started().pods())
+        self._api_threads = started_pool(API_THREADS, "k8s-api")  # a coroutine never waits for a thread to start
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
 
@@ -98,6 +111,7 @@ class KubernetesBackend:
         self.adoption.cancel()
         self.agents.stop()
         self.cache.stop()
+        self._api_threads.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Stop following and leave the pods running: a controller stops for an upgrade, a move or a restart, and the
@@ -183,6 +197,34 @@ class KubernetesBackend:
     def launch(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> PodInstance:
         """A ready instance for `spec`: a previous controller's pod running the same thing, or a new pod (returns
         once its worker accepts connections)."""
+        placed = self._place(spec)
+        if isinstance(placed, PodInstance):
+            return placed
+        settled = PodSettled(self.agents.lost)
+        pod = self.cache.wait_for(placed, settled, timeout_s)
+        return self._verdict(spec, placed, pod, settled.seen, timeout_s)
+
+    async def launch_async(self, spec: WorkerSpec, *, fresh: bool = False, timeout_s: float = 120.0) -> PodInstance:
+        """`launch` holding no thread while the pod starts: its API calls run on the backend's own threads, and its
+        readiness is awaited from the watch."""
+        placed = await self.run_api_call(self._place, spec)
+        if isinstance(placed, PodInstance):
+            return placed
+        settled = PodSettled(self.agents.lost)
+        try:
+            pod = await self.cache.wait_until(placed, settled, timeout_s)
+        except asyncio.CancelledError:  # the agent is stopping: a pod that never served is not left behind
+            with contextlib.suppress(InstanceUnavailable, RuntimeError):  # RuntimeError: the backend stopped first
+                await asyncio.shield(self.run_api_call(self.delete_pod, placed, 0))
+            raise
+        return await self.run_api_call(self._verdict, spec, placed, pod, settled.seen, timeout_s)
+
+    async def run_api_call(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` (blocking on the API server) on the backend's own threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._api_threads, functools.partial(call, *args))
+
+    def _place(self, spec: WorkerSpec) -> PodInstance | str:
+        """An adopted instance for `spec`, or the name of the pod created for it."""
         self._started()
         backbone = Path(spec.model_dir).name
         adopted = self.adoption.claim(spec)
@@ -195,22 +237,11 @@ class KubernetesBackend:
         api_call(f"creating pod {pod_name_of(pod)}", self.core.create_namespaced_pod, self.config.namespace, pod)
         log.info("%s: created pod %s for instance %s on one of %s", spec.function, pod_name_of(pod),
                  spec.instance_id, ", ".join(nodes))
-        instance = self._wait_ready(spec, pod_name_of(pod), timeout_s)
-        self.instances.append(instance)
-        return instance
+        return pod_name_of(pod)
 
-    def _wait_ready(self, spec: WorkerSpec, name: str, timeout_s: float) -> PodInstance:
-        seen = False
-
-        def settled(pod: k8s.V1Pod | None) -> bool:
-            nonlocal seen
-            if pod is None:
-                return seen  # gone after it was seen (before, the watch has not caught up yet)
-            seen = True
-            return (pod_meta(pod).deletion_timestamp is not None or pod_failure(pod) is not None
-                    or (is_ready(pod) and bool(pod_ip(pod))) or self.agents.lost(pod_spec(pod).node_name))
-
-        pod = self.cache.wait_for(name, settled, timeout_s)
+    def _verdict(self, spec: WorkerSpec, name: str, pod: k8s.V1Pod | None, seen: bool,
+                 timeout_s: float) -> PodInstance:
+        """The instance once its pod settled ready; else its failure recorded, the pod deleted, InstanceUnavailable."""
         if pod is None and seen:
             raise InstanceUnavailable(f"{spec.function}: pod {name} was deleted while starting")
         if pod is not None and pod_meta(pod).deletion_timestamp is not None:
@@ -221,7 +252,9 @@ class KubernetesBackend:
             self.delete_pod(name, grace_period_s=0)
             raise InstanceUnavailable(f"{spec.function}: pod {name} failed: {failure.reason}: {failure.message}")
         if pod is not None and is_ready(pod) and (ip := pod_ip(pod)):
-            return PodInstance(spec, name, ip, self)
+            instance = PodInstance(spec, name, ip, self)
+            self.instances.append(instance)
+            return instance
         if pod is not None and self.agents.lost(node := pod_spec(pod).node_name):  # its machine is gone: not waited
             self.failures.record(PodFailure(spec.function, spec.instance_id, name, "NodeLost",
                                             f"the node agent on {node} stopped answering"))
@@ -266,3 +299,20 @@ class KubernetesBackend:
         with self._lock:
             for instance in [i for i in self.instances if i.pod_name == name]:
                 self.instances.remove(instance)
+
+
+class PodSettled:
+    """Whether a starting pod has settled (ready with an address, failed, being deleted, bound to a node whose agent
+    is `lost`, or gone after it was seen): what a launch waits for; `seen` tells a pod that is gone from one the watch
+    has not caught up with yet."""
+
+    def __init__(self, lost: Callable[[str | None], bool]) -> None:
+        self.lost = lost
+        self.seen = False
+
+    def __call__(self, pod: k8s.V1Pod | None) -> bool:
+        if pod is None:
+            return self.seen
+        self.seen = True
+        return (pod_meta(pod).deletion_timestamp is not None or pod_failure(pod) is not None
+                or (is_ready(pod) and bool(pod_ip(pod))) or self.lost(pod_spec(pod).node_name))

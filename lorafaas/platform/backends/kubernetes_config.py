@@ -37,6 +37,7 @@ class KubernetesConfig:
     # volume. None: pods mount their adapter from the home (a home every node shares, or one node).
     adapter_url: str | None = None
     agent_port: int | None = None  # the node agents' liveness port (their holder's); None: not probed
+    watch_timeout_s: int = 240  # the server ends each pod watch after this; the client gives up 5 s later
 
     def __post_init__(self) -> None:
         if not 0 < self.worker_port < 65536:
@@ -50,6 +51,8 @@ class KubernetesConfig:
             raise InvalidInput(f"devices {', '.join(self.devices)} must start with device {self.device}")
         if not 0 <= self.adopt_window_s <= 3600:
             raise InvalidInput(f"adopt window is {self.adopt_window_s} s; it must lie between 0 and 3600 s")
+        if not 1 <= self.watch_timeout_s <= 3600:
+            raise InvalidInput(f"watch timeout is {self.watch_timeout_s} s; it must lie between 1 and 3600 s")
 
     @classmethod
     def from_env(cls, home: Path, devices: tuple[str, ...] = ("cpu",)) -> KubernetesConfig:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.platform.backends.kubernetes_config import KubernetesConfig
 from lorafaas.platform.backends.pod_cache import PodCache
 from lorafaas.platform.backends.pod_status import pod_failure, pod_meta
+
+T = TypeVar("T")
 
 
 class PodHost(Protocol):
@@ -22,6 +25,8 @@ class PodHost(Protocol):
     instances: list[PodInstance]
 
     def delete_pod(self, name: str, grace_period_s: int = 30) -> bool: ...
+
+    async def run_api_call(self, call: Callable[..., T], *args: Any) -> T: ...
 
 
 @dataclass
@@ -57,3 +62,11 @@ class PodInstance:
         with contextlib.suppress(ValueError):
             self.backend.instances.remove(self)
         self.backend.cache.wait_for(self.pod_name, lambda pod: pod is None, grace_s + 10.0)
+
+    async def kill_async(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """`kill` holding no thread while the pod terminates (awaited from the watch)."""
+        grace_s = 0 if sig == signal.SIGKILL else int(timeout_s)
+        await self.backend.run_api_call(self.backend.delete_pod, self.pod_name, grace_s)
+        with contextlib.suppress(ValueError):
+            self.backend.instances.remove(self)
+        await self.backend.cache.wait_until(self.pod_name, lambda pod: pod is None, grace_s + 10.0)

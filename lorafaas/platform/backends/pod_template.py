@@ -79,7 +79,14 @@ class PodTemplate:
                                       f"{api_message(exc)}") from exc
 
     def pod_from_dict(self, data: dict) -> k8s.V1Pod:
-        return self._serializer.deserialize(json.dumps(data), "V1Pod", None)
+        """The template as a model object. Its quantities may be numbers (`cpu: 2` in a template edited by hand, or
+        rendered by an older chart): the API server takes them, the client's models only strings, so they become
+        strings here rather than stopping the controller."""
+        try:
+            return self._serializer.deserialize(json.dumps(quantities_as_strings(data)), "V1Pod", None)
+        except ValueError as exc:  # pydantic's ValidationError: a field of the wrong type
+            raise InvalidInput(f"the function pod template (ConfigMap {self.config.pod_template}) is not a valid "
+                               f"pod: {exc}") from exc
 
     def to_dict(self, obj: Any) -> dict:
         """A model object as the API server receives it (camelCase, no nulls)."""
@@ -92,3 +99,32 @@ class PodTemplate:
             self.config.pod_template,
             self.config.namespace,
         )
+
+
+def quantities_as_strings(pod: Any) -> Any:
+    """`pod` (a pod as a dict) with every number among its containers' resources, its overhead and its emptyDir size
+    limits written as the quantity string Kubernetes would print (2 -> "2", 0.5 -> "0.5")."""
+    if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
+        return pod
+    spec = pod["spec"]
+    maps = [spec.get("overhead")]
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = container.get("resources") if isinstance(container, dict) else None
+        if isinstance(resources, dict):
+            maps += [resources.get("requests"), resources.get("limits")]
+    for quantities in maps:
+        if isinstance(quantities, dict):
+            quantities.update({name: quantity_string(value) for name, value in quantities.items()})
+    for volume in spec.get("volumes") or []:
+        empty_dir = volume.get("emptyDir") if isinstance(volume, dict) else None
+        if isinstance(empty_dir, dict) and "sizeLimit" in empty_dir:
+            empty_dir["sizeLimit"] = quantity_string(empty_dir["sizeLimit"])
+    return pod
+
+
+def quantity_string(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value  # a string already, or something the server will refuse with its own reason
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)

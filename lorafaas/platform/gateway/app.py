@@ -89,7 +89,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
 
     async def uploader(authorization: str | None) -> str:
         """The tenant an upload's slot is counted against (its key checked before the body is read)."""
-        return (await asyncio.to_thread(authenticate, service.store, authorization)).tenant
+        return (await service.store_threads.run(authenticate, service.store, authorization)).tenant
 
     app.add_middleware(RequestLimitsMiddleware, identify=uploader, limits=limits)
 
@@ -106,7 +106,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
               "content": {"application/json": {"schema": {"anyOf": [
                   {"$ref": "#/components/schemas/Status"}, {"$ref": "#/components/schemas/ErrorBody"}]}}}}})
     async def readyz() -> Response:
-        await asyncio.to_thread(service.store.ping)  # a remote store: never waited for on the event loop
+        await service.store_threads.run(service.store.ping)  # a remote store: never waited for on the event loop
         if not is_ready():
             return encoded(Status(status="starting"), status_code=503)
         return encoded(Status(status="ready"))
@@ -229,7 +229,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
               responses={201: reply(KeyCreated, "The new key (shown only now)"), **errors(403)})
     async def create_tenant_key(body: KeyBody, who: ApiKeyRecord = Depends(caller)) -> Response:
         _require_admin(who)
-        key = await asyncio.to_thread(create_key, service.store, body.tenant)
+        key = await service.store_threads.run(create_key, service.store, body.tenant)
         key_id = key_id_of(key)
         if key_id is None:  # create_key makes lf_<key_id>_<secret> keys
             raise ServerError("the new key has no id")
@@ -239,7 +239,8 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
              responses={200: reply(KeyList, "Every key (never the key itself)"), **errors(403)})
     async def list_keys(who: ApiKeyRecord = Depends(caller)) -> Response:
         _require_admin(who)
-        return encoded(KeyList(keys=[KeyInfo.of(k) for k in await asyncio.to_thread(service.store.list_keys)]))
+        keys = await service.store_threads.run(service.store.list_keys)
+        return encoded(KeyList(keys=[KeyInfo.of(k) for k in keys]))
 
     @app.delete("/v1/keys/{key_id}", tags=["keys"], response_model=None,
                 responses={200: reply(KeyRevoked, "Revoked"), **errors(403, 404)})

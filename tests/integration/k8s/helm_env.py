@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from k8s_env import CHART, wait_until
-from test_k8s_helm_e2e import BACKBONE, NODES, RELEASE, SMALL, HelmCluster
+from test_k8s_helm_e2e import NODES, RELEASE, HelmCluster
 
 helm = pytest.importorskip("helm_python")
+
+BACKBONE = "tiny-dense"  # imported by hand into the shared home: a release ready in seconds, not a SmolLM2 per node
+SMALL = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 VALUES = {
     "home": {"existingClaim": "lorafaas-home", "runHostPath": "/var/run/lorafaas"},
@@ -22,6 +26,23 @@ VALUES = {
 }
 
 
+@pytest.fixture
+def shared_home(helm_cluster: HelmCluster, tmp_path: Path) -> Iterator[Path]:
+    """The release's `home.existingClaim`: a ReadWriteMany volume whose NFS server is this machine (the process
+    kubelet mounts its path); the directory on this machine."""
+    home = tmp_path / "nfs" / "home"
+    home.mkdir(parents=True)
+    volume = f"{helm_cluster.namespace}-home"
+    helm_cluster.core.create_persistent_volume({"metadata": {"name": volume}, "spec": {
+        "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "persistentVolumeReclaimPolicy": "Retain",
+        "claimRef": {"namespace": helm_cluster.namespace, "name": "lorafaas-home"},
+        "nfs": {"server": "127.0.0.1", "path": str(home)}}})
+    try:
+        yield home
+    finally:
+        helm_cluster.core.delete_persistent_volume(volume)
+
+
 @dataclass
 class Installed:
     url: str  # the gateway's Service
@@ -30,9 +51,9 @@ class Installed:
     redis: object
 
 
-def install(cluster: HelmCluster, cli, tiny_dense_dir: Path, values: dict = VALUES) -> Installed:
-    """The backbone imported into the shared home, the chart installed, every pod ready."""
-    assert cli("--home", str(cluster.nfs_home), "backbone", "import", BACKBONE, "--from",
+def install(cluster: HelmCluster, home: Path, cli, tiny_dense_dir: Path, values: dict = VALUES) -> Installed:
+    """The backbone imported into the shared `home`, the chart installed, every pod ready."""
+    assert cli("--home", str(home), "backbone", "import", BACKBONE, "--from",
                str(tiny_dense_dir)).returncode == 0
     helm_apply(cluster, values, upgrade=False)
     wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 180)

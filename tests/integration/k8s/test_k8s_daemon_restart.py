@@ -12,9 +12,9 @@ import os
 import signal
 from pathlib import Path
 
-from helm_env import install
+from helm_env import BACKBONE, install, shared_home  # noqa: F401
 from k8s_env import wait_until
-from test_k8s_helm_e2e import BACKBONE, PROMPT, HelmCluster, helm_cluster  # noqa: F401
+from test_k8s_helm_e2e import PROMPT, HelmCluster, helm_cluster  # noqa: F401
 
 from lorafaas.platform.api_client import ApiClient
 
@@ -34,9 +34,9 @@ def segment_inodes(pid: int) -> set[int]:
 
 
 def test_a_daemon_killed_on_a_node_is_restarted_by_the_kubelet_and_maps_the_same_segment(
-        helm_cluster: HelmCluster, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
+        helm_cluster: HelmCluster, shared_home: Path, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
     cluster, runtime = helm_cluster, helm_cluster.runtime
-    installed = install(cluster, cli, tiny_dense_dir)
+    installed = install(cluster, shared_home, cli, tiny_dense_dir)
     with ApiClient(installed.url, installed.admin_key) as api:
         api.deploy({"name": "alpha", "backbone": BACKBONE, "keep_alive_s": 600}, tiny_adapter_dir)
         first = api.invoke("alpha", {"prompt": PROMPT, "max_tokens": 4})

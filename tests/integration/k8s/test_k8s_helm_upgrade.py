@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import httpx
-from helm_env import VALUES, helm_apply, install
+from helm_env import BACKBONE, VALUES, helm_apply, install, shared_home  # noqa: F401
 from k8s_env import wait_until
-from test_k8s_helm_e2e import BACKBONE, PROMPT, HelmCluster, helm_cluster  # noqa: F401
+from test_k8s_helm_e2e import PROMPT, HelmCluster, helm_cluster  # noqa: F401
 
 from lorafaas.platform.api_client import ApiClient
 
@@ -56,9 +56,9 @@ class Invoker(threading.Thread):
 
 
 def test_helm_upgrade_leaves_function_pods_running_and_the_new_controller_adopts_them(
-        helm_cluster: HelmCluster, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
+        helm_cluster: HelmCluster, shared_home: Path, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
     cluster = helm_cluster
-    installed = install(cluster, cli, tiny_dense_dir)
+    installed = install(cluster, shared_home, cli, tiny_dense_dir)
     old = installed.controller
     with ApiClient(installed.url, installed.admin_key) as api:
         api.deploy({"name": "alpha", "backbone": BACKBONE, "keep_alive_s": 600}, tiny_adapter_dir)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
-from helm_env import install
+from helm_env import BACKBONE, install, shared_home  # noqa: F401
 from k8s_env import wait_until
-from test_k8s_helm_e2e import BACKBONE, PROMPT, HelmCluster, helm_cluster  # noqa: F401
+from test_k8s_helm_e2e import PROMPT, HelmCluster, helm_cluster  # noqa: F401
 
 from lorafaas.platform.api_client import ApiClient
 
@@ -26,9 +26,9 @@ def node_ready(cluster: HelmCluster, name: str) -> bool:
 
 
 def test_a_lost_machine_whose_node_stays_ready_is_left_and_the_function_is_back_at_its_minimum(
-        helm_cluster: HelmCluster, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
+        helm_cluster: HelmCluster, shared_home: Path, tiny_dense_dir: Path, tiny_adapter_dir: Path, cli) -> None:  # noqa: F811
     cluster = helm_cluster
-    installed = install(cluster, cli, tiny_dense_dir)
+    installed = install(cluster, shared_home, cli, tiny_dense_dir)
     keep = {installed.controller.spec.node_name, installed.redis.spec.node_name}
 
     def serving(away_from: str = "") -> list:

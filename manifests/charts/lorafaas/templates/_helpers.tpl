@@ -131,3 +131,23 @@ capabilities:
 - name: shm
   mountPath: /dev/shm
 {{- end -}}
+
+{{- /* Resource requests and limits (a dict of requests/limits) with every quantity a quoted string: Kubernetes
+quantities are strings, and the Python client's models refuse a number (`cpu: 2`) when the controller reads its pod
+template. A number from the values is written by toJson, which keeps a float64 out of exponent notation. */ -}}
+{{- define "lorafaas.resources" -}}
+{{- range $kind, $quantities := . }}
+{{ $kind }}:
+{{- range $name, $quantity := $quantities }}
+  {{ $name }}: {{ include "lorafaas.quantity" $quantity }}
+{{- else }} {}
+{{- end }}
+{{- else }}
+{}
+{{- end }}
+{{- end }}
+
+{{- /* One quantity (a string or a number from the values) as a quoted string. */ -}}
+{{- define "lorafaas.quantity" -}}
+{{- ternary . (toJson .) (kindIs "string" .) | quote }}
+{{- end }}
