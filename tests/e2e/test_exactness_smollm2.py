@@ -17,15 +17,13 @@ from lorafaas.formats.backbone_dtype import convert_backbone
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.backends.local import LocalLauncher
 from lorafaas.protocols.daemon_config import base_pass_socket
+from tests.support.exactness import BF16_NEAR_TIE_NATS, exact_or_near_ties
 
 ADAPTER = sorted(p for p in (Path(__file__).resolve().parents[2] / "examples" / "adapters").iterdir()
                  if (p / "adapter_config.json").is_file())[0]
 PROMPTS = ["Tell me about the ocean.", "What do you like to do on weekends?", "Describe a forest at night.",
            "How do airplanes fly?"]
 MAX_TOKENS = 32
-# In bf16 a product's rounding depends on the rows beside it, so a greedy choice between two near-equal tokens can
-# flip. Measured 0.0 and 0.06 nats (test_runtime_smollm2.py's batched bf16 test holds the same bound).
-BF16_NEAR_TIE_NATS = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +63,6 @@ def serve(launcher: LocalLauncher, backbone: str, *, threads: int = 1, shared_pa
         instance.kill()
 
 
-def exact_or_near_ties(alone: list[list[m.Token]], other: list[list[m.Token]]) -> tuple[int, list[float]]:
-    """How many of `other` equal alone token for token, and alone's top-two margin (nats) where each other diverges;
-    fails where one diverges to a token outside alone's top two."""
-    exact, margins = 0, []
-    for prompt, solo, seen in zip(PROMPTS, alone, other, strict=True):
-        ids, other_ids = [t.token_id for t in solo], [t.token_id for t in seen]
-        if ids == other_ids:
-            exact += 1
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(ids, other_ids, strict=False)) if a != b)
-        alone_lp = {t.token_id: t.logprob for t in solo[at].logprobs.top}
-        assert other_ids[at] in alone_lp, f"{prompt!r}: at token {at} it took neither of alone's top two"
-        margins.append(round(solo[at].logprobs.sampled.logprob - alone_lp[other_ids[at]], 4))
-    return exact, margins
-
-
 def ids(replies: list[list[m.Token]]) -> list[list[int]]:
     return [[t.token_id for t in reply] for reply in replies]
 
@@ -110,7 +92,7 @@ def test_float32_tokens_batched_in_the_shared_pass_equal_alone(launcher, alone) 
 
 
 def test_bf16_tokens_batched_in_the_shared_pass_diverge_from_alone_only_at_near_ties(launcher, alone) -> None:
-    exact, margins = exact_or_near_ties(alone("smollm2-135m-bf16"),
+    exact, margins = exact_or_near_ties(PROMPTS, alone("smollm2-135m-bf16"),
                                         serve(launcher, "smollm2-135m-bf16", shared_pass=True, batched=True))
     assert all(margin < BF16_NEAR_TIE_NATS for margin in margins), f"no near-tie: {margins} nats"
     print(f"bf16, batched in the shared pass: {exact}/{len(PROMPTS)} exact; near-ties of {margins} nats")

@@ -10,6 +10,7 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.models.lora import attach_adapter, detach_adapter, read_host_adapter
 from lorafaas.models.reference import chat_input_ids, greedy_generate, load_backbone, with_adapter
 from lorafaas.platform.backends.local import LocalLauncher
+from tests.support.exactness import BF16_NEAR_TIE_NATS, exact_or_near_ties
 
 DEMO_ADAPTERS = sorted(
     p for p in (Path(__file__).resolve().parents[2] / "examples" / "adapters").iterdir()
@@ -140,13 +141,6 @@ def test_a_bf16_copy_of_the_backbone_through_the_runtime_equals_peft_in_bf16(lau
     assert served_greedy(launcher, "smollm2-135m-bf16") == references
 
 
-# In bf16 a batched request's products run in other kernels' blocking than alone, so its logits move within bf16
-# rounding and a greedy choice between two near-equal tokens can flip (docs/performance.md, "Exactness of batched
-# requests"). The exception, asserted exactly: a batched bf16 request equals its tokens alone up to its first
-# divergence, and there it takes the other of alone's top two tokens, whose log-probabilities alone are this close.
-BF16_NEAR_TIE_NATS = 0.25
-
-
 def test_bf16_batched_requests_diverge_from_alone_only_at_near_ties(launcher, smollm2_store) -> None:
     from lorafaas.formats.backbone_dtype import convert_backbone
 
@@ -170,17 +164,6 @@ def test_bf16_batched_requests_diverge_from_alone_only_at_near_ties(launcher, sm
             return alone, together
 
     alone, together = asyncio.run(scenario())
-    exact, margins = 0, []
-    for prompt, solo, batched in zip(prompts, alone, together, strict=True):
-        ids, batched_ids = [t.token_id for t in solo], [t.token_id for t in batched]
-        if ids == batched_ids:
-            exact += 1
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(ids, batched_ids, strict=False)) if a != b)
-        seen = solo[at].logprobs
-        alone_lp = {t.token_id: t.logprob for t in seen.top}  # alone's top two at the divergence
-        assert batched_ids[at] in alone_lp, f"{prompt!r}: at token {at} batched took neither of alone's top two"
-        margins.append(round(seen.sampled.logprob - alone_lp[batched_ids[at]], 4))
-        assert margins[-1] < BF16_NEAR_TIE_NATS, f"{prompt!r}: diverged at token {at} where alone's top two are " \
-                                                 f"{margins[-1]:.3f} nats apart, no near-tie"
+    exact, margins = exact_or_near_ties(prompts, alone, together)
+    assert all(margin < BF16_NEAR_TIE_NATS for margin in margins), f"no near-tie: {margins} nats"
     print(f"bf16, 8 concurrent: {exact}/{len(prompts)} exact; divergences at near-ties of {margins} nats")

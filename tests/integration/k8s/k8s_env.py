@@ -51,6 +51,16 @@ def create_object(api: k8s.ApiClient, obj: dict, **kwargs) -> object:
     return utils.create_from_dict(api, obj, **kwargs)
 
 
+NOT_IN_1_20 = {("PodDisruptionBudget", "policy/v1")}  # served from 1.21; the chart documents it
+
+
+def dry_run_chart(api: k8s.ApiClient, objects: list[dict], namespace: str) -> None:
+    """A server-side dry run of every rendered object this API server serves (no ServiceMonitor CRD here)."""
+    for obj in objects:
+        if (obj["kind"], obj["apiVersion"]) not in NOT_IN_1_20 and obj["kind"] != "ServiceMonitor":
+            create_object(api, obj, namespace=namespace, dry_run="All")
+
+
 @dataclass
 class Release:
     """One test's namespace with the chart's controller objects and node agents."""

@@ -12,7 +12,7 @@ import copy
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_env import BACKBONE, CHART, NODES, Release, create_object, render_chart
+from k8s_env import BACKBONE, CHART, NODES, Release, dry_run_chart, render_chart
 from kubernetes.client.exceptions import ApiException
 
 from lorafaas.errors import InvalidInput
@@ -24,7 +24,6 @@ CHART_VALUES = {
     "everything on": {"serviceMonitor": {"enabled": False}, "podDisruptionBudget": {"enabled": True},
                       "controller": {"ingress": {"enabled": True, "className": "nginx"}}},
 }
-NOT_IN_1_20 = {("PodDisruptionBudget", "policy/v1")}  # served from 1.21; the chart documents it
 
 
 def defect(name: str):
@@ -93,10 +92,7 @@ def test_every_object_the_chart_renders_is_accepted_by_the_api_server(release: R
         values = yaml.safe_load((CHART / values).read_text())
     objects = render_chart(release.namespace, values, name="check")  # beside the objects the fixture installed
     api = release.plane.api_client()
-    for obj in objects:
-        if (obj["kind"], obj["apiVersion"]) in NOT_IN_1_20 or obj["kind"] == "ServiceMonitor":
-            continue
-        create_object(api, obj, namespace=release.namespace, dry_run="All")
+    dry_run_chart(api, objects, release.namespace)
     template = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("function-pod"))
     pod = yaml.safe_load(template["data"]["pod.yaml"])
     pod["metadata"]["name"] = "check-fn-check"

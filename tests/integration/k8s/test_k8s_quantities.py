@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from k8s_env import BACKBONE, NODES, TEMPLATE, Release, create_object, helm, render_chart
+from k8s_env import BACKBONE, NODES, TEMPLATE, Release, dry_run_chart, helm, render_chart
 
-NOT_IN_1_20 = {("PodDisruptionBudget", "policy/v1")}
 # type -> (the cpu and memory a user writes in a values file, the strings the pod gets)
 QUANTITIES = {
     "integer": ("cpu: 2\nmemory: 1073741824", {"cpu": "2", "memory": "1073741824"}),
@@ -39,10 +38,7 @@ def test_every_documented_quantity_type_passes_a_server_dry_run_and_the_controll
     quantities, expected = QUANTITIES[kind]
     objects = render_chart(release.namespace, values_with(quantities), name="check")
     api = release.plane.api_client()
-    for obj in objects:
-        if (obj["kind"], obj["apiVersion"]) in NOT_IN_1_20 or obj["kind"] == "ServiceMonitor":
-            continue
-        create_object(api, obj, namespace=release.namespace, dry_run="All")
+    dry_run_chart(api, objects, release.namespace)
     template = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("function-pod"))
     release.admin.patch_namespaced_config_map(TEMPLATE, release.namespace, {"data": template["data"]})
     release.add_agent(NODES[0])

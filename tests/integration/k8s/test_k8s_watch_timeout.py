@@ -8,14 +8,14 @@ from k8s_env import NODES, RELEASE, SERVICE_ACCOUNT, TEMPLATE, Release, wait_unt
 from kubernetes import client as k8s
 
 from lorafaas.platform.backends.kubernetes import KubernetesBackend, KubernetesConfig
-from tests.support.stalling_proxy import StallingProxy
+from lorafaas.testing.slow_proxy import SlowProxy
 
 WATCH_TIMEOUT_S = 2  # the server ends each watch after this; the client gives up on a silent one a few seconds later
 
 
 def test_a_stalled_watch_connection_times_out_and_the_cache_lists_again(release: Release) -> None:
     first = release.add_agent(NODES[0])
-    proxy = StallingProxy(release.plane.port)
+    proxy = SlowProxy(release.plane.port)
     api = release.plane.api_client(release.plane.service_account_token(release.namespace, SERVICE_ACCOUNT))
     api.configuration.host = f"https://127.0.0.1:{proxy.port}"
     backend = KubernetesBackend(KubernetesConfig(namespace=release.namespace, release=RELEASE, pod_template=TEMPLATE,
