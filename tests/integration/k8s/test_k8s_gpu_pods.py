@@ -25,7 +25,7 @@ def daemons_by_socket(daemon_set: dict) -> dict[str, str]:
     home is not the chart's mount path: the names are what both share)."""
     containers = daemon_set["spec"]["template"]["spec"]["containers"]
     return {PurePosixPath(c["readinessProbe"]["exec"]["command"][-1]).name: c["args"][c["args"].index("--device") + 1]
-            for c in containers}
+            for c in containers if c["name"].startswith("daemon-")}  # the holder is the agent's other container
 
 
 def test_each_function_pod_carries_its_daemons_gpu_and_nothing_uses_a_host_namespace(release: Release) -> None:
