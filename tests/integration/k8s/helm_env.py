@@ -28,8 +28,8 @@ VALUES = {
 
 @pytest.fixture
 def shared_home(helm_cluster: HelmCluster, tmp_path: Path) -> Iterator[Path]:
-    """The release's `home.existingClaim`: a ReadWriteMany volume whose NFS server is this machine (the process
-    kubelet mounts its path); the directory on this machine."""
+    """The release's `home.existingClaim` (made here, as a user makes one) bound to a ReadWriteMany volume whose NFS
+    server is this machine (the process kubelet mounts its path); the directory on this machine."""
     home = tmp_path / "nfs" / "home"
     home.mkdir(parents=True)
     volume = f"{helm_cluster.namespace}-home"
@@ -37,6 +37,9 @@ def shared_home(helm_cluster: HelmCluster, tmp_path: Path) -> Iterator[Path]:
         "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "persistentVolumeReclaimPolicy": "Retain",
         "claimRef": {"namespace": helm_cluster.namespace, "name": "lorafaas-home"},
         "nfs": {"server": "127.0.0.1", "path": str(home)}}})
+    helm_cluster.core.create_namespaced_persistent_volume_claim(helm_cluster.namespace, {
+        "metadata": {"name": "lorafaas-home"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
     try:
         yield home
     finally:

@@ -21,15 +21,27 @@ from lorafaas.platform.api_client import ApiClient
 CONTAINER = f"daemon-{BACKBONE}"
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants: a container's process is the child of its PID namespace's `unshare`."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(current := todo.pop())
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(child) for child in (task / "children").read_text().split()]
+    return tree
+
+
 def segment_inodes(pid: int) -> set[int]:
-    """The inodes of the backbone segments (memfds) process `pid` has open."""
+    """The inodes of the backbone segments (memfds) the container process `pid` (or its children) has open."""
     inodes = set()
-    with contextlib.suppress(FileNotFoundError):  # the process is gone
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                link = os.readlink(fd)
-                if link.startswith("/memfd:lorafaas-") and f".{BACKBONE}.cpu." in link:
-                    inodes.add(os.stat(fd).st_ino)
+    for process in process_tree(pid):
+        with contextlib.suppress(FileNotFoundError):  # the process is gone
+            for fd in Path(f"/proc/{process}/fd").iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    link = os.readlink(fd)
+                    if link.startswith("/memfd:lorafaas-") and f".{BACKBONE}.cpu." in link:
+                        inodes.add(os.stat(fd).st_ino)
     return inodes
 
 
