@@ -6,7 +6,7 @@ makes it.
 
 Every pod has its own loopback and ports (two pods both listen on 0.0.0.0:9000), reaches the others on the bridge and
 the Services through the host (`tests.support.service_proxy`); the host reaches every pod IP. N is drawn at random
-from 10.200-10.249 so that two kubelets on one machine rarely collide; names carry the same random tag. Needs root
+from the 10.200-10.249 that no route of this machine uses yet; names carry the same random tag. Needs root
 (CAP_NET_ADMIN) and `ip` (iproute2). Nothing is forwarded or NATed: pods reach nothing beyond this machine.
 """
 
@@ -28,11 +28,23 @@ def ip(*args: str) -> None:
         raise OSError(f"ip {' '.join(args)}: {result.stderr.strip()}")
 
 
+def free_subnet() -> ipaddress.IPv4Network:
+    """A 10.N.0.0/16 (N in 200-249) that no route of this machine overlaps: a bridge left by a killed run keeps its
+    subnet's route, and a new bridge on the same subnet would lose its pods' traffic to the stale one."""
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=True).stdout
+    used = [ipaddress.ip_network(line.split()[0], strict=False) for line in routes.splitlines() if line[:1].isdigit()]
+    free = [subnet for subnet in (ipaddress.IPv4Network(f"10.{n}.0.0/16") for n in range(200, 250))
+            if not any(subnet.overlaps(route) for route in used)]
+    if not free:
+        raise OSError("no free 10.200-249.0.0/16 for a pod network: remove the lf-* bridges of earlier runs")
+    return free[secrets.randbelow(len(free))]
+
+
 class PodNetwork:
     def __init__(self) -> None:
         self.tag = secrets.token_hex(2)
         self.bridge = f"lf-{self.tag}"
-        self.subnet = ipaddress.ip_network(f"10.{200 + secrets.randbelow(50)}.0.0/16")
+        self.subnet = free_subnet()
         self.gateway = str(self.subnet.network_address + 1)
         self._next: dict[int, int] = {}  # node index -> last host number used
         self._namespaces: dict[str, str] = {}  # pod uid -> netns name
