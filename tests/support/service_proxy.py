@@ -12,7 +12,6 @@ advertises 127.0.0.1, which Endpoints may not hold), so in-cluster configuration
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import itertools
 import logging
@@ -218,10 +217,14 @@ class ServiceProxy:
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """One direction, until its end of file, which is passed on (a half close, as TCP allows)."""
-    with contextlib.suppress(OSError):
+    """One direction, until its end of file, which is passed on (a half close, as TCP allows). A reset is passed on
+    as a reset, as it reaches the client through kube-proxy's NAT: a client whose gateway reset the connection must
+    not wait on the proxy's other half for an answer that cannot come."""
+    try:
         while data := await reader.read(65536):
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
+    except OSError:
+        writer.transport.abort()
