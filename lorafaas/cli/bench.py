@@ -172,8 +172,8 @@ def preload(
     _show(result, as_json, "cold invocations, pre-loading on (lorafaas) and off (no-preload)")
 
 
-@app.command("load")
-def load(
+@app.command("traffic")
+def traffic(
     ctx: typer.Context,
     clients: int = typer.Option(20, "--clients", min=1, max=500, help="Concurrent closed-loop streaming clients."),
     duration_s: float = typer.Option(300.0, "--duration", min=1.0, help="Seconds of load."),
@@ -181,12 +181,12 @@ def load(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Closed-loop load on the demo functions: nothing lost or duplicated, requests/s and TTFT percentiles."""
-    from lorafaas.bench.load import run_load_bench
+    from lorafaas.bench.traffic import run_traffic_bench
     from lorafaas.formats.model_store import ModelStore
 
     config: LorafaasConfig = ctx.obj
     with RichProgress() as progress:
-        result = run_load_bench(ModelStore(config.models_dir), clients, duration_s, max_tokens, progress)
+        result = run_traffic_bench(ModelStore(config.models_dir), clients, duration_s, max_tokens, progress)
     _show(result, as_json, f"{clients} clients for {duration_s:g} s")
 
 
@@ -199,7 +199,7 @@ def soak(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Bursts with scale-to-zero between them: platform memory growth, leaked segments and processes afterwards."""
-    from lorafaas.bench.load import run_soak_bench
+    from lorafaas.bench.traffic import run_soak_bench
     from lorafaas.formats.model_store import ModelStore
 
     config: LorafaasConfig = ctx.obj

@@ -1,6 +1,6 @@
-"""Load and soak runs against a real platform on loopback (the three demo functions on smollm2-135m).
+"""Traffic and soak runs against a real platform on loopback (the three demo functions on smollm2-135m).
 
-`lorafaas bench load`: `clients` closed-loop streaming clients for `duration_s`, each calling the demo functions in
+`lorafaas bench traffic`: `clients` closed-loop streaming clients for `duration_s`, each calling the demo functions in
 turn. Every request must end with exactly one `done` event whose text is the concatenation of its token events and
 whose token count is the number of token events (nothing lost, nothing repeated on the way), and the platform's own
 invocation counter must equal the number of requests sent (none run twice, none dropped). Reports requests/s and the
@@ -43,7 +43,7 @@ from lorafaas.stats import percentile
 from lorafaas.testing.platform_process import PlatformProcess
 
 
-class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
+class TrafficResult(msgspec.Struct, frozen=True, kw_only=True):
     clients: int
     duration_s: float
     max_tokens: int
@@ -85,8 +85,8 @@ class _Tally:
             self.errors.append(message)
 
 
-def run_load_bench(store: ModelStore, clients: int = 20, duration_s: float = 300.0, max_tokens: int = 16,
-                   progress: ProgressSink | None = None) -> LoadResult:
+def run_traffic_bench(store: ModelStore, clients: int = 20, duration_s: float = 300.0, max_tokens: int = 16,
+                      progress: ProgressSink | None = None) -> TrafficResult:
     progress = progress or SilentProgress()
     progress.stage("starting a platform with the demo functions")
     with scratch_platform(store, "lorafaas", demo=False) as platform:
@@ -94,7 +94,7 @@ def run_load_bench(store: ModelStore, clients: int = 20, duration_s: float = 300
         progress.stage(f"{clients} clients for {duration_s:g} s", int(duration_s))
         tally = asyncio.run(_load(platform, clients, duration_s, max_tokens, progress))
         counted = _invocations_counted(platform) - tally.counted_before
-    return LoadResult(
+    return TrafficResult(
         clients=clients, duration_s=duration_s, max_tokens=max_tokens, requests_sent=tally.sent,
         responses_complete=tally.complete, lost=tally.sent - tally.complete,
         duplicated=max(0, counted - tally.sent), errors=tally.errors, invocations_counted=counted,
