@@ -190,6 +190,40 @@ def traffic(
     _show(result, as_json, f"{clients} clients for {duration_s:g} s")
 
 
+@app.command("load")
+def load(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone", help="A backbone in the model store."),
+    size_mb: int = typer.Option(None, "--size-mb", min=1, max=65536,
+                                help="Load a synthetic safetensors file of this many MiB instead of the backbone."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20, help="Runs of each reader (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The backbone loader's GB/s from a cold file, the page cache and the host tier, against the limits beside it."""
+    from lorafaas.bench.load import run_loader_bench
+    from lorafaas.formats.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    store = None if size_mb is not None else ModelStore(config.models_dir)
+    with RichProgress() as progress:
+        result = run_loader_bench(store, backbone, size_mb, repeats, progress)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("tier", "loader GB/s", "limit GB/s", "of limit", "new-memory limit GB/s", "of it",
+                  "safetensors GB/s", title=f"{result.source}, {human_bytes(result.bytes_loaded)}, median of "
+                  f"{result.repeats}" + ("" if result.cold_dropped else "; the cold file could NOT be dropped "
+                                         f"({result.cold_resident_fraction:.0%} stayed cached)"))
+    for tier in ("cold", "page_cache", "host_tier"):
+        row = getattr(result, tier)
+        table.add_row(tier, f"{row.loader_gbps:.2f}", f"{row.limit_gbps:.2f}", f"{row.fraction_of_limit:.0%}",
+                      f"{row.new_memory_limit_gbps:.2f}", f"{row.fraction_of_new_memory_limit:.0%}",
+                      "-" if row.safetensors_gbps is None else f"{row.safetensors_gbps:.2f}")
+    print_table(table)
+    typer.echo(f"host tier on a CPU daemon: the kept segment is adopted as is in "
+               f"{result.host_tier_adoption_ms:.2f} ms (no byte copied)")
+
+
 @app.command("soak")
 def soak(
     ctx: typer.Context,
