@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas import cuda_ipc
-from lorafaas.backbone_daemon.segment_fill import Placement, default_threads, fill, plan_reads
+from lorafaas.backbone_daemon.segment_fill import Placement, SpanRead, default_threads, fill, plan_reads
 from lorafaas.cuda_ipc.layout import SAFETENSORS_DTYPES, TensorSpec, dtype_name
 from lorafaas.errors import MalformedModel
 from lorafaas.formats.weights import read_safetensors_header
@@ -216,9 +216,7 @@ def execute_plan(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
     segment = cuda_ipc.create(plan.specs, device, name=name)
     fds: dict[Path, int] = {}
     try:
-        offsets = {e.name: e.offset for e in segment.manifest.tensors}
-        reads = plan_reads(Placement(p.file, p.file_offset, offsets[p.target] + p.target_offset, p.nbytes)
-                           for p in plan.pieces)
+        reads = load_reads(plan, segment.manifest)
         for path in {p.file for p in plan.pieces}:
             fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window from a disk
@@ -233,6 +231,19 @@ def execute_plan(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
     return segment
 
 
+def load_reads(plan: LoadPlan, target: cuda_ipc.SegmentManifest) -> list[SpanRead]:
+    """The reads that fill segment `target` by `plan` (sources: the files' paths)."""
+    offsets = {e.name: e.offset for e in target.tensors}
+    return plan_reads(Placement(p.file, p.file_offset, offsets[p.target] + p.target_offset, p.nbytes)
+                      for p in plan.pieces)
+
+
+def copy_reads(source: cuda_ipc.SegmentManifest, target: cuda_ipc.SegmentManifest) -> list[SpanRead]:
+    """The reads that fill segment `target` with the tensors of CPU segment `source` (source 0: its descriptor)."""
+    offsets = {e.name: e.offset for e in target.tensors}
+    return plan_reads(Placement(0, e.offset, offsets[e.name], e.nbytes) for e in source.tensors)
+
+
 def copy_segment(manifest: cuda_ipc.SegmentManifest, fd: int, device: str, name: str,
                  num_threads: int | None = None) -> cuda_ipc.Export:
     """A new sealed segment on `device` holding the tensors of the sealed CPU segment `fd` (described by `manifest`,
@@ -242,8 +253,7 @@ def copy_segment(manifest: cuda_ipc.SegmentManifest, fd: int, device: str, name:
     specs = [cuda_ipc.TensorSpec(e.name, e.dtype, e.shape) for e in manifest.tensors]
     segment = cuda_ipc.create(specs, device, name=name)
     try:
-        offsets = {e.name: e.offset for e in segment.manifest.tensors}
-        reads = plan_reads(Placement(0, e.offset, offsets[e.name], e.nbytes) for e in manifest.tensors)
+        reads = copy_reads(manifest, segment.manifest)
         fill(segment, reads, {0: fd}, default_threads(device) if num_threads is None else num_threads)
         segment.seal()
     except BaseException:

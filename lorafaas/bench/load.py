@@ -24,11 +24,22 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-from lorafaas.backbone_daemon.loader import LoadPlan, copy_segment, execute_plan, plan_direct_load, plan_file_load
+from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon.loader import (
+    LoadPlan,
+    copy_reads,
+    copy_segment,
+    execute_plan,
+    load_reads,
+    plan_direct_load,
+    plan_file_load,
+)
+from lorafaas.backbone_daemon.segment_fill import default_threads, fill
 from lorafaas.cuda_ipc.memfd import MemfdExport
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
@@ -45,6 +56,10 @@ class TierFigures(msgspec.Struct, frozen=True, kw_only=True):
     # the same copy into memory allocated by it (pages faulted in as it goes), as any loader that makes new memory
     new_memory_limit_gbps: float
     fraction_of_new_memory_limit: float
+    # the loader's reads alone, into a segment reserved beforehand: what it costs beside the reservation (on a GPU
+    # the target is device memory, where reserving is not paging in fresh host pages)
+    fill_gbps: float
+    fill_fraction_of_limit: float
     safetensors_gbps: float | None  # load_file of the same files, one byte of each page read (None: host tier)
 
 
@@ -104,11 +119,12 @@ def _measure(plan: LoadPlan, paths: list[Path], size: int, repeats: int, buffer:
 
     progress.stage(f"cold: {repeats} run(s) of each reader, the files dropped from the page cache first")
     figures: dict = {"cold": _tier(size, repeats, cold(lambda: read_sequential(paths, buffer)),
-                                   cold(lambda: _load(plan)), cold(lambda: _safetensors(paths)), cold(fresh_read))}
+                                   cold(lambda: _load(plan)), cold(lambda: _safetensors(paths)), cold(fresh_read),
+                                   cold(lambda: _fill_only(plan, None)))}
     progress.stage("page cache: the same, every page cached")
     read_sequential(paths, buffer)
     figures["page_cache"] = _tier(size, repeats, lambda: read_sequential(paths, buffer), lambda: _load(plan),
-                                  lambda: _safetensors(paths), fresh_read)
+                                  lambda: _safetensors(paths), fresh_read, lambda: _fill_only(plan, None))
     progress.stage("host tier: a new segment from a kept one, against a memcpy")
     held = execute_plan(plan, "cpu", "lorafaas-bench-held")
     try:
@@ -116,7 +132,8 @@ def _measure(plan: LoadPlan, paths: list[Path], size: int, repeats: int, buffer:
         if fd is None:
             raise RuntimeError("the held segment has no descriptor")
         figures["host_tier"] = _tier(size, repeats, lambda: memcpy_segment(fd, manifest.size, buffer),
-                                     lambda: _copy(manifest, fd), None, lambda: memcpy_segment(fd, manifest.size, None))
+                                     lambda: _copy(manifest, fd), None, lambda: memcpy_segment(fd, manifest.size, None),
+                                     lambda: _fill_only(None, (manifest, fd)))
         started = time.perf_counter()
         for _ in range(repeats):
             copy = os.dup(fd)
@@ -128,9 +145,10 @@ def _measure(plan: LoadPlan, paths: list[Path], size: int, repeats: int, buffer:
 
 
 def _tier(size: int, repeats: int, limit: Callable[[], object], loader: Callable[[], object],
-          safetensors: Callable[[], object] | None, fresh_limit: Callable[[], object]) -> TierFigures:
+          safetensors: Callable[[], object] | None, fresh_limit: Callable[[], object],
+          fill_only: Callable[[], object]) -> TierFigures:
     """Each repeat runs every reader once, in turn (a machine's load drifts: the figures of one repeat share it)."""
-    readers = {"limit": limit, "loader": loader, "fresh": fresh_limit}
+    readers = {"limit": limit, "loader": loader, "fresh": fresh_limit, "fill": fill_only}
     if safetensors is not None:
         readers["safetensors"] = safetensors
     rates: dict[str, list[float]] = {name: [] for name in readers}
@@ -138,8 +156,9 @@ def _tier(size: int, repeats: int, limit: Callable[[], object], loader: Callable
         for name, run in readers.items():
             started = time.perf_counter()
             result = run()
+            elapsed = result.seconds if isinstance(result, _Timed) else time.perf_counter() - started
             moved = result if isinstance(result, int) else size  # the limits say what they moved
-            rates[name].append(moved / GB / (time.perf_counter() - started))
+            rates[name].append(moved / GB / elapsed)
             _release(result)
             del result  # a mapping still alive keeps its pages cached through the next cold run's drop
     median = {name: statistics.median(values) for name, values in rates.items()}
@@ -147,6 +166,8 @@ def _tier(size: int, repeats: int, limit: Callable[[], object], loader: Callable
                        fraction_of_limit=round(median["loader"] / median["limit"], 3),
                        new_memory_limit_gbps=round(median["fresh"], 3),
                        fraction_of_new_memory_limit=round(median["loader"] / median["fresh"], 3),
+                       fill_gbps=round(median["fill"], 3),
+                       fill_fraction_of_limit=round(median["fill"] / median["limit"], 3),
                        safetensors_gbps=round(median["safetensors"], 3) if "safetensors" in median else None)
 
 
@@ -154,6 +175,38 @@ def _release(result: object) -> None:
     destroy = getattr(result, "destroy", None)
     if callable(destroy):
         destroy()
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """A reader that timed itself: the part of its work the figure is about."""
+
+    seconds: float
+
+
+def _fill_only(plan: LoadPlan | None, source: tuple[cuda_ipc.SegmentManifest, int] | None) -> _Timed:
+    """The loader's reads alone, into a segment reserved beforehand (untimed): from the plan's files, or `source`."""
+    if plan is not None:
+        specs = list(plan.specs)
+    else:
+        assert source is not None
+        specs = [cuda_ipc.TensorSpec(e.name, e.dtype, e.shape) for e in source[0].tensors]
+    segment = cuda_ipc.create(specs, "cpu", name="lorafaas-bench-fill")
+    fds: dict = {}
+    try:
+        if plan is not None:
+            reads = load_reads(plan, segment.manifest)
+            fds = {path: os.open(path, os.O_RDONLY) for path in {p.file for p in plan.pieces}}
+        else:
+            assert source is not None
+            reads, fds = copy_reads(source[0], segment.manifest), {0: os.dup(source[1])}
+        started = time.perf_counter()
+        fill(segment, reads, fds, default_threads("cpu"))
+        return _Timed(time.perf_counter() - started)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        segment.destroy()
 
 
 def _load(plan: LoadPlan) -> object:

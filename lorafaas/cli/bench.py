@@ -210,13 +210,14 @@ def load(
     if as_json:
         print_json(msgspec.to_builtins(result))
         return
-    table = Table("tier", "loader GB/s", "limit GB/s", "of limit", "new-memory limit GB/s", "of it",
-                  "safetensors GB/s", title=f"{result.source}, {human_bytes(result.bytes_loaded)}, median of "
+    table = Table("tier", "loader GB/s", "limit GB/s", "of limit", "reads alone", "of limit", "new-memory limit",
+                  "of it", "safetensors GB/s", title=f"{result.source}, {human_bytes(result.bytes_loaded)}, median of "
                   f"{result.repeats}" + ("" if result.cold_dropped else "; the cold file could NOT be dropped "
                                          f"({result.cold_resident_fraction:.0%} stayed cached)"))
     for tier in ("cold", "page_cache", "host_tier"):
         row = getattr(result, tier)
         table.add_row(tier, f"{row.loader_gbps:.2f}", f"{row.limit_gbps:.2f}", f"{row.fraction_of_limit:.0%}",
+                      f"{row.fill_gbps:.2f}", f"{row.fill_fraction_of_limit:.0%}",
                       f"{row.new_memory_limit_gbps:.2f}", f"{row.fraction_of_new_memory_limit:.0%}",
                       "-" if row.safetensors_gbps is None else f"{row.safetensors_gbps:.2f}")
     print_table(table)
