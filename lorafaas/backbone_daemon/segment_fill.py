@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from lorafaas import cuda_ipc
 
@@ -81,7 +82,7 @@ def plan_reads(placements: Iterable[Placement], chunk_bytes: int | None = None) 
     return reads
 
 
-def fill(segment: cuda_ipc.Export, reads: list[SpanRead], fds: Mapping[Hashable, int],
+def fill(segment: cuda_ipc.Export, reads: list[SpanRead], fds: Mapping[Any, int],
          num_threads: int = DEFAULT_THREADS) -> None:
     """Run `reads` into `segment` (`fds`: an open descriptor per source), on up to `num_threads` threads."""
     def run(read: SpanRead) -> None:
