@@ -151,7 +151,11 @@ class MemfdExport:
         for segment_offset, nbytes in spans:
             if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
                 raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside segment {self.label}")
-        writer = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            writer = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:  # no /proc: read through the writable mapping instead
+            self._read_into_mapping(fd, file_offset, spans)
+            return
         try:
             for segment_offset, nbytes in spans:
                 os.lseek(writer, segment_offset, os.SEEK_SET)
@@ -164,6 +168,19 @@ class MemfdExport:
                     file_offset += n
         finally:
             os.close(writer)
+
+    def _read_into_mapping(self, fd: int, file_offset: int, spans: Sequence[tuple[int, int]]) -> None:
+        assert self._mmap is not None
+        with memoryview(self._mmap) as view:
+            for segment_offset, nbytes in spans:
+                done = 0
+                while done < nbytes:
+                    with view[segment_offset + done:segment_offset + nbytes] as target:
+                        n = os.preadv(fd, [target], file_offset)
+                    if n == 0:
+                        raise SegmentError(f"file ended {nbytes - done} bytes early while filling segment {self.label}")
+                    done += n
+                    file_offset += n
 
     def seal(self) -> None:
         """Unmap the owner's writable mapping and seal the file: nobody can write it from now on."""

@@ -81,3 +81,25 @@ def test_a_read_past_the_segment_or_the_file_is_refused(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         segment.destroy()
+
+
+def test_without_proc_the_segment_is_filled_through_its_mapping(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where /proc/self/fd cannot be reopened (no /proc in a sandbox) the reads go into the writable mapping."""
+    expected = _write(tmp_path / "w.safetensors")
+    real_open = os.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/self/fd/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_proc)
+    monkeypatch.setattr(segment_fill, "CHUNK_BYTES", 4096)
+    segment = execute_plan(plan_file_load([tmp_path / "w.safetensors"]), "cpu", "test-no-proc")
+    try:
+        attachment = cuda_ipc.attach(segment.manifest, segment.fd)
+        assert all(torch.equal(attachment.tensors[n], t) for n, t in expected.items())
+        attachment.close()
+    finally:
+        segment.destroy()
