@@ -9,6 +9,8 @@ renamings are applied as transformers applies them, and the conversions that onl
 matrices into one fused tensor, e.g. Mixtral's `w1`/`w3` -> `experts.gate_up_proj`) become placements inside the
 target tensor. A conversion that computes (transpose, permute, split) is left to transformers: the model is loaded
 privately once and its tensors copied into the segment.
+
+The bytes are read by segment_fill.py: few large vectored reads straight into the segment, on a few threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon.segment_fill import Placement, SpanRead, default_threads, fill, plan_reads
 from lorafaas.cuda_ipc.layout import SAFETENSORS_DTYPES, TensorSpec, dtype_name
 from lorafaas.errors import MalformedModel
 from lorafaas.formats.weights import read_safetensors_header
@@ -76,7 +79,7 @@ def load_into_segment(model_dir: Path, weight_files: tuple[str, ...], device: st
                  len(segment.manifest.tensors), device, (time.perf_counter() - started) * 1e3)
         return segment
     planned = time.perf_counter()
-    segment = _execute(plan, device, name)
+    segment = execute_plan(plan, device, name)
     read_s = time.perf_counter() - planned
     size = segment.manifest.size
     log.info("planned %d tensors in %.0f ms; read %d bytes from the store into the segment on %s in %.0f ms "
@@ -127,6 +130,18 @@ def plan_direct_load(model_dir: Path, weight_files: list[Path]) -> LoadPlan:
                              f"e.g. {missing[:3]}")
     specs = tuple(TensorSpec(n, dtypes[n], tuple(meta[n].shape)) for n in expected)
     return LoadPlan(specs=specs, pieces=tuple(pieces))
+
+
+def plan_file_load(weight_files: list[Path]) -> LoadPlan:
+    """Every tensor of the files, as stored (no model): what `lorafaas bench load` loads from a synthetic file."""
+    specs: list[TensorSpec] = []
+    pieces: list[Piece] = []
+    for path in weight_files:
+        header = read_safetensors_header(path)
+        for key, info in header.tensors.items():
+            specs.append(TensorSpec(key, SAFETENSORS_DTYPES[info.dtype], info.shape))
+            pieces.append(Piece(key, 0, path, header.data_offset + info.begin, info.num_bytes))
+    return LoadPlan(specs=tuple(specs), pieces=tuple(pieces))
 
 
 def _tied_and_absent(name: str, tied: dict[str, str], present: dict[str, str]) -> bool:
@@ -196,21 +211,50 @@ def _place_group(target: str, target_shape: tuple[int, ...], converter, members:
             for m in members]
 
 
-def _execute(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
+def execute_plan(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
+    """A new sealed segment on `device` filled by the plan's reads."""
     segment = cuda_ipc.create(plan.specs, device, name=name)
+    fds: dict[Path, int] = {}
     try:
-        offsets = {e.name: e.offset for e in segment.manifest.tensors}
-        by_file: dict[Path, list[Piece]] = defaultdict(list)
-        for piece in plan.pieces:
-            by_file[piece.file].append(piece)
-        for path, pieces in by_file.items():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for piece in sorted(pieces, key=lambda p: p.file_offset):  # sequential reads
-                    segment.read_from_file(offsets[piece.target] + piece.target_offset, piece.nbytes, fd,
-                                           piece.file_offset)
-            finally:
-                os.close(fd)
+        reads = load_reads(plan, segment.manifest)
+        for path in {p.file for p in plan.pieces}:
+            fds[path] = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window from a disk
+        fill(segment, reads, fds, default_threads(device))
+        segment.seal()
+    except BaseException:
+        segment.destroy()
+        raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return segment
+
+
+def load_reads(plan: LoadPlan, target: cuda_ipc.SegmentManifest) -> list[SpanRead]:
+    """The reads that fill segment `target` by `plan` (sources: the files' paths)."""
+    offsets = {e.name: e.offset for e in target.tensors}
+    return plan_reads(Placement(p.file, p.file_offset, offsets[p.target] + p.target_offset, p.nbytes)
+                      for p in plan.pieces)
+
+
+def copy_reads(source: cuda_ipc.SegmentManifest, target: cuda_ipc.SegmentManifest) -> list[SpanRead]:
+    """The reads that fill segment `target` with the tensors of CPU segment `source` (source 0: its descriptor)."""
+    offsets = {e.name: e.offset for e in target.tensors}
+    return plan_reads(Placement(0, e.offset, offsets[e.name], e.nbytes) for e in source.tensors)
+
+
+def copy_segment(manifest: cuda_ipc.SegmentManifest, fd: int, device: str, name: str,
+                 num_threads: int | None = None) -> cuda_ipc.Export:
+    """A new sealed segment on `device` holding the tensors of the sealed CPU segment `fd` (described by `manifest`,
+    e.g. one the host tier kept): the same placed reads as a load from the store, from memory instead of a file."""
+    if not isinstance(manifest.location, cuda_ipc.MemfdLocation):
+        raise MalformedModel(f"a {manifest.transport} segment cannot be read as a file; only a CPU segment can")
+    specs = [cuda_ipc.TensorSpec(e.name, e.dtype, e.shape) for e in manifest.tensors]
+    segment = cuda_ipc.create(specs, device, name=name)
+    try:
+        reads = copy_reads(manifest, segment.manifest)
+        fill(segment, reads, {0: fd}, default_threads(device) if num_threads is None else num_threads)
         segment.seal()
     except BaseException:
         segment.destroy()

@@ -1,239 +1,334 @@
-"""Load and soak runs against a real platform on loopback (the three demo functions on smollm2-135m).
+"""`lorafaas bench load`: the backbone loader's GB/s from a cold file, from the page cache and from the host tier, each
+beside the limit measured in the same run on the same bytes, and beside `safetensors.torch.load_file`.
 
-`lorafaas bench load`: `clients` closed-loop streaming clients for `duration_s`, each calling the demo functions in
-turn. Every request must end with exactly one `done` event whose text is the concatenation of its token events and
-whose token count is the number of token events (nothing lost, nothing repeated on the way), and the platform's own
-invocation counter must equal the number of requests sent (none run twice, none dropped). Reports requests/s and the
-TTFT percentiles.
+    cold        the files dropped from the page cache first (posix_fadvise DONTNEED; whether that worked is checked
+                with mincore and reported); limit: one sequential pass of 16 MiB reads into a preallocated,
+                pre-faulted buffer of the data's size (what `dd bs=16M` does, without dd's buffer reuse)
+    page_cache  the same, every page already cached
+    host_tier   a new segment filled from a sealed segment kept in memory (what the host tier hands a daemon);
+                limit: one memcpy of the same bytes into a pre-faulted buffer
 
-`lorafaas bench soak`: cycles of a short burst on every function followed by an idle period longer than the keep-alive
-(the `fixed-keep-alive` policy), so every function scales to zero and back each cycle, for `duration_s`. Samples the
-memory (RSS) of the platform process (gateway, controller and node agent) after each cycle; growth is the last sample
-over the first (taken after one cycle, when imports, caches and pools exist). After the platform stops: the
-shared-memory segments of its backbones and the processes it started that are left (both must be none).
+The loader is the daemon's own path (`execute_plan`, `copy_segment`): a new memfd segment created, reserved, filled
+and sealed, timed whole. Each figure is the median of `repeats` runs. The backbone is the store's (`--backbone`), or
+with `--size-mb` a synthetic safetensors file of that size (64 MiB float32 tensors and a few small ones) written to a
+scratch folder, since a 270 MB backbone is over in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
-import math
-import re
+import ctypes
+import mmap
+import os
+import statistics
+import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-import httpx
 import msgspec
-import psutil
 
-from lorafaas.bench.live import (
-    DEMO_FUNCTIONS,
-    PROMPTS,
-    deploy_demo,
-    scaled_to_zero,
-    scratch_platform,
+from lorafaas import cuda_ipc
+from lorafaas.backbone_daemon.loader import (
+    LoadPlan,
+    copy_reads,
+    copy_segment,
+    execute_plan,
+    load_reads,
+    plan_direct_load,
+    plan_file_load,
 )
-from lorafaas.cuda_ipc.shm import list_segments
+from lorafaas.backbone_daemon.segment_fill import default_threads, fill
+from lorafaas.cuda_ipc.memfd import MemfdExport
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.progress import ProgressSink, SilentProgress
-from lorafaas.protocols.daemon_config import DaemonPaths
-from lorafaas.sse import aevents
-from lorafaas.stats import percentile
-from lorafaas.testing.platform_process import PlatformProcess
+
+READ_BYTES = 16 * 1024 * 1024
+GB = 1e9
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-class LoadResult(msgspec.Struct, frozen=True, kw_only=True):
-    clients: int
-    duration_s: float
-    max_tokens: int
-    requests_sent: int
-    responses_complete: int
-    lost: int  # sent, but no complete and consistent response
-    duplicated: int  # invocations the platform counted beyond the requests sent
-    errors: list[str]  # the first few failures, verbatim
-    invocations_counted: int  # the platform's lorafaas_invocations_total during the run
-    requests_per_s: float
-    p50_ttft_s: float
-    p99_ttft_s: float
+class TierFigures(msgspec.Struct, frozen=True, kw_only=True):
+    loader_gbps: float
+    limit_gbps: float
+    fraction_of_limit: float
+    # the same copy into memory allocated by it (pages faulted in as it goes), as any loader that makes new memory
+    new_memory_limit_gbps: float
+    fraction_of_new_memory_limit: float
+    # the loader's reads alone, into a segment reserved beforehand: what it costs beside the reservation (on a GPU
+    # the target is device memory, where reserving is not paging in fresh host pages)
+    fill_gbps: float
+    fill_fraction_of_limit: float
+    safetensors_gbps: float | None  # load_file of the same files, one byte of each page read (None: host tier)
 
 
-class SoakResult(msgspec.Struct, frozen=True, kw_only=True):
-    duration_s: float
-    keep_alive_s: float
-    cycles: int
-    requests: int
-    failed_requests: int
-    errors: list[str]  # the first few failures, verbatim
-    cycles_scaled_to_zero: int  # cycles after which no function had an instance left
-    platform_rss_mb: list[float]  # after each cycle
-    platform_rss_growth: float  # last / first - 1
-    leaked_segments: list[str]
-    leaked_processes: list[str]
+class LoaderResult(msgspec.Struct, frozen=True, kw_only=True):
+    source: str  # the backbone's name, or "synthetic"
+    bytes_loaded: int
+    repeats: int
+    cold_dropped: bool  # every run's files were out of the page cache before it (mincore)
+    cold_resident_fraction: float  # the largest fraction of the files still cached after a drop
+    cold: TierFigures
+    page_cache: TierFigures
+    host_tier: TierFigures
+    host_tier_adoption_ms: float  # a CPU daemon takes a kept segment as is: no byte copied
 
 
-@dataclass
-class _Tally:
-    sent: int = 0
-    complete: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    counted_before: int = 0  # the platform's invocation count when the run started
-
-    def fail(self, message: str) -> None:
-        if len(self.errors) < 5:
-            self.errors.append(message)
-
-
-def run_load_bench(store: ModelStore, clients: int = 20, duration_s: float = 300.0, max_tokens: int = 16,
-                   progress: ProgressSink | None = None) -> LoadResult:
+def run_loader_bench(store: ModelStore | None, backbone: str = "smollm2-135m", size_mb: int | None = None,
+                     repeats: int = 3, progress: ProgressSink | None = None) -> LoaderResult:
     progress = progress or SilentProgress()
-    progress.stage("starting a platform with the demo functions")
-    with scratch_platform(store, "lorafaas", demo=False) as platform:
-        deploy_demo(platform, {})
-        progress.stage(f"{clients} clients for {duration_s:g} s", int(duration_s))
-        tally = asyncio.run(_load(platform, clients, duration_s, max_tokens, progress))
-        counted = _invocations_counted(platform) - tally.counted_before
-    return LoadResult(
-        clients=clients, duration_s=duration_s, max_tokens=max_tokens, requests_sent=tally.sent,
-        responses_complete=tally.complete, lost=tally.sent - tally.complete,
-        duplicated=max(0, counted - tally.sent), errors=tally.errors, invocations_counted=counted,
-        requests_per_s=round(tally.complete / duration_s, 3),
-        p50_ttft_s=round(percentile(tally.ttfts, 50, math.nan), 3),
-        p99_ttft_s=round(percentile(tally.ttfts, 99, math.nan), 3),
-    )
+    with tempfile.TemporaryDirectory(prefix="lorafaas-bench-load-") as scratch:
+        if size_mb is not None:
+            progress.stage(f"writing a {size_mb} MB synthetic safetensors file")
+            paths = [write_synthetic_file(Path(scratch) / "synthetic.safetensors", size_mb * 1024 * 1024)]
+            plan, source = plan_file_load(paths), "synthetic"
+        else:
+            if store is None:
+                raise ValueError("a store is needed to load a backbone")
+            manifest = store.get(backbone)
+            model_dir = store.path(manifest.name)
+            paths = [model_dir / f for f in manifest.weight_files]
+            plan, source = plan_direct_load(model_dir, paths), manifest.name
+        size = sum(p.nbytes for p in plan.pieces)
+        file_bytes = max(p.stat().st_size for p in paths)
+        buffer = _allocate(max(file_bytes, size), prefault=True)  # the limits' preallocated buffer
+        try:
+            figures, resident = _measure(plan, paths, size, repeats, buffer, progress)
+        finally:
+            buffer.close()
+    return LoaderResult(source=source, bytes_loaded=size, repeats=repeats,
+                        cold_dropped=max(resident, default=1.0) < 0.05,
+                        cold_resident_fraction=round(max(resident, default=1.0), 4),
+                        cold=figures["cold"], page_cache=figures["page_cache"], host_tier=figures["host_tier"],
+                        host_tier_adoption_ms=figures["adoption_ms"])
 
 
-async def _load(platform: PlatformProcess, clients: int, duration_s: float, max_tokens: int,
-                progress: ProgressSink) -> _Tally:
-    tally = _Tally()
-    headers = {"Authorization": f"Bearer {platform.admin_key}"}
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=platform.url, headers=headers, timeout=600, limits=limits) as http:
-        for name in DEMO_FUNCTIONS:  # one cold start each before the clock starts
-            await _checked_request(http, name, PROMPTS[0], max_tokens, _Tally())
-        tally.counted_before = await asyncio.to_thread(_invocations_counted, platform)
-        started = time.monotonic()
-        deadline = started + duration_s
+def _measure(plan: LoadPlan, paths: list[Path], size: int, repeats: int, buffer: mmap.mmap,
+             progress: ProgressSink) -> tuple[dict, list[float]]:
+    resident: list[float] = []
 
-        async def client(index: int) -> None:
-            for turn in itertools.count(index):
-                if time.monotonic() >= deadline:
-                    return
-                tally.sent += 1
-                await _checked_request(http, DEMO_FUNCTIONS[turn % 3], PROMPTS[turn % len(PROMPTS)], max_tokens,
-                                       tally)
+    def cold(reader: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            resident.append(drop_from_cache(paths))
+            return reader()
+        return run
 
-        async def tick() -> None:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                progress.advance(1)
+    def fresh_read() -> object:
+        return read_sequential(paths, None)
 
-        ticker = asyncio.create_task(tick())
-        await asyncio.gather(*(client(i) for i in range(clients)))
-        ticker.cancel()
-    return tally
-
-
-async def _checked_request(http: httpx.AsyncClient, name: str, prompt: str, max_tokens: int, tally: _Tally) -> bool:
-    """One streaming request, checked end to end; counted complete only if its stream is whole and consistent."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
-    started = time.perf_counter()
-    ttft, texts, done = None, [], []
+    progress.stage(f"cold: {repeats} run(s) of each reader, the files dropped from the page cache first")
+    figures: dict = {"cold": _tier(size, repeats, cold(lambda: read_sequential(paths, buffer)),
+                                   cold(lambda: _load(plan)), cold(lambda: _safetensors(paths)), cold(fresh_read),
+                                   cold(lambda: _fill_only(plan, None)))}
+    progress.stage("page cache: the same, every page cached")
+    read_sequential(paths, buffer)
+    figures["page_cache"] = _tier(size, repeats, lambda: read_sequential(paths, buffer), lambda: _load(plan),
+                                  lambda: _safetensors(paths), fresh_read, lambda: _fill_only(plan, None))
+    progress.stage("host tier: a new segment from a kept one, against a memcpy")
+    held = execute_plan(plan, "cpu", "lorafaas-bench-held")
     try:
-        async with http.stream("POST", f"/v1/functions/{name}/invoke", json=body) as reply:
-            if reply.status_code != 200:
-                tally.fail(f"{name}: HTTP {reply.status_code} {(await reply.aread())[:200]!r}")
-                return False
-            async for sse in aevents(reply):
-                event = sse.data or {}
-                if event.get("type") == "token":
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
-                    texts.append(event["text"])
-                elif event.get("type") == "done":
-                    done.append(event)
-                else:
-                    tally.fail(f"{name}: {event}")
-                    return False
-    except httpx.HTTPError as exc:
-        tally.fail(f"{name}: {type(exc).__name__}: {exc}")
-        return False
-    if len(done) != 1:
-        tally.fail(f"{name}: {len(done)} done events")
-        return False
-    # Every generated token is streamed, an end-of-sequence token too (which the count leaves out).
-    tokens, finish = done[0]["usage"]["completion_tokens"], done[0]["finish_reason"]
-    if len(texts) not in (tokens, tokens + (finish == "stop")) or "".join(texts) != done[0]["text"]:
-        tally.fail(f"{name}: {len(texts)} token events for {tokens} tokens; streamed {''.join(texts)!r}, "
-                   f"done says {done[0]['text']!r}")
-        return False
-    tally.complete += 1
-    if ttft is not None:
-        tally.ttfts.append(ttft)
-    return True
+        fd, manifest = held.fd, held.manifest
+        if fd is None:
+            raise RuntimeError("the held segment has no descriptor")
+        figures["host_tier"] = _tier(size, repeats, lambda: memcpy_segment(fd, manifest.size, buffer),
+                                     lambda: _copy(manifest, fd), None, lambda: memcpy_segment(fd, manifest.size, None),
+                                     lambda: _fill_only(None, (manifest, fd)))
+        started = time.perf_counter()
+        for _ in range(repeats):
+            copy = os.dup(fd)
+            MemfdExport.adopt(manifest, copy).destroy()  # what a CPU daemon does with a kept segment
+        figures["adoption_ms"] = round((time.perf_counter() - started) / repeats * 1e3, 3)
+    finally:
+        held.destroy()
+    return figures, resident
 
 
-def _invocations_counted(platform: PlatformProcess) -> int:
-    text = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"}).text
-    return int(sum(float(v) for v in re.findall(r"^lorafaas_invocations_total\{[^}]*\} (\S+)$", text, re.M)))
+def _tier(size: int, repeats: int, limit: Callable[[], object], loader: Callable[[], object],
+          safetensors: Callable[[], object] | None, fresh_limit: Callable[[], object],
+          fill_only: Callable[[], object]) -> TierFigures:
+    """Each repeat runs every reader once, in turn (a machine's load drifts: the figures of one repeat share it)."""
+    readers = {"limit": limit, "loader": loader, "fresh": fresh_limit, "fill": fill_only}
+    if safetensors is not None:
+        readers["safetensors"] = safetensors
+    rates: dict[str, list[float]] = {name: [] for name in readers}
+    for _ in range(repeats):
+        for name, run in readers.items():
+            started = time.perf_counter()
+            result = run()
+            elapsed = result.seconds if isinstance(result, _Timed) else time.perf_counter() - started
+            moved = result if isinstance(result, int) else size  # the limits say what they moved
+            rates[name].append(moved / GB / elapsed)
+            _release(result)
+            del result  # a mapping still alive keeps its pages cached through the next cold run's drop
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    return TierFigures(loader_gbps=round(median["loader"], 3), limit_gbps=round(median["limit"], 3),
+                       fraction_of_limit=round(median["loader"] / median["limit"], 3),
+                       new_memory_limit_gbps=round(median["fresh"], 3),
+                       fraction_of_new_memory_limit=round(median["loader"] / median["fresh"], 3),
+                       fill_gbps=round(median["fill"], 3),
+                       fill_fraction_of_limit=round(median["fill"] / median["limit"], 3),
+                       safetensors_gbps=round(median["safetensors"], 3) if "safetensors" in median else None)
 
 
-def run_soak_bench(store: ModelStore, duration_s: float = 1800.0, keep_alive_s: float = 5.0, burst: int = 6,
-                   max_tokens: int = 8, progress: ProgressSink | None = None) -> SoakResult:
-    progress = progress or SilentProgress()
-    progress.stage(f"starting a platform with the demo functions (keep-alive {keep_alive_s:g} s)")
-    # The fixed keep-alive: the hybrid policy would learn the regular idle gaps and keep the instances warm across
-    # them, which is right in production but would stop the scale-to-zero this run exercises.
-    with scratch_platform(store, "fixed-keep-alive", demo=False) as platform:
-        names = deploy_demo(platform, {"keep_alive_s": keep_alive_s})
-        main = psutil.Process(platform.pid)
-        started = time.monotonic()
-        progress.stage(f"bursts and scale-to-zero for {duration_s:g} s", int(duration_s))
-        rss: list[float] = []
-        errors: list[str] = []
-        cycles, requests, failed, to_zero, children, shown = 0, 0, 0, 0, set(), 0.0
-        with platform.client() as client:
-            while time.monotonic() - started < duration_s:
-                tally = asyncio.run(_burst(platform, names, burst, max_tokens))
-                requests, failed = requests + tally.sent, failed + tally.sent - tally.complete
-                errors += tally.errors[: 5 - len(errors)]
-                children |= {(p.pid, " ".join(p.cmdline()[:4])) for p in _children(main)}
-                to_zero += scaled_to_zero(client, names, keep_alive_s * 6, poll_s=0.5)
-                cycles += 1
-                rss.append(round(main.memory_info().rss / 2**20, 1))
-                progress.advance(time.monotonic() - started - shown)
-                shown = time.monotonic() - started
-        home = platform.home
-    leaked_processes = [f"{pid} {cmd}" for pid, cmd in sorted(children) if psutil.pid_exists(pid)
-                        and _same_process(pid, cmd)]
-    leaked_segments = list_segments(DaemonPaths.of(home, "smollm2-135m", "cpu").segment_prefix)
-    return SoakResult(
-        duration_s=duration_s, keep_alive_s=keep_alive_s, cycles=cycles, requests=requests, failed_requests=failed,
-        errors=errors,
-        cycles_scaled_to_zero=to_zero, platform_rss_mb=rss,
-        platform_rss_growth=round(rss[-1] / rss[0] - 1, 4) if rss else float("nan"),
-        leaked_segments=leaked_segments, leaked_processes=leaked_processes,
-    )
+def _release(result: object) -> None:
+    destroy = getattr(result, "destroy", None)
+    if callable(destroy):
+        destroy()
 
 
-async def _burst(platform: PlatformProcess, names: list[str], burst: int, max_tokens: int) -> _Tally:
-    tally = _Tally()
-    headers = {"Authorization": f"Bearer {platform.admin_key}"}
-    async with httpx.AsyncClient(base_url=platform.url, headers=headers, timeout=600) as http:
-        tally.sent = burst * len(names)
-        await asyncio.gather(*(_checked_request(http, name, PROMPTS[i % len(PROMPTS)], max_tokens, tally)
-                               for i in range(burst) for name in names))
-    return tally
+@dataclass(frozen=True)
+class _Timed:
+    """A reader that timed itself: the part of its work the figure is about."""
+
+    seconds: float
 
 
-def _children(process: psutil.Process) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.Error):
-        return process.children(recursive=True)
-    return []
+def _fill_only(plan: LoadPlan | None, source: tuple[cuda_ipc.SegmentManifest, int] | None) -> _Timed:
+    """The loader's reads alone, into a segment reserved beforehand (untimed): from the plan's files, or `source`."""
+    if plan is not None:
+        specs = list(plan.specs)
+    else:
+        assert source is not None
+        specs = [cuda_ipc.TensorSpec(e.name, e.dtype, e.shape) for e in source[0].tensors]
+    segment = cuda_ipc.create(specs, "cpu", name="lorafaas-bench-fill")
+    fds: dict = {}
+    try:
+        if plan is not None:
+            reads = load_reads(plan, segment.manifest)
+            fds = {path: os.open(path, os.O_RDONLY) for path in {p.file for p in plan.pieces}}
+        else:
+            assert source is not None
+            reads, fds = copy_reads(source[0], segment.manifest), {0: os.dup(source[1])}
+        started = time.perf_counter()
+        fill(segment, reads, fds, default_threads("cpu"))
+        return _Timed(time.perf_counter() - started)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        segment.destroy()
 
 
-def _same_process(pid: int, cmd: str) -> bool:
-    """The pid still runs the command it ran (and was not reused by another process)."""
-    with contextlib.suppress(psutil.Error):
-        return " ".join(psutil.Process(pid).cmdline()[:4]) == cmd
-    return False
+def _load(plan: LoadPlan) -> object:
+    return execute_plan(plan, "cpu", "lorafaas-bench-load")
+
+
+def _copy(manifest, fd: int) -> object:
+    return copy_segment(manifest, fd, "cpu", "lorafaas-bench-copy")
+
+
+def _safetensors(paths: list[Path]) -> object:
+    """load_file, then one byte of every page read: it maps the file and reads nothing until a tensor is used."""
+    import torch
+    from safetensors.torch import load_file
+
+    loaded = [load_file(str(p)) for p in paths]
+    step = mmap.PAGESIZE
+    for tensors in loaded:
+        for tensor in tensors.values():
+            flat = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor
+            if flat.numel():
+                flat[::step].sum()
+    return loaded
+
+
+def read_sequential(paths: list[Path], buffer: mmap.mmap | None) -> int:
+    """The dd-style limit: each file read front to back in 16 MiB reads into `buffer` (preallocated and pre-faulted),
+    or with None into memory mapped for the call and faulted in as it is written."""
+    total = 0
+    for path in paths:
+        size = path.stat().st_size
+        target = buffer if buffer is not None else _allocate(size, prefault=False)
+        with memoryview(target) as view, open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:done + READ_BYTES])
+                if not n:
+                    break
+                done += n
+        if buffer is None:
+            target.close()
+        total += done
+    return total
+
+
+def memcpy_segment(fd: int, size: int, buffer: mmap.mmap | None) -> int:
+    """The host tier's limit: one memcpy of a segment's bytes into `buffer` (None: new memory, as read_sequential)."""
+    source = _private_mapping(fd, size)
+    target = buffer if buffer is not None else _allocate(size, prefault=False)
+    with _address_of(source) as source_address, _address_of(target) as target_address:
+        ctypes.memmove(target_address, source_address, size)
+    source.close()
+    if buffer is None:
+        target.close()
+    return size
+
+
+def _private_mapping(fd: int, size: int) -> mmap.mmap:
+    """A copy-on-write mapping (writable to ctypes, never written): reads see the file's own pages, sealed or not."""
+    return mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+@contextlib.contextmanager
+def _address_of(buffer: mmap.mmap) -> Iterator[int]:
+    anchor = ctypes.c_char.from_buffer(buffer)
+    try:
+        yield ctypes.addressof(anchor)
+    finally:
+        del anchor  # the mapping can be closed again
+
+
+def _allocate(size: int, *, prefault: bool) -> mmap.mmap:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+    return mmap.mmap(-1, max(size, 1), flags)
+
+
+def drop_from_cache(paths: list[Path]) -> float:
+    """Drop the files from the page cache (fsync'd first: dirty pages cannot be dropped); the largest fraction of
+    a file still resident afterwards (mincore), 0.0 when the drop worked."""
+    worst = 0.0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            worst = max(worst, resident_fraction(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+    return worst
+
+
+def resident_fraction(fd: int, size: int) -> float:
+    """The fraction of a file's pages in the page cache (mincore over a read-only mapping, which reads nothing)."""
+    if size == 0:
+        return 0.0
+    page = mmap.PAGESIZE
+    num_pages = -(-size // page)
+    mapping = _private_mapping(fd, size)
+    vector = (ctypes.c_ubyte * num_pages)()
+    with _address_of(mapping) as address:
+        failed = _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0
+    mapping.close()
+    if failed:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vector) / num_pages
+
+
+def write_synthetic_file(path: Path, size: int) -> Path:
+    """A safetensors file of about `size` bytes: 64 MiB float32 tensors, then small ones (biases, norms)."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    big = 16 * 1024 * 1024  # float32 elements: 64 MiB
+    tensors: dict[str, torch.Tensor] = {}
+    left = size
+    index = 0
+    while left > 0:
+        elements = min(big, max(left // 4, 1))
+        tensors[f"layer.{index}.weight"] = torch.rand(elements, generator=generator)
+        tensors[f"layer.{index}.bias"] = torch.rand(577, generator=generator)  # odd sizes: unaligned offsets
+        left -= elements * 4 + 577 * 4
+        index += 1
+    save_file(tensors, str(path))
+    return path

@@ -172,8 +172,8 @@ def preload(
     _show(result, as_json, "cold invocations, pre-loading on (lorafaas) and off (no-preload)")
 
 
-@app.command("load")
-def load(
+@app.command("traffic")
+def traffic(
     ctx: typer.Context,
     clients: int = typer.Option(20, "--clients", min=1, max=500, help="Concurrent closed-loop streaming clients."),
     duration_s: float = typer.Option(300.0, "--duration", min=1.0, help="Seconds of load."),
@@ -181,13 +181,48 @@ def load(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Closed-loop load on the demo functions: nothing lost or duplicated, requests/s and TTFT percentiles."""
-    from lorafaas.bench.load import run_load_bench
+    from lorafaas.bench.traffic import run_traffic_bench
     from lorafaas.formats.model_store import ModelStore
 
     config: LorafaasConfig = ctx.obj
     with RichProgress() as progress:
-        result = run_load_bench(ModelStore(config.models_dir), clients, duration_s, max_tokens, progress)
+        result = run_traffic_bench(ModelStore(config.models_dir), clients, duration_s, max_tokens, progress)
     _show(result, as_json, f"{clients} clients for {duration_s:g} s")
+
+
+@app.command("load")
+def load(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone", help="A backbone in the model store."),
+    size_mb: int = typer.Option(None, "--size-mb", min=1, max=65536,
+                                help="Load a synthetic safetensors file of this many MiB instead of the backbone."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=20, help="Runs of each reader (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The backbone loader's GB/s from a cold file, the page cache and the host tier, against the limits beside it."""
+    from lorafaas.bench.load import run_loader_bench
+    from lorafaas.formats.model_store import ModelStore
+
+    config: LorafaasConfig = ctx.obj
+    store = None if size_mb is not None else ModelStore(config.models_dir)
+    with RichProgress() as progress:
+        result = run_loader_bench(store, backbone, size_mb, repeats, progress)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("tier", "loader GB/s", "limit GB/s", "of limit", "reads alone", "of limit", "new-memory limit",
+                  "of it", "safetensors GB/s", title=f"{result.source}, {human_bytes(result.bytes_loaded)}, median of "
+                  f"{result.repeats}" + ("" if result.cold_dropped else "; the cold file could NOT be dropped "
+                                         f"({result.cold_resident_fraction:.0%} stayed cached)"))
+    for tier in ("cold", "page_cache", "host_tier"):
+        row = getattr(result, tier)
+        table.add_row(tier, f"{row.loader_gbps:.2f}", f"{row.limit_gbps:.2f}", f"{row.fraction_of_limit:.0%}",
+                      f"{row.fill_gbps:.2f}", f"{row.fill_fraction_of_limit:.0%}",
+                      f"{row.new_memory_limit_gbps:.2f}", f"{row.fraction_of_new_memory_limit:.0%}",
+                      "-" if row.safetensors_gbps is None else f"{row.safetensors_gbps:.2f}")
+    print_table(table)
+    typer.echo(f"host tier on a CPU daemon: the kept segment is adopted as is in "
+               f"{result.host_tier_adoption_ms:.2f} ms (no byte copied)")
 
 
 @app.command("soak")
@@ -199,7 +234,7 @@ def soak(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Bursts with scale-to-zero between them: platform memory growth, leaked segments and processes afterwards."""
-    from lorafaas.bench.load import run_soak_bench
+    from lorafaas.bench.traffic import run_soak_bench
     from lorafaas.formats.model_store import ModelStore
 
     config: LorafaasConfig = ctx.obj

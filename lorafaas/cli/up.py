@@ -72,6 +72,9 @@ def up(
                                         help="Seconds a function instance's start (spawn, libraries, backbone, "
                                              "adapter, warm-up) may take before it is killed and counted a failed "
                                              "start."),
+    host_tier: str = typer.Option(None, "--host-tier",
+                                  help="Memory that keeps the backbones of stopped CPU daemons for their next start "
+                                       "(e.g. 8G; 0 off; default: a quarter of the machine's memory, at most 8G)."),
     tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
                                              help="Adapter storage each tenant's functions may take (e.g. 10G)."),
     upload_timeout: float = typer.Option(20.0, "--upload-timeout", min=0.1, max=3600,
@@ -97,6 +100,8 @@ def up(
         hang_timeout_s=hang_timeout, start_timeout_s=start_timeout,
         max_batch_size=max_batch,
         tenant_adapter_bytes=parse_size(tenant_adapter_quota, "--tenant-adapter-quota"),
+        host_tier_bytes=None if host_tier is None else 0 if host_tier.strip() == "0" else parse_size(host_tier,
+                                                                                                   "--host-tier"),
         upload_timeout_s=upload_timeout, upload_min_rate_bytes_s=parse_size(upload_min_rate, "--upload-min-rate"),
     )
     url = f"http://{_local_address(host)}:{port}"

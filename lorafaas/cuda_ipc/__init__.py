@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from lorafaas.cuda_ipc.layout import DEFAULT_ALIGNMENT, TensorSpec, dtype_name, plan_layout
@@ -54,7 +54,7 @@ class Export(Protocol):
     fd: int | None
 
     def writable_views(self) -> dict[str, torch.Tensor]: ...
-    def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None: ...
+    def read_spans(self, fd: int, file_offset: int, spans: Sequence[tuple[int, int]]) -> None: ...
     def seal(self) -> None: ...
     def destroy(self) -> None: ...
 

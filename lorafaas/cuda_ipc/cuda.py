@@ -16,6 +16,8 @@ namespaces, it needs hostIPC, it has no read-only mapping, and its allocations d
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lorafaas.cuda_ipc import cuda_driver
@@ -104,34 +106,41 @@ class CudaExport:
         )
         self._base: torch.Tensor | None = _as_tensor(self._ptr, size, self.index, self)
         self._staging: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()
 
     def writable_views(self) -> dict:
         if self._base is None:
             raise SegmentError("the CUDA segment is sealed; it cannot be written any more")
         return tensor_views(self._base, self.manifest.tensors)
 
-    def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None:
-        """File -> pinned host staging buffer -> device, in chunks; refuses a write outside the segment."""
+    def read_spans(self, fd: int, file_offset: int, spans: Sequence[tuple[int, int]]) -> None:
+        """File -> pinned host staging buffer -> device, in chunks: the file's bytes from `file_offset` on fill the
+        segment's `spans` ((segment offset, nbytes)) in turn. One staging buffer: calls are serialised."""
         import torch
 
         if self._base is None:
             raise SegmentError("the CUDA segment is sealed; it cannot be written any more")
-        if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
-            raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside the {self.manifest.size}-byte "
-                               "CUDA segment")
-        if self._staging is None:  # allocated pinned (not pageable, then pinned): one buffer for every read
-            self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8, pin_memory=True)
-        staging = self._staging
-        with staging.numpy().data as host:
-            done = 0
-            while done < nbytes:
-                chunk = min(nbytes - done, len(host))
-                n = os.preadv(fd, [host[:chunk]], file_offset + done)
-                if n == 0:
-                    raise SegmentError(f"file ended {nbytes - done} bytes early while filling a CUDA segment")
-                # a blocking copy: the staging buffer is free again when it returns
-                self._base[segment_offset + done:segment_offset + done + n].copy_(staging[:n])
-                done += n
+        for segment_offset, nbytes in spans:
+            if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
+                raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside the "
+                                   f"{self.manifest.size}-byte CUDA segment")
+        with self._staging_lock:
+            if self._staging is None:  # allocated pinned (not pageable, then pinned): one buffer for every read
+                self._staging = torch.empty(min(self.manifest.size, STAGING_BYTES), dtype=torch.uint8,
+                                            pin_memory=True)
+            staging = self._staging
+            with staging.numpy().data as host:
+                for segment_offset, nbytes in spans:
+                    done = 0
+                    while done < nbytes:
+                        chunk = min(nbytes - done, len(host))
+                        n = os.preadv(fd, [host[:chunk]], file_offset)
+                        if n == 0:
+                            raise SegmentError(f"file ended {nbytes - done} bytes early while filling a CUDA segment")
+                        # a blocking copy: the staging buffer is free again when it returns
+                        self._base[segment_offset + done:segment_offset + done + n].copy_(staging[:n])
+                        done += n
+                        file_offset += n
 
     def seal(self) -> None:
         """Wait for the copies, then drop the owner's mapping: it keeps the handle and the descriptor only."""

@@ -2,7 +2,8 @@
 
 The owner creates an anonymous memory file (`memfd_create`, no name in any filesystem), reserves all of its pages up
 front (`posix_fallocate`: a node without the memory says so at once, with the bytes needed and free, instead of a
-fault halfway through the load), fills it through a writable mapping, unmaps that and seals the file:
+fault halfway through the load), fills it (from files by the kernel's copy, `read_spans`, or through a writable
+mapping), unmaps that and seals the file:
 
     F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL
 
@@ -23,6 +24,7 @@ import logging
 import mmap
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from lorafaas.cuda_ipc.layout import check_manifest, segment_contains, tensor_views
@@ -137,19 +139,48 @@ class MemfdExport:
             raise SegmentError(f"segment {self.label} is sealed; it cannot be written any more")
         return tensor_views(torch.frombuffer(self._mmap, dtype=torch.uint8), self.manifest.tensors)
 
-    def read_from_file(self, segment_offset: int, nbytes: int, fd: int, file_offset: int) -> None:
-        """Read `nbytes` of an open file straight into the segment (no intermediate buffer)."""
-        if self._mmap is None:
+    def read_spans(self, fd: int, file_offset: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Copy the bytes of file `fd` from `file_offset` on into the segment's `spans` ((segment offset, nbytes),
+        filled in turn from consecutive file bytes). Calls on disjoint spans may run on several threads at once.
+
+        The copy is the kernel's (`sendfile` into a description of the memfd of this call's own, so each call has its
+        own file position): no user buffer, and the segment's reserved pages are filled by the write path, which
+        does not clear them first as a fault through the mapping would (that doubled the memory traffic)."""
+        if self._mmap is None or self.fd is None:
             raise SegmentError(f"segment {self.label} is sealed; it cannot be written any more")
-        if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
-            raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside segment {self.label}")
+        for segment_offset, nbytes in spans:
+            if segment_offset < 0 or nbytes < 0 or segment_offset + nbytes > self.manifest.size:
+                raise SegmentError(f"write of {nbytes} bytes at {segment_offset} is outside segment {self.label}")
+        try:
+            writer = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:  # no /proc: read through the writable mapping instead
+            self._read_into_mapping(fd, file_offset, spans)
+            return
+        try:
+            for segment_offset, nbytes in spans:
+                os.lseek(writer, segment_offset, os.SEEK_SET)
+                done = 0
+                while done < nbytes:
+                    n = os.sendfile(writer, fd, file_offset, nbytes - done)
+                    if n == 0:
+                        raise SegmentError(f"file ended {nbytes - done} bytes early while filling segment {self.label}")
+                    done += n
+                    file_offset += n
+        finally:
+            os.close(writer)
+
+    def _read_into_mapping(self, fd: int, file_offset: int, spans: Sequence[tuple[int, int]]) -> None:
+        assert self._mmap is not None
         with memoryview(self._mmap) as view:
-            done = 0
-            while done < nbytes:
-                n = os.preadv(fd, [view[segment_offset + done:segment_offset + nbytes]], file_offset + done)
-                if n == 0:
-                    raise SegmentError(f"file ended {nbytes - done} bytes early while filling segment {self.label}")
-                done += n
+            for segment_offset, nbytes in spans:
+                done = 0
+                while done < nbytes:
+                    with view[segment_offset + done:segment_offset + nbytes] as target:
+                        n = os.preadv(fd, [target], file_offset)
+                    if n == 0:
+                        raise SegmentError(f"file ended {nbytes - done} bytes early while filling segment {self.label}")
+                    done += n
+                    file_offset += n
 
     def seal(self) -> None:
         """Unmap the owner's writable mapping and seal the file: nobody can write it from now on."""

@@ -1,9 +1,10 @@
 """Starting function workers as local processes: the backbone daemons, the zygote and the workers themselves.
 
 `LocalLauncher` owns every process it starts and stops them all on `close()`; the node agent, the benchmarks and
-the tests drive function instances through it. It holds a duplicate of each CPU daemon's sealed segment descriptor,
-and a supervisor thread restarts a daemon that dies, handing it that descriptor (the new one adopts the segment and
-its leases: attached instances notice nothing, and nothing is loaded twice). On a GPU the instances bound to a dead
+the tests drive function instances through it. It holds a duplicate of each CPU daemon's sealed segment descriptor
+(kept in the host tier, host_tier.py, when the daemon is stopped), and a supervisor thread restarts a daemon that
+dies, handing it that descriptor (the new one adopts the segment and its leases: attached instances notice nothing,
+and nothing is loaded twice). On a GPU the instances bound to a dead
 daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
 start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. A launcher may
 drive several devices (the GPUs of a node): one daemon per (backbone, device), and each worker binds the daemon on
@@ -29,12 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import DaemonUnavailable, InvalidInput, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import WorkerSpec
 from lorafaas.function_runtime.zygote import spawn_worker, start_fresh_worker, start_zygote, wait_for_socket
+from lorafaas.platform.backends.host_tier import HostTier, default_host_tier_bytes, hand_back, keep_stopping_daemon
 from lorafaas.platform.backends.local_record import (
     LauncherRecord,
     ProcessRef,
@@ -160,8 +164,10 @@ class DaemonProcess:
 class LocalLauncher:
     keeps_instances = False  # its workers stop with it (a dead launcher's are stopped by the next, not adopted)
 
-    def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",)) -> None:
+    def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",), host_tier_bytes: int | None = None) -> None:
         check_devices(devices)
+        self.host_tier = HostTier(default_host_tier_bytes(psutil.virtual_memory().total) if host_tier_bytes is None
+                                  else host_tier_bytes)
         self.home = Path(home)
         self.devices = tuple(devices)
         self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
@@ -231,7 +237,13 @@ class LocalLauncher:
             wait_until_ready(config.paths.socket, timeout_s=0.2)
             self._borrowed.add(key)
         except DaemonUnavailable:
-            self._daemons[key] = self._spawn_daemon(config)
+            needed = self.store.get(config.backbone).bytes if self.store.exists(config.backbone) else 0
+            kept_fd = hand_back(self.host_tier, config, needed)
+            try:
+                self._daemons[key] = self._spawn_daemon(config, adopt_fd=kept_fd)
+            finally:
+                if kept_fd is not None:
+                    os.close(kept_fd)  # the daemon adopted its own (or refused it and loaded the store's)
             self._write_record()
             self._ensure_supervisor()
         return config.paths.socket
@@ -329,13 +341,15 @@ class LocalLauncher:
                 + sorted(b for b, d in self._borrowed if d == device))
 
     def stop_daemon(self, backbone: str, device: str | None = None) -> bool:
-        """Stop the backbone's daemon on `device` (None: the first) if this launcher started it (its segment goes
-        with it); False otherwise. Holds the lock until it is gone, so that nobody attaches to a daemon that is
-        stopping."""
+        """Stop the backbone's daemon on `device` (None: the first) if this launcher started it (a CPU segment is kept
+        in the host tier, within its budget; otherwise it goes with the daemon); False otherwise. Holds the lock until
+        it is gone, so that nobody attaches to a daemon that is stopping."""
         with self._lock:
             daemon = self._daemons.pop((backbone, self._device(device)), None)
             if daemon is None:
                 return False
+            if keep_stopping_daemon(self.host_tier, daemon.config, daemon.segment_fd):
+                daemon.segment_fd = None  # the host tier's now
             daemon.stop()
             self._write_record()
         return True
@@ -493,6 +507,7 @@ class LocalLauncher:
             self._daemons.clear()
         for daemon in daemons:  # a daemon that will not answer is killed; close() must not leave processes behind
             daemon.stop()
+        self.host_tier.clear()
         with self._lock:
             self._record.remove()
 

@@ -47,10 +47,11 @@ class LoadingSpec:
     warmup_bytes: int  # device memory it holds
     bind_s: float  # attach to a shared backbone copy already on the device
     instance_overhead_bytes: int  # device memory of one instance process (context, workspace)
-    disk_bytes_per_s: float  # ordinary checkpoint loading from local disk into host memory
-    host_to_device_bytes_per_s: float
+    # each loader's rates: its fraction (`loading.loaders`) of the node's limits (`loading.hardware`)
+    disk_bytes_per_s: float  # lorafaas's loader (`standard`) from local NVMe to the device
+    host_to_device_bytes_per_s: float  # lorafaas's loader from a copy in host memory (pre-loaded, host tier)
     fast_dram_bytes_per_s: float  # ServerlessLLM's loader from a checkpoint cached in host memory to the device
-    fast_ssd_bytes_per_s: float  # ServerlessLLM's loader from local SSD to the device
+    fast_ssd_bytes_per_s: float  # ServerlessLLM's loader from local NVMe to the device
     host_cache_bytes: int  # per node: host memory for cached checkpoints (ServerlessLLM) and worker slots
     spawn_s: float = 0.0  # every instance start, whatever is resident: process, connection, mapping, adapter placing
 
@@ -235,10 +236,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         int(load.number("warmup_gb") * GB),
         load.number("bind_s"),
         int(load.number("instance_overhead_gb") * GB),
-        load.number("disk_gbps", low=1e-6) * GB,
-        load.number("host_to_device_gbps", low=1e-6) * GB,
-        load.number("fast_dram_gbps", low=1e-6) * GB,
-        load.number("fast_ssd_gbps", low=1e-6) * GB,
+        *_loader_rates(load.sub("hardware"), load.sub("loaders")),
         int(load.number("host_cache_gb") * GB),
         load.number("spawn_s", 0.0),
     )
@@ -308,6 +306,22 @@ def _shared_base(fields: _Fields) -> SharedBaseSpec:
     )
     fields.check_known()
     return spec
+
+
+def _loader_rates(hardware: _Fields, loaders: _Fields) -> tuple[float, float, float, float]:
+    """(standard disk, standard host, fast host, fast disk) bytes/s: each loader's fraction of the node's limits, the
+    same limits for every loader (no policy gets a faster disk than another)."""
+    nvme = hardware.number("nvme_gbps", low=1e-6) * GB
+    host_to_device = hardware.number("host_to_device_gbps", low=1e-6) * GB
+    hardware.check_known()
+    rates = {}
+    for loader in ("standard", "fast"):
+        fractions = loaders.sub(loader)
+        rates[loader] = (fractions.number("disk", low=1e-6, high=1.0) * nvme,
+                         fractions.number("host", low=1e-6, high=1.0) * host_to_device)
+        fractions.check_known()
+    loaders.check_known()
+    return rates["standard"][0], rates["standard"][1], rates["fast"][1], rates["fast"][0]
 
 
 def _flag(fields: _Fields, key: str, default: bool) -> bool:

@@ -14,10 +14,12 @@
                                (`core_interference`: shared caches and memory bandwidth)
                                an instance alone on a CPU device (the step gate grants it every core) runs
                                `lone_speedup` times faster, slowed as its threads share the cores with others'
-    backbone load (standard)   disk -> device at `disk_gbps`; from a host copy at `host_to_device_gbps`;
-                               bound to a copy already on the device (sharing) in `bind_s`
-    backbone load (fast)       ServerlessLLM's loader: from a checkpoint cached in the node's host memory at
-                               `fast_dram_gbps`, else from SSD at `fast_ssd_gbps`
+    backbone load (standard)   lorafaas's loader: NVMe -> device at its `disk` fraction of `hardware.nvme_gbps`;
+                               from a copy in host memory (pre-loaded, or kept in the node's host tier) at its
+                               `host` fraction of `hardware.host_to_device_gbps`; bound to a copy already on the
+                               device (sharing) in `bind_s`
+    backbone load (fast)       ServerlessLLM's loader: the same limits at its own fractions, from a checkpoint
+                               cached in the node's host memory (host) or from NVMe (disk)
     adapter                    as the backbone, by its own size
     libraries, warm-up         fixed delays (`libraries_s`, `warmup_s`) unless pre-loaded
 """

@@ -49,7 +49,7 @@ class ViewHost(Protocol):
     scheduler: Scheduler
     workload: Workload
     concurrency: int
-    host_cache: dict[int, dict[str, None]]  # ServerlessLLM's host cache per node: backbone names, oldest first
+    host_cache: dict[int, dict[str, None]]  # per node: backbones in host memory, oldest first
 
     def stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None: ...
 
@@ -311,6 +311,7 @@ class ViewBuilder:
         size = self.costs.device_bytes(kind, spec)
         on_host = self.mem.find(f, kind, "host") is not None
         if kind == "backbone":
+            on_host = on_host or spec.backbone in self.sim.host_cache[device.node]  # the node's host tier
             shared = self.mem.backbone_on(device, self.mem.backbone_of[f]) is not None
             return self.costs.backbone_load_s(size, shared, on_host, shared)
         return size / (load.host_to_device_bytes_per_s if on_host else load.disk_bytes_per_s)
@@ -359,19 +360,25 @@ class ViewBuilder:
                 continue
             if sim.policy.loader == "fast":
                 if kind == "backbone":
-                    cache = sim.host_cache[device.node]
-                    cache.pop(spec.backbone, None)
-                    cache[spec.backbone] = None
-                    self._trim_cache(device.node)
+                    self._cache_on_host(device.node, spec.backbone)
             else:
                 host = mem.find(f, kind, "host")
                 if host is not None:
                     mem.remove(host)
+                if kind == "backbone":  # lorafaas's host tier keeps the node's recently loaded backbones
+                    self._cache_on_host(device.node, spec.backbone)
             mem.add(Residency(f, kind, "device", device.device_id, slot), now)
         if mem.find(f, "warmup", "device", device.device_id) is None:
             mem.add(Residency(f, "warmup", "device", device.device_id, slot), now)
         mem.bill(device, now)
         return out
+
+    def _cache_on_host(self, node: int, backbone: str) -> None:
+        """The node's host memory keeps `backbone` (most recent last), within the cluster's host_cache_gb."""
+        cache = self.sim.host_cache[node]
+        cache.pop(backbone, None)
+        cache[backbone] = None
+        self._trim_cache(node)
 
     def _trim_cache(self, node: int) -> None:
         cache = self.sim.host_cache[node]
