@@ -11,10 +11,11 @@ The rule, in order:
    loaded first, then one alone on its device, then the oldest): B keeps a batch's prefill within the SLO. An idle
    instance begins running only where its device has compute to spare, or as its function's one running instance
    (`_runnable`): busy instances are counted across functions, so a device never runs more of them than it has
-   compute for, beyond one per function with requests. A steady function (`AdmissionView.steady`) sent to an idle
-   instance on a device other functions share also starts another instance in the background on the first device
-   offered where compute is spare now (`_steady_spare`): its next requests find an idle instance, preferably alone
-   on its device, rather than a batch under way or a device another function keeps busy.
+   compute for, beyond one per function with requests. A function sent to an idle instance on a device other
+   functions share also starts another instance in the background on the first device offered where compute is
+   spare now (`_spare_device`) when that device's compute is taken (load-aware sharing: placement binds a busy copy
+   of the backbone when no free device holds one) or when the function is steady (`AdmissionView.steady`): its next
+   requests find an idle instance, preferably alone on its device, rather than a device another function keeps busy.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
    (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
@@ -106,6 +107,7 @@ class AdmissionView:
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
     steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device it gets a spare instance
+    # (any function does where the shared device's compute is taken)
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,9 @@ def worth_offering(num_instances: int, max_instances: int, busy_instances: int, 
 def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int,
                         steady: bool = False) -> bool:
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
-    B (executors skip working the options out then; finding a device can cost a view of the cluster), unless the
-    function is steady and has no instance alone on its device."""
-    if steady and all(i.shares_device for i in instances):
+    B (executors skip working the options out then; finding a device can cost a view of the cluster), unless every
+    instance shares its device and the function is steady or no ready instance has compute to spare."""
+    if all(i.shares_device for i in instances) and (steady or not any(i.spare_compute for i in instances if i.ready)):
         return True
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
     return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready], strict=False))
@@ -172,7 +174,10 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
         room = cap - best.in_flight
         if strict and view.compute_waiting_others > 0:  # a turn: what is queued now goes in it (up to the join
             room = max(room, limit - best.in_flight)  # limit), or it would wait a whole round of other turns
-        spare = _steady_spare(view) if view.steady and best.in_flight == 0 and best.shares_device else None
+        # load-aware sharing: no instance of it computes alone, all share devices other functions keep busy
+        contended = all(i.shares_device and not i.spare_compute for i in ready)
+        wants_spare = best.shares_device and best.in_flight == 0 and (contended or view.steady)
+        spare = _spare_device(view) if wants_spare else None
         return AdmissionDecision("dispatch", "room", best.instance_id, device=spare,
                                  size=min(view.queue_length, room))
     joinable = [i for i in runnable if i.in_flight < limit]
@@ -229,16 +234,17 @@ def _runnable(ready: list[InstanceLoad], strict: bool, yielding: bool = False, t
     return running + allowed
 
 
-def _steady_spare(view: AdmissionView) -> DeviceId | None:
-    """For a steady function about to run on an instance whose device other functions share: the first device
-    offered where compute is spare now, to start another instance there in the background. None while one of its
-    instances is starting, at `max_instances`, or when no device has compute to spare."""
+def _spare_device(view: AdmissionView) -> DeviceId | None:
+    """For a function about to run on an instance whose device other functions share (and keep busy, unless it is
+    steady): the first device offered where compute is spare now, to start another instance there in the background.
+    None while one of its instances is starting, at `max_instances`, or when no device has compute to spare."""
     if len(view.instances) >= view.max_instances or any(not i.ready for i in view.instances):
         return None
     return next((o.device for o in view.start_options if o.busy_instances < o.compute_slots), None)
 
 
 def _least_loaded(instances: list[InstanceLoad]) -> InstanceLoad:
-    """Fewest requests first; then an instance alone on its device (no other function's batches to contend with);
-    then the oldest."""
-    return min(instances, key=lambda i: (i.in_flight, i.shares_device, i.started_s, i.instance_id))
+    """One on a device that other functions do not keep busy first (load-aware sharing); then fewest requests; then
+    an instance alone on its device (no other function's batches to contend with); then the oldest."""
+    return min(instances, key=lambda i: (i.shares_device and not i.spare_compute, i.in_flight, i.shares_device,
+                                         i.started_s, i.instance_id))
