@@ -27,6 +27,12 @@ The rule, in order:
    instances.
 4. Otherwise the queue waits for an instance that is starting, or for a request to finish; the reason is reported.
 
+Early scale-out: in a burst's first seconds (a function's first minutes among them) the rates do not yet say how
+many instances it needs, and a start from disk takes longer than the instances take to fill. So when more requests
+arrived within `SchedulerConfig.burst_window_s` (`AdmissionView.recent_arrivals`) than its instances take in their
+batches (B each), rule 1 also starts one more instance in the background on the first device offered where compute
+is spare (one start under way at a time): the burst's later requests find it ready instead of queueing behind it.
+
 With `strict_compute` (a CPU, where a process beyond the cores only time-slices them and shrinks every batch) the
 device never has more busy instances than compute slots, counted across functions, and functions take turns: an idle
 instance begins running, and an instance starts, only where a slot is spare and no other function has waited for one
@@ -106,6 +112,7 @@ class AdmissionView:
     compute_waiting_ahead: int = 0  # of those, how many began waiting before this function (all, if it does not wait)
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
+    recent_arrivals: int = 0  # arrivals within SchedulerConfig.burst_window_s (`Scheduler.recent_arrivals`)
     steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device it gets a spare instance
     # (any function does where the shared device's compute is taken)
 
@@ -127,13 +134,16 @@ def worth_offering(num_instances: int, max_instances: int, busy_instances: int, 
 
 
 def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int,
-                        steady: bool = False) -> bool:
+                        steady: bool = False, recent_arrivals: int = 0) -> bool:
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
     B (executors skip working the options out then; finding a device can cost a view of the cluster), unless every
-    instance shares its device and the function is steady or no ready instance has compute to spare."""
+    instance shares its device and the function is steady or no ready instance has compute to spare, or a burst
+    outgrows its instances (early scale-out)."""
     if all(i.shares_device for i in instances) and (steady or not any(i.spare_compute for i in instances if i.ready)):
         return True
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
+    if _bursting(len(instances), recent_arrivals, cap):
+        return True
     return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready], strict=False))
 
 
@@ -177,13 +187,18 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
         # load-aware sharing: no instance of it computes alone, all share devices other functions keep busy
         contended = all(i.shares_device and not i.spare_compute for i in ready)
         wants_spare = best.shares_device and best.in_flight == 0 and (contended or view.steady)
-        spare = _spare_device(view) if wants_spare else None
+        if wants_spare or _bursting(len(view.instances), view.recent_arrivals, cap):
+            spare = _spare_device(view)
+        else:
+            spare = None
         return AdmissionDecision("dispatch", "room", best.instance_id, device=spare,
                                  size=min(view.queue_length, room))
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
-    if can_grow and (not strict or view.compute_waiting_ahead == 0):
+    # a start under way (begun in the background) serves sooner than one begun now: the queue awaits it (rule 4)
+    under_way = any(not i.ready for i in view.instances)
+    if can_grow and not under_way and (not strict or view.compute_waiting_ahead == 0):
         for option in view.start_options:
             if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
                 continue
@@ -232,6 +247,11 @@ def _runnable(ready: list[InstanceLoad], strict: bool, yielding: bool = False, t
     if not strict and not running and not allowed and idle:
         allowed = [min(idle, key=lambda i: (i.started_s, i.instance_id))]
     return running + allowed
+
+
+def _bursting(num_instances: int, recent_arrivals: int, cap: int) -> bool:
+    """Early scale-out: more arrivals within the burst window than the function's instances take in their batches."""
+    return num_instances > 0 and recent_arrivals > num_instances * cap
 
 
 def _spare_device(view: AdmissionView) -> DeviceId | None:

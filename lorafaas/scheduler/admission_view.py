@@ -42,12 +42,12 @@ StartOptions = Callable[[bool], Iterable[StartOption]]
 
 def build_admission_view(function: FunctionName, queue_length: int, slo_ttft_s: float, slo_batch: int,
                          max_instances: int, instances: tuple[InstanceLoad, ...], steady: bool,
-                         settings: AdmissionSettings, wait: ComputeWait, start_options: StartOptions
-                         ) -> AdmissionView:
+                         settings: AdmissionSettings, wait: ComputeWait, start_options: StartOptions,
+                         recent_arrivals: int = 0) -> AdmissionView:
     """The function as the admission policy sees it. `start_options` is not called while a ready instance has room
     within B (`needs_start_options`): finding a device can cost the executor a view of the cluster."""
     options: tuple[StartOption, ...] = ()
-    if needs_start_options(instances, slo_batch, settings.worker_capacity, steady):
+    if needs_start_options(instances, slo_batch, settings.worker_capacity, steady, recent_arrivals):
         joinable = can_join(instances, slo_batch, settings.worker_capacity, settings.adaptive)
         options = tuple(start_options(joinable))
     return AdmissionView(
@@ -57,5 +57,5 @@ def build_admission_view(function: FunctionName, queue_length: int, slo_ttft_s: 
         requests_per_background_start=settings.requests_per_background_start,
         strict_compute=settings.strict_compute, compute_waiting_others=wait.waiting_others,
         compute_waiting_ahead=wait.waiting_ahead, compute_waited_s=wait.waited_s,
-        max_compute_wait_s=settings.max_compute_wait_s, steady=steady,
+        max_compute_wait_s=settings.max_compute_wait_s, steady=steady, recent_arrivals=recent_arrivals,
     )

@@ -2,13 +2,16 @@
 and "Early scale-out")."""
 
 import statistics
+from pathlib import Path
 
+from lorafaas.replay.build import WorkloadOptions, build_workload
 from lorafaas.replay.sim.cluster import load_cluster
 from lorafaas.replay.sim.policies import POLICIES
 from lorafaas.replay.sim.runner import simulate
-from lorafaas.replay.workload import Request, Workload
+from lorafaas.replay.workload import Mapping, Request, Workload
 
 PAPER = load_cluster("paper")
+CODE_TRACE = Path(__file__).resolve().parents[3] / "traces" / "AzureLLMInferenceTrace_code.csv"
 
 
 def _mean_e2e_after(out, since_s: float) -> float:
@@ -27,3 +30,17 @@ def test_hot_functions_of_one_backbone_do_not_time_slice_one_copy_while_devices_
     shared, _ = simulate(work, PAPER, POLICIES["lorafaas"], seed=1)
     alone, _ = simulate(work, PAPER, POLICIES["no-sharing"], seed=1)
     assert _mean_e2e_after(shared, 100.0) <= 1.05 * _mean_e2e_after(alone, 100.0)
+
+
+def test_eight_functions_on_the_code_trace_s_second_half_hour_keep_the_tail_within_serverlessllm_s() -> None:
+    # the code trace mapped to the paper cluster's eight functions (7B and 13B alternating, as the issue's runs),
+    # 1800-3600 s, replayed from an empty cluster: its bursts come in each function's first minutes. Instances started
+    # only once the ones before were full, and the queue held for each start from disk (0.93 s mean, 10.0 s p99 with
+    # load-aware sharing alone; 1.27 / 16.4 s before it); early scale-out starts them while the first still have
+    # room. (Mapped in name order instead, lorafaas still trails: 0.90 / 10.8 s against 0.76 / 7.0 s.)
+    names = [f"llama2-{size}-{k}" for k in "abcd" for size in ("7b", "13b")]
+    options = WorkloadOptions(Mapping.parse([f"llm={name}" for name in names]), start_s=1800.0, window_s=1800.0)
+    work = build_workload(CODE_TRACE, options)
+    ours = simulate(work, PAPER, POLICIES["lorafaas"])[1].summary.ttft_s
+    theirs = simulate(work, PAPER, POLICIES["serverlessllm"])[1].summary.ttft_s
+    assert ours.mean <= theirs.mean and ours.p99 <= theirs.p99, (ours, theirs)

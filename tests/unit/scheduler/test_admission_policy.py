@@ -238,3 +238,32 @@ def test_start_options_are_needed_for_a_steady_function_with_every_instance_on_a
     assert not needs_start_options((shared,), 4, 8)  # it has room: nothing to start
     assert needs_start_options((shared,), 4, 8, steady=True)
     assert not needs_start_options((replace(shared, shares_device=False),), 4, 8, steady=True)
+
+
+def test_a_burst_outgrowing_its_instances_starts_another_in_the_background_while_they_have_room() -> None:
+    # early scale-out: B = 4 and one instance; 5 arrivals within the burst window are more than it takes in its
+    # batches, so the dispatch to it also starts one more where compute is spare, before a queue forms
+    free = StartOption("gpu1", busy_instances=0, compute_slots=1)
+    taking = replace(view(ready("a", 1), options=(free,)), recent_arrivals=5)
+    decision = decide_admission(taking)
+    assert (decision.action, decision.reason, decision.instance_id, decision.device) == ("dispatch", "room", "a",
+                                                                                         "gpu1")
+    assert decide_admission(replace(taking, recent_arrivals=4)).device is None  # within what it takes
+    two = replace(taking, instances=(ready("a", 1), ready("b", 0, 1.0)))
+    assert decide_admission(two).device is None  # two instances take 8
+    assert decide_admission(replace(taking, max_instances=1)).device is None
+    busy = StartOption("gpu1", busy_instances=1, compute_slots=1)
+    assert decide_admission(replace(taking, start_options=(busy,))).device is None  # no compute spare anywhere
+    from lorafaas.scheduler import needs_start_options
+
+    assert needs_start_options((ready("a", 1),), 4, 8, recent_arrivals=5)  # the executor describes the devices
+    assert not needs_start_options((ready("a", 1),), 4, 8, recent_arrivals=4)
+
+
+def test_a_start_under_way_is_awaited_rather_than_another_begun() -> None:
+    # every ready instance is full; one begun early in the background is starting: it serves sooner than a start
+    # begun now (which would hold the queue for a whole load), so the queue awaits it
+    full = ready("a", 8)
+    decision = decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(CPU,)))
+    assert (decision.action, decision.reason, decision.instance_id) == ("await_start", "cold_start", "b")
+    assert decide_admission(view(full, queue=3, capacity=8, options=(CPU,))).action == "start"  # none under way
