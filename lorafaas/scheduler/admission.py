@@ -18,8 +18,8 @@ The rule, in order:
    requests find an idle instance, preferably alone on its device, rather than a device another function keeps busy.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
-   (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
-   the SLO (`start_beats_joining`).
+   (`may_scale_out`) and, when a running batch could take the request instead or a start of it is under way (begun
+   in the background: it serves sooner), only if the start is expected within the SLO (`start_beats_joining`).
 3. Otherwise a ready instance whose worker still has room (`in_flight_limit`) takes them: joining a running batch
    costs a request less than waiting a whole generation for a place in B. If a start was held back only because it
    is slower than the SLO, it begins anyway in the background (`device`), one start under way per
@@ -196,16 +196,16 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
-    # a start under way (begun in the background) serves sooner than one begun now: the queue awaits it (rule 4)
+    # a start under way (begun in the background) serves sooner than a slow one begun now: the queue awaits it
     under_way = any(not i.ready for i in view.instances)
-    if can_grow and not under_way and (not strict or view.compute_waiting_ahead == 0):
+    if can_grow and (not strict or view.compute_waiting_ahead == 0):
         for option in view.start_options:
             if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
                 continue
             if strict and option.busy_instances >= option.compute_slots:  # not even a first instance
                 continue
-            if joinable and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
-                slow_start = slow_start or option.device
+            if (joinable or under_way) and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
+                slow_start = slow_start or (option.device if joinable else None)
                 continue
             reason: AdmissionReason = "scale_out" if view.instances else "first_instance"
             return AdmissionDecision("start", reason, device=option.device)

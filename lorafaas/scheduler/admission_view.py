@@ -35,7 +35,8 @@ class ComputeWait:
     waited_s: float = 0.0  # how long it has waited for a core
 
 
-# Given whether a running batch could take a request instead of a start (then a start's expected time matters),
+# Given whether a running batch could take a request instead of a start, or a start is under way (then a start's
+# expected time matters),
 # the devices where an instance could start, best first. Called only when the decision can depend on them.
 StartOptions = Callable[[bool], Iterable[StartOption]]
 
@@ -49,7 +50,7 @@ def build_admission_view(function: FunctionName, queue_length: int, slo_ttft_s: 
     options: tuple[StartOption, ...] = ()
     if needs_start_options(instances, slo_batch, settings.worker_capacity, steady, recent_arrivals):
         joinable = can_join(instances, slo_batch, settings.worker_capacity, settings.adaptive)
-        options = tuple(start_options(joinable))
+        options = tuple(start_options(joinable or any(not i.ready for i in instances)))
     return AdmissionView(
         function=function, queue_length=queue_length, slo_ttft_s=slo_ttft_s, slo_batch=slo_batch,
         worker_capacity=settings.worker_capacity, adaptive=settings.adaptive, max_instances=max_instances,

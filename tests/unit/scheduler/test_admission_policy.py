@@ -262,8 +262,10 @@ def test_a_burst_outgrowing_its_instances_starts_another_in_the_background_while
 
 def test_a_start_under_way_is_awaited_rather_than_another_begun() -> None:
     # every ready instance is full; one begun early in the background is starting: it serves sooner than a start
-    # begun now (which would hold the queue for a whole load), so the queue awaits it
-    full = ready("a", 8)
-    decision = decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(CPU,)))
+    # from disk begun now (which would hold the queue for a whole load), so the queue awaits it
+    full, load = ready("a", 8), StartOption("gpu1", busy_instances=0, compute_slots=1, expected_start_s=20.0)
+    decision = decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(load,)))
     assert (decision.action, decision.reason, decision.instance_id) == ("await_start", "cold_start", "b")
-    assert decide_admission(view(full, queue=3, capacity=8, options=(CPU,))).action == "start"  # none under way
+    assert decide_admission(view(full, queue=3, capacity=8, options=(load,))).action == "start"  # none under way
+    bind = replace(load, expected_start_s=0.1)  # a bind to a copy on the device: sooner than the one under way
+    assert decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(bind,))).action == "start"
