@@ -11,20 +11,27 @@ The rule, in order:
    loaded first, then one alone on its device, then the oldest): B keeps a batch's prefill within the SLO. An idle
    instance begins running only where its device has compute to spare, or as its function's one running instance
    (`_runnable`): busy instances are counted across functions, so a device never runs more of them than it has
-   compute for, beyond one per function with requests. A steady function (`AdmissionView.steady`) sent to an idle
-   instance on a device other functions share also starts another instance in the background on the first device
-   offered where compute is spare now (`_steady_spare`): its next requests find an idle instance, preferably alone
-   on its device, rather than a batch under way or a device another function keeps busy.
+   compute for, beyond one per function with requests. A function sent to an idle instance on a device other
+   functions share also starts another instance in the background on the first device offered where compute is
+   spare now (`_spare_device`) when that device's compute is taken (load-aware sharing: placement binds a busy copy
+   of the backbone when no free device holds one) or when the function is steady (`AdmissionView.steady`): its next
+   requests find an idle instance, preferably alone on its device, rather than a device another function keeps busy.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
-   (`may_scale_out`) and, when a running batch could take the request instead, only if the start is expected within
-   the SLO (`start_beats_joining`).
+   (`may_scale_out`) and, when a running batch could take the request instead or a start of it is under way (begun
+   in the background: it serves sooner), only if the start is expected within the SLO (`start_beats_joining`).
 3. Otherwise a ready instance whose worker still has room (`in_flight_limit`) takes them: joining a running batch
    costs a request less than waiting a whole generation for a place in B. If a start was held back only because it
    is slower than the SLO, it begins anyway in the background (`device`), one start under way per
    `requests_per_background_start` requests beyond B: these requests join now, the ones that follow find the new
    instances.
 4. Otherwise the queue waits for an instance that is starting, or for a request to finish; the reason is reported.
+
+Early scale-out: in a burst's first seconds (a function's first minutes among them) the rates do not yet say how
+many instances it needs, and a start from disk takes longer than the instances take to fill. So when more requests
+arrived within `SchedulerConfig.burst_window_s` (`AdmissionView.recent_arrivals`) than its instances take in their
+batches (B each), rule 1 also starts one more instance in the background on the first device offered where compute
+is spare (one start under way at a time): the burst's later requests find it ready instead of queueing behind it.
 
 With `strict_compute` (a CPU, where a process beyond the cores only time-slices them and shrinks every batch) the
 device never has more busy instances than compute slots, counted across functions, and functions take turns: an idle
@@ -105,7 +112,9 @@ class AdmissionView:
     compute_waiting_ahead: int = 0  # of those, how many began waiting before this function (all, if it does not wait)
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
+    recent_arrivals: int = 0  # arrivals within SchedulerConfig.burst_window_s (`Scheduler.recent_arrivals`)
     steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device it gets a spare instance
+    # (any function does where the shared device's compute is taken)
 
 
 @dataclass(frozen=True)
@@ -125,13 +134,16 @@ def worth_offering(num_instances: int, max_instances: int, busy_instances: int, 
 
 
 def needs_start_options(instances: tuple[InstanceLoad, ...], slo_batch: int, worker_capacity: int,
-                        steady: bool = False) -> bool:
+                        steady: bool = False, recent_arrivals: int = 0) -> bool:
     """Whether the decision can depend on where an instance could start: not while a ready instance has room within
-    B (executors skip working the options out then; finding a device can cost a view of the cluster), unless the
-    function is steady and has no instance alone on its device."""
-    if steady and all(i.shares_device for i in instances):
+    B (executors skip working the options out then; finding a device can cost a view of the cluster), unless every
+    instance shares its device and the function is steady or no ready instance has compute to spare, or a burst
+    outgrows its instances (early scale-out)."""
+    if all(i.shares_device for i in instances) and (steady or not any(i.spare_compute for i in instances if i.ready)):
         return True
     cap = max(1, min(slo_batch, max(1, worker_capacity)))
+    if _bursting(len(instances), recent_arrivals, cap):
+        return True
     return not any(i.in_flight < cap for i in _runnable([i for i in instances if i.ready], strict=False))
 
 
@@ -172,20 +184,28 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
         room = cap - best.in_flight
         if strict and view.compute_waiting_others > 0:  # a turn: what is queued now goes in it (up to the join
             room = max(room, limit - best.in_flight)  # limit), or it would wait a whole round of other turns
-        spare = _steady_spare(view) if view.steady and best.in_flight == 0 and best.shares_device else None
+        # load-aware sharing: no instance of it computes alone, all share devices other functions keep busy
+        contended = all(i.shares_device and not i.spare_compute for i in ready)
+        wants_spare = best.shares_device and best.in_flight == 0 and (contended or view.steady)
+        if wants_spare or _bursting(len(view.instances), view.recent_arrivals, cap):
+            spare = _spare_device(view)
+        else:
+            spare = None
         return AdmissionDecision("dispatch", "room", best.instance_id, device=spare,
                                  size=min(view.queue_length, room))
     joinable = [i for i in runnable if i.in_flight < limit]
     can_grow = len(view.instances) < view.max_instances
     slow_start: DeviceId | None = None
+    # a start under way (begun in the background) serves sooner than a slow one begun now: the queue awaits it
+    under_way = any(not i.ready for i in view.instances)
     if can_grow and (not strict or view.compute_waiting_ahead == 0):
         for option in view.start_options:
             if not may_scale_out(len(view.instances), option.busy_instances, option.compute_slots):
                 continue
             if strict and option.busy_instances >= option.compute_slots:  # not even a first instance
                 continue
-            if joinable and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
-                slow_start = slow_start or option.device
+            if (joinable or under_way) and not start_beats_joining(option.expected_start_s, view.slo_ttft_s):
+                slow_start = slow_start or (option.device if joinable else None)
                 continue
             reason: AdmissionReason = "scale_out" if view.instances else "first_instance"
             return AdmissionDecision("start", reason, device=option.device)
@@ -229,16 +249,22 @@ def _runnable(ready: list[InstanceLoad], strict: bool, yielding: bool = False, t
     return running + allowed
 
 
-def _steady_spare(view: AdmissionView) -> DeviceId | None:
-    """For a steady function about to run on an instance whose device other functions share: the first device
-    offered where compute is spare now, to start another instance there in the background. None while one of its
-    instances is starting, at `max_instances`, or when no device has compute to spare."""
+def _bursting(num_instances: int, recent_arrivals: int, cap: int) -> bool:
+    """Early scale-out: more arrivals within the burst window than the function's instances take in their batches."""
+    return num_instances > 0 and recent_arrivals > num_instances * cap
+
+
+def _spare_device(view: AdmissionView) -> DeviceId | None:
+    """For a function about to run on an instance whose device other functions share (and keep busy, unless it is
+    steady): the first device offered where compute is spare now, to start another instance there in the background.
+    None while one of its instances is starting, at `max_instances`, or when no device has compute to spare."""
     if len(view.instances) >= view.max_instances or any(not i.ready for i in view.instances):
         return None
     return next((o.device for o in view.start_options if o.busy_instances < o.compute_slots), None)
 
 
 def _least_loaded(instances: list[InstanceLoad]) -> InstanceLoad:
-    """Fewest requests first; then an instance alone on its device (no other function's batches to contend with);
-    then the oldest."""
-    return min(instances, key=lambda i: (i.in_flight, i.shares_device, i.started_s, i.instance_id))
+    """One on a device that other functions do not keep busy first (load-aware sharing); then fewest requests; then
+    an instance alone on its device (no other function's batches to contend with); then the oldest."""
+    return min(instances, key=lambda i: (i.shares_device and not i.spare_compute, i.in_flight, i.shares_device,
+                                         i.started_s, i.instance_id))

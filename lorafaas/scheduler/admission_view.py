@@ -35,21 +35,22 @@ class ComputeWait:
     waited_s: float = 0.0  # how long it has waited for a core
 
 
-# Given whether a running batch could take a request instead of a start (then a start's expected time matters),
+# Given whether a running batch could take a request instead of a start, or a start is under way (then a start's
+# expected time matters),
 # the devices where an instance could start, best first. Called only when the decision can depend on them.
 StartOptions = Callable[[bool], Iterable[StartOption]]
 
 
 def build_admission_view(function: FunctionName, queue_length: int, slo_ttft_s: float, slo_batch: int,
                          max_instances: int, instances: tuple[InstanceLoad, ...], steady: bool,
-                         settings: AdmissionSettings, wait: ComputeWait, start_options: StartOptions
-                         ) -> AdmissionView:
+                         settings: AdmissionSettings, wait: ComputeWait, start_options: StartOptions,
+                         recent_arrivals: int = 0) -> AdmissionView:
     """The function as the admission policy sees it. `start_options` is not called while a ready instance has room
     within B (`needs_start_options`): finding a device can cost the executor a view of the cluster."""
     options: tuple[StartOption, ...] = ()
-    if needs_start_options(instances, slo_batch, settings.worker_capacity, steady):
+    if needs_start_options(instances, slo_batch, settings.worker_capacity, steady, recent_arrivals):
         joinable = can_join(instances, slo_batch, settings.worker_capacity, settings.adaptive)
-        options = tuple(start_options(joinable))
+        options = tuple(start_options(joinable or any(not i.ready for i in instances)))
     return AdmissionView(
         function=function, queue_length=queue_length, slo_ttft_s=slo_ttft_s, slo_batch=slo_batch,
         worker_capacity=settings.worker_capacity, adaptive=settings.adaptive, max_instances=max_instances,
@@ -57,5 +58,5 @@ def build_admission_view(function: FunctionName, queue_length: int, slo_ttft_s: 
         requests_per_background_start=settings.requests_per_background_start,
         strict_compute=settings.strict_compute, compute_waiting_others=wait.waiting_others,
         compute_waiting_ahead=wait.waiting_ahead, compute_waited_s=wait.waited_s,
-        max_compute_wait_s=settings.max_compute_wait_s, steady=steady,
+        max_compute_wait_s=settings.max_compute_wait_s, steady=steady, recent_arrivals=recent_arrivals,
     )

@@ -60,6 +60,11 @@ class SchedulerConfig:
     # admission: while requests join running batches beyond B, one instance starts in the background per this many
     # of them (one at the least), even where a start is slower than the SLO (docs/scheduler.md: measured choice)
     requests_per_background_start: int = 4
+    # early scale-out: in a function's first `early_scale_out_s` of traffic (before its rates say much), more arrivals
+    # within `burst_window_s` than its instances take in their batches (B each) start another instance in the
+    # background while they still have room (docs/scheduler.md, "Early scale-out"); 0: off
+    burst_window_s: float = 10.0
+    early_scale_out_s: float = 300.0
     # strict compute (a CPU): the longest a function waits for a core other functions' batches hold before it runs
     # beside them anyway, time-slicing the cores: what one tenant's long generations can cost another's first token
     max_compute_wait_s: float = 10.0
@@ -111,7 +116,8 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.max_batch_size is {self.max_batch_size}; must be in [1, 4096]")
         if not 0 < self.prefill_fit_decay <= 1:
             raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
-        for name in ("device_preload_horizon_s", "idle_retire_step_s", "idle_retire_min_cv"):
+        for name in ("device_preload_horizon_s", "idle_retire_step_s", "idle_retire_min_cv", "burst_window_s",
+                     "early_scale_out_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number >= 0 (0: off)")
@@ -150,7 +156,8 @@ class SchedulerConfig:
 def for_device_kind(config: SchedulerConfig, kind: str) -> SchedulerConfig:
     """`config` for a device of `kind` ("cpu" or "gpu"): a CPU's device tier is its host's memory, so there is no
     cheaper tier to keep a rarely used function in and the pre-load horizon does not apply; and a host's cores are
-    one device, so there is no device of its own for a steady function to move to."""
-    if kind == "cpu" and (config.device_preload_horizon_s or config.steady_min_gaps):
-        return replace(config, device_preload_horizon_s=0.0, steady_min_gaps=0)
+    one device, so there is no device of its own for a steady function to move to, nor for an instance started
+    early (it would only share the cores the running batches use)."""
+    if kind == "cpu" and (config.device_preload_horizon_s or config.steady_min_gaps or config.burst_window_s):
+        return replace(config, device_preload_horizon_s=0.0, steady_min_gaps=0, burst_window_s=0.0)
     return config

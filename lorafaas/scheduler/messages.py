@@ -90,6 +90,7 @@ class DeviceView:
     device_id: DeviceId
     capacity_bytes: int
     used_bytes: int = 0  # by everything except the resident artifacts (KV caches, activations, contexts)
+    compute_slots: int = 1  # instances it runs at full speed at once (a GPU: 1; a CPU: cores / threads each)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,12 @@ fraction of free memory. Classes 3 and 4 only consider devices where the functio
 absent) fits, unless none does. Among the candidates of the best class that tie on its first key (class 2: the
 number of artifacts), one of the `placement_top_k` least busy is drawn from the injected RNG, so a burst spreads over
 near-equal devices instead of piling onto the first.
+
+Load-aware sharing: a device whose compute is taken by other functions (as many of their instances hold requests as
+it has `compute_slots`) is "contended": work sent there time-slices the device with them. Classes 1-3 on a contended
+device rank after classes 1-3 on a free one (a busy copy of the backbone only when no free device holds one), and
+before class 4 (a bind to a busy copy serves its first token seconds before a load elsewhere; admission then starts
+a spare instance where compute is free, `admission._spare_device`). Class 4 on a contended device comes last.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.messages import ClusterView, DeviceId, FunctionName, InstanceId
 
 PlacementKind = Literal["warm", "preloaded", "backbone", "cold"]
-_CLASS: dict[str, int] = {"warm": 0, "preloaded": 1, "backbone": 2, "cold": 3}
+_CLASS: dict[str, int] = {"warm": 0, "preloaded": 1, "backbone": 2, "cold": 6}
+# the classes on a contended device (module docstring): after the same classes on a free one
+_CONTENDED: dict[str, int] = {"warm": 3, "preloaded": 4, "backbone": 5, "cold": 7}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +41,12 @@ class PlacementCandidate:
     num_artifacts: int
     num_running: int
     free_fraction: float
+    contended: bool = False  # other functions' busy instances fill the device's compute slots
 
     @property
     def group_key(self) -> tuple[int, int]:
+        if self.contended:
+            return _CONTENDED[self.kind], -self.num_artifacts
         return _CLASS[self.kind], -self.num_artifacts
 
     @property
@@ -63,6 +74,7 @@ class PlacementPolicy:
             running[inst.device] = running.get(inst.device, 0) + inst.num_running
         free, backbones_on = _device_memory(view)
         capacity = {d.device_id: max(1, d.capacity_bytes) for d in view.devices}
+        contended = _contended_devices(function, view)
 
         def free_fraction(device: DeviceId) -> float:
             return free.get(device, 0) / capacity.get(device, 1)
@@ -73,10 +85,11 @@ class PlacementPolicy:
                 continue
             if inst.warm:
                 out.append(PlacementCandidate("warm", inst.device, inst.instance_id, len(inst.loaded),
-                                              inst.num_running, free_fraction(inst.device)))
+                                              inst.num_running, free_fraction(inst.device), inst.device in contended))
             elif inst.loaded and inst.num_running < inst.max_running:
                 out.append(PlacementCandidate("preloaded", inst.device, inst.instance_id, len(inst.loaded),
-                                              running.get(inst.device, 0), free_fraction(inst.device)))
+                                              running.get(inst.device, 0), free_fraction(inst.device),
+                                              inst.device in contended))
         backbone = profile.backbone if profile is not None else None
         adapter = profile.costs.adapter_device if profile is not None else None
         adapter_bytes = adapter.memory_bytes if adapter is not None else 0
@@ -87,7 +100,8 @@ class PlacementPolicy:
             has_backbone = backbone is not None and backbone in backbones_on.get(d.device_id, ())
             need = adapter_bytes + (0 if has_backbone else backbone_bytes)
             candidate = PlacementCandidate("backbone" if has_backbone else "cold", d.device_id, None, 0,
-                                           running.get(d.device_id, 0), free_fraction(d.device_id))
+                                           running.get(d.device_id, 0), free_fraction(d.device_id),
+                                           d.device_id in contended)
             fresh.append((candidate, free.get(d.device_id, 0) >= need))
         fitting = [c for c, fits in fresh if fits]
         out.extend(fitting if fitting else [c for c, _ in fresh])
@@ -131,6 +145,15 @@ def start_beats_joining(start_s: float | None, slo_ttft_s: float) -> bool:
     if not slo_ttft_s > 0:
         raise ValueError(f"slo_ttft_s is {slo_ttft_s}; must be > 0")
     return start_s is None or start_s <= slo_ttft_s
+
+
+def _contended_devices(function: FunctionName, view: ClusterView) -> set[DeviceId]:
+    """The devices where other functions' instances holding requests fill every compute slot."""
+    busy: dict[DeviceId, int] = {}
+    for inst in view.instances:
+        if inst.function != function and inst.num_running > 0:
+            busy[inst.device] = busy.get(inst.device, 0) + 1
+    return {d.device_id for d in view.devices if busy.get(d.device_id, 0) >= max(1, d.compute_slots)}
 
 
 def _device_memory(view: ClusterView) -> tuple[dict[DeviceId, int], dict[DeviceId, set[str]]]:

@@ -12,6 +12,9 @@ Poisson stream's, whose gaps have a coefficient of variation of 1; an estimate o
 about 1 / sqrt(n), so a function is steady while CV <= 1 + 3 / sqrt(n). On/off and bursty streams (CV 1.5-10 in
 the paper's classes) are not.
 
+Recent arrivals (`recent_arrivals`): how many arrived within the last `burst_window_s`, counted exactly, in a
+function's first `early_scale_out_s` of traffic (before the decaying rate says much; early scale-out reads it).
+
 Variation (`gap_variation`): the same coefficient over the same gaps, once at least `VARIATION_MIN_GAPS` are known.
 Stepped retirement uses it to tell bursts (CV well above a Poisson stream's 1) from the active stretches of on/off
 traffic (docs/scheduler.md, "Idle cost").
@@ -27,6 +30,7 @@ from lorafaas.scheduler.config import SchedulerConfig
 from lorafaas.scheduler.messages import ClusterView, FunctionName
 
 VARIATION_MIN_GAPS = 10  # fewer gaps say too little about a stream's variation (standard error ~ 1 / sqrt(n))
+RECENT_MAX = 4096  # arrival times kept per function for `recent_arrivals` (more than any batch takes)
 
 
 @dataclasses.dataclass(slots=True)
@@ -43,8 +47,21 @@ class RateTracker:
         self._streams: dict[FunctionName, _Stream] = {}
         self._planned: dict[FunctionName, float] = {}
         self._first_planned: dict[FunctionName, float] = {}  # when a plan first saw each function (its deploy)
+        self._recent: dict[FunctionName, deque[float]] = {}  # arrival times within `burst_window_s`
+
+    def recent_arrivals(self, function: FunctionName, now_s: float) -> int:
+        """Arrivals of `function` within the last `burst_window_s`, while its traffic is younger than
+        `early_scale_out_s` (0 otherwise, and when either is 0: off)."""
+        times, stream = self._recent.get(function), self._streams.get(function)
+        if times is None or stream is None or now_s - stream.first_s > self.config.early_scale_out_s:
+            return 0
+        while times and times[0] < now_s - self.config.burst_window_s:
+            times.popleft()
+        return len(times)
 
     def observe_arrival(self, function: FunctionName, now_s: float, count: int = 1) -> None:
+        if self.config.burst_window_s > 0:
+            self._recent.setdefault(function, deque(maxlen=RECENT_MAX)).extend([now_s] * min(count, RECENT_MAX))
         stream = self._streams.get(function)
         if stream is None:
             gaps = deque([0.0] * (count - 1), maxlen=self.config.steady_max_gaps)
@@ -100,6 +117,7 @@ class RateTracker:
         self._streams.pop(function, None)
         self._planned.pop(function, None)
         self._first_planned.pop(function, None)
+        self._recent.pop(function, None)
 
     def apply(self, view: ClusterView, now_s: float) -> ClusterView:
         """The view with each profile's arrival rate replaced by the estimate (functions never seen keep theirs), and

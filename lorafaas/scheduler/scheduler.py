@@ -104,3 +104,6 @@ class Scheduler:
 
     def steady(self, function: FunctionName) -> bool:
         return self.rates.steady(function)
+
+    def recent_arrivals(self, function: FunctionName, now_s: float) -> int:
+        return self.rates.recent_arrivals(function, now_s)

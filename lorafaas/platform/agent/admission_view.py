@@ -58,4 +58,4 @@ def admission_view_of(config: AgentConfig, table: InstanceTable, scheduler: Sche
 
     return build_admission_view(name, queue_length, slo_s, scheduler.batch_policy(name, slo_s).max_batch_size,
                                 max_instances, loads, scheduler.steady(name), admission_settings(config), wait,
-                                options)
+                                options, scheduler.recent_arrivals(name, now))

@@ -27,7 +27,7 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.agent.config import AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState, OffloadEvent
-from lorafaas.platform.agent.instances import Instances
+from lorafaas.platform.agent.instances import Instances, device_slots
 from lorafaas.platform.backends.base import Backend
 from lorafaas.platform.instance_table import InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
@@ -124,7 +124,9 @@ class ArtifactPlanner:
             for device_name in names:
                 if spec.backbone in running_backbones[device_name]:
                     resident.append(Residency(name, "backbone", "device", DeviceId(device_name), fn_slots[0]))
-        devices = tuple(DeviceView(DeviceId(d.name), d.budget_bytes, used[d.name]) for d in self.config.devices)
+        compute_slots = device_slots(self.config)  # placement avoids a device other functions keep busy
+        devices = tuple(DeviceView(DeviceId(d.name), d.budget_bytes, used[d.name], compute_slots)
+                        for d in self.config.devices)
         return ClusterView(functions=functions, devices=devices, slots=tuple(slots), resident=tuple(resident),
                            invoked=invoked, instances=instances)
 

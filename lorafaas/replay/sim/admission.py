@@ -91,7 +91,8 @@ class SimAdmission:
                     for device in self._devices(name, len(loads), max_instances, excluded)]
 
         return build_admission_view(name, queue_length, fs.spec.slo_ttft_s, self.slo_batch(name, fs), max_instances,
-                                    loads, sim.scheduler.steady(name), self.settings, wait, options)
+                                    loads, sim.scheduler.steady(name), self.settings, wait, options,
+                                    sim.scheduler.recent_arrivals(name, sim.now))
 
     def _devices(self, name: FunctionName, num_instances: int, max_instances: int, excluded: frozenset[str]) -> list:
         """The devices worth offering, in placement order. The placement (a view of memory) is asked only when one

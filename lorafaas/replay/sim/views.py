@@ -49,6 +49,7 @@ class ViewHost(Protocol):
     scheduler: Scheduler
     workload: Workload
     concurrency: int
+    compute_slots: int  # per device: instances it runs at full speed at once
     host_cache: dict[int, dict[str, None]]  # per node: backbones in host memory, oldest first
 
     def stop_instance(self, inst: SimInstance, keep_artifacts: bool) -> None: ...
@@ -126,7 +127,8 @@ class ViewBuilder:
                     1,
                 )
             )
-        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
+        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes, sim.compute_slots)
+                        for d in mem.devices)
         return ClusterView(self.profiles, devices, slots, tuple(resident), frozenset(invoked), tuple(instances))
 
     def _slots(self, owners: dict[SlotId, FunctionName]) -> tuple[WorkerSlot, ...]:
@@ -170,7 +172,8 @@ class ViewBuilder:
                             1,
                         )
                     )
-        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes) for d in mem.devices)
+        devices = tuple(DeviceView(d.device_id, d.capacity_bytes, d.used_bytes, sim.compute_slots)
+                        for d in mem.devices)
         return ClusterView(
             self.profiles, devices, tuple(slots), mem.all_resident(), frozenset(invoked), tuple(instances)
         )

@@ -202,13 +202,33 @@ def test_a_steady_function_on_a_shared_device_also_starts_an_instance_where_comp
     decision = decide_admission(steady)
     assert (decision.action, decision.reason, decision.instance_id, decision.device) == ("dispatch", "room", "a",
                                                                                          "gpu1")
-    assert decide_admission(replace(steady, steady=False)).device is None  # not steady: no extra instance
+    spare_here = replace(shared, spare_compute=True)
+    assert decide_admission(replace(steady, steady=False, instances=(spare_here,))).device is None  # not steady,
+    # and its device's compute is free: no extra instance
     alone = replace(shared, shares_device=False)
     assert decide_admission(replace(steady, instances=(alone,))).device is None  # nothing to contend with
     assert decide_admission(replace(steady, start_options=(gpu0,))).device is None  # no compute spare anywhere
     assert decide_admission(replace(steady, max_instances=1)).device is None
     starting_one = replace(steady, instances=(shared, InstanceLoad("b", False, 0, 1.0)))
     assert decide_admission(starting_one).device is None  # one start at a time
+
+
+def test_a_function_sent_to_a_device_other_functions_keep_busy_also_starts_an_instance_where_compute_is_free() -> None:
+    # load-aware sharing: placement bound a busy copy of the backbone (no free device held one); the first request
+    # goes there at once, and a spare instance starts where it will not time-slice with the other functions
+    busy_gpu = StartOption("gpu0", busy_instances=1, compute_slots=1)
+    free_gpu = StartOption("gpu1", busy_instances=0, compute_slots=1)
+    contended = InstanceLoad("a", True, 0, 0.0, spare_compute=False, shares_device=True)
+    decision = decide_admission(view(contended, options=(busy_gpu, free_gpu)))
+    assert (decision.action, decision.reason, decision.instance_id, decision.device) == ("dispatch", "room", "a",
+                                                                                         "gpu1")
+    from lorafaas.scheduler import needs_start_options
+
+    assert needs_start_options((contended,), 4, 8)  # the executor describes the devices for it
+    assert not needs_start_options((replace(contended, spare_compute=True),), 4, 8)
+    # once its spare computes alone, requests go there first, even beside fewer on the busy device: that one drains
+    alone = InstanceLoad("b", True, 2, 9.0, spare_compute=False, shares_device=False)
+    assert decide_admission(view(replace(contended, in_flight=1), alone)).instance_id == "b"
 
 
 def test_start_options_are_needed_for_a_steady_function_with_every_instance_on_a_shared_device() -> None:
@@ -218,3 +238,34 @@ def test_start_options_are_needed_for_a_steady_function_with_every_instance_on_a
     assert not needs_start_options((shared,), 4, 8)  # it has room: nothing to start
     assert needs_start_options((shared,), 4, 8, steady=True)
     assert not needs_start_options((replace(shared, shares_device=False),), 4, 8, steady=True)
+
+
+def test_a_burst_outgrowing_its_instances_starts_another_in_the_background_while_they_have_room() -> None:
+    # early scale-out: B = 4 and one instance; 5 arrivals within the burst window are more than it takes in its
+    # batches, so the dispatch to it also starts one more where compute is spare, before a queue forms
+    free = StartOption("gpu1", busy_instances=0, compute_slots=1)
+    taking = replace(view(ready("a", 1), options=(free,)), recent_arrivals=5)
+    decision = decide_admission(taking)
+    assert (decision.action, decision.reason, decision.instance_id, decision.device) == ("dispatch", "room", "a",
+                                                                                         "gpu1")
+    assert decide_admission(replace(taking, recent_arrivals=4)).device is None  # within what it takes
+    two = replace(taking, instances=(ready("a", 1), ready("b", 0, 1.0)))
+    assert decide_admission(two).device is None  # two instances take 8
+    assert decide_admission(replace(taking, max_instances=1)).device is None
+    busy = StartOption("gpu1", busy_instances=1, compute_slots=1)
+    assert decide_admission(replace(taking, start_options=(busy,))).device is None  # no compute spare anywhere
+    from lorafaas.scheduler import needs_start_options
+
+    assert needs_start_options((ready("a", 1),), 4, 8, recent_arrivals=5)  # the executor describes the devices
+    assert not needs_start_options((ready("a", 1),), 4, 8, recent_arrivals=4)
+
+
+def test_a_start_under_way_is_awaited_rather_than_another_begun() -> None:
+    # every ready instance is full; one begun early in the background is starting: it serves sooner than a start
+    # from disk begun now (which would hold the queue for a whole load), so the queue awaits it
+    full, load = ready("a", 8), StartOption("gpu1", busy_instances=0, compute_slots=1, expected_start_s=20.0)
+    decision = decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(load,)))
+    assert (decision.action, decision.reason, decision.instance_id) == ("await_start", "cold_start", "b")
+    assert decide_admission(view(full, queue=3, capacity=8, options=(load,))).action == "start"  # none under way
+    bind = replace(load, expected_start_s=0.1)  # a bind to a copy on the device: sooner than the one under way
+    assert decide_admission(view(full, starting("b", 1.0), queue=3, capacity=8, options=(bind,))).action == "start"

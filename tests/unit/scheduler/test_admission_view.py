@@ -56,16 +56,16 @@ def test_a_steady_function_on_a_shared_device_asks_for_them_even_with_room() -> 
     assert options.asked == [True]
 
 
-def test_the_options_are_told_whether_a_running_batch_could_join() -> None:
+def test_the_options_are_told_whether_a_start_s_expected_time_matters() -> None:
     at_b = Options()  # B reached, the worker has room beyond it: a request could join instead of a start
     assert _view((_load(4),), at_b).start_options == (OPTION,)
     full = Options()  # the worker is full: nothing can join
     _view((_load(8),), full)
     none = Options()  # no instance at all
     _view((), none)
-    starting = Options()  # only a starting instance: nothing runs to join
+    starting = Options()  # only a starting instance: nothing runs to join, but a slow start would be awaited instead
     _view((_load(0, ready=False),), starting)
-    assert (at_b.asked, full.asked, none.asked, starting.asked) == ([True], [False], [False], [False])
+    assert (at_b.asked, full.asked, none.asked, starting.asked) == ([True], [False], [False], [True])
 
 
 def test_the_settings_and_the_compute_turns_are_carried_into_the_view() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from scheduler_builders import fn, res, view
@@ -44,6 +45,25 @@ def test_device_holding_the_backbone_before_an_emptier_one() -> None:
              instances=[inst("g1", "g", "d2", running=2)])
     decision = place(v)
     assert (decision.kind, decision.device, decision.instance_id) == ("backbone", "d2", None)
+
+
+def test_a_copy_other_functions_keep_busy_ranks_after_a_free_one() -> None:
+    # g's pre-loaded adapter sits beside h's busy instance on d0; a copy of the backbone on d1 has free compute
+    v = view([fn("f"), fn("g"), fn("h")], DEVICES,
+             resident=[res("g", "backbone", "device", "d0"), res("g", "backbone", "device", "d1", slot="s1")],
+             instances=[inst("h1", "h", "d0", running=2), inst("pre-f", "f", "d0", max_running=1)])
+    decision = place(v)
+    assert (decision.kind, decision.device) == ("backbone", "d1")
+    ranked = PlacementPolicy(SchedulerConfig(placement_top_k=1)).rank("f", v)
+    assert [(c.kind, c.device, c.contended) for c in ranked] == [
+        ("backbone", "d1", False), ("warm", "d0", True), ("backbone", "d0", True), ("cold", "d2", False)]
+    # with the copy on d1 gone, binding the busy copy still beats a load (admission then starts a spare instance)
+    busy_only = view([fn("f"), fn("h")], DEVICES, resident=[res("h", "backbone", "device", "d0")],
+                     instances=[inst("h1", "h", "d0", running=2)])
+    assert (place(busy_only).kind, place(busy_only).device) == ("backbone", "d0")
+    # a device runs as many instances at once as its compute slots: with two, h's one instance leaves room
+    two_slots = replace(v, devices=tuple(replace(d, compute_slots=2) for d in v.devices))
+    assert (place(two_slots).kind, place(two_slots).device) == ("warm", "d0")
 
 
 def test_cold_on_the_least_loaded_device_where_it_fits() -> None:

@@ -148,3 +148,19 @@ def test_gap_variation_tells_bursts_from_on_off_stretches() -> None:
     simultaneous = RateTracker()
     simultaneous.observe_arrival("f", 5.0, count=50)  # every gap 0: no variation to speak of
     assert simultaneous.gap_variation("f") is None
+
+
+def test_recent_arrivals_count_the_burst_window_in_the_first_minutes_of_traffic() -> None:
+    tracker = RateTracker(SchedulerConfig(burst_window_s=10.0, early_scale_out_s=300.0))
+    assert tracker.recent_arrivals("f", 0.0) == 0
+    tracker.observe_arrival("f", 0.0)
+    tracker.observe_arrival("f", 5.0, count=3)
+    assert tracker.recent_arrivals("f", 9.0) == 4
+    assert tracker.recent_arrivals("f", 12.0) == 3  # the first left the window
+    tracker.observe_arrival("f", 301.0)
+    assert tracker.recent_arrivals("f", 301.0) == 0  # traffic older than early_scale_out_s: its rates say enough
+    off = RateTracker(SchedulerConfig(burst_window_s=0.0))
+    off.observe_arrival("f", 0.0)
+    assert off.recent_arrivals("f", 0.0) == 0
+    tracker.forget("f")
+    assert tracker.recent_arrivals("f", 301.0) == 0
