@@ -78,8 +78,10 @@ class KeyList(msgspec.Struct):
 class ApiClient:
     def __init__(self, url: str, key: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
+        # Plain http needs no certificates: loading the CA bundle would cost every command 100+ ms.
+        tls = self.url.startswith("https://")
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},
-                                  timeout=httpx.Timeout(timeout_s, connect=5.0))
+                                  timeout=httpx.Timeout(timeout_s, connect=5.0), verify=tls)
 
     def __enter__(self) -> ApiClient:
         return self

@@ -1,10 +1,17 @@
-"""Prometheus metrics: counters and histograms updated per request, gauges read from the node agent at scrape time."""
+"""Prometheus metrics: counters and histograms updated per request, gauges read from the node agent at scrape time.
+
+Per function the series are bounded, so a fleet of a thousand functions scrapes in well under 2 MB (docs/platform.md,
+"Metrics at a thousand functions"): invocations by status (at most the four statuses), TTFT and TPOT as summaries
+(`_sum` and `_count`: the mean), cold starts by kind, instances by live state (only while it has instances) and
+failures by reason. The latency distributions are histograms over the whole fleet (`lorafaas_fleet_*`): a histogram
+per function would be 26 series each. No `_created` series (prometheus_client's, one per counter and summary).
+"""
 
 from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lorafaas.function_runtime.memory import read_memory
@@ -15,17 +22,23 @@ from lorafaas.platform.usage import UsageRecorder
 LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class GatewayMetrics:
     def __init__(self, agent: NodeAgent, usage: UsageRecorder | None = None) -> None:
+        disable_created_metrics()  # prometheus_client's switch is process-wide: the gateway's process is ours
         self.registry = CollectorRegistry()
         self.invocations = Counter("lorafaas_invocations", "Invocations by function and outcome",
                                    ["function", "status"], registry=self.registry)
-        self.ttft = Histogram("lorafaas_ttft_seconds", "Time to first token seen by the gateway", ["function"],
-                              buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.tpot = Histogram("lorafaas_tpot_seconds", "Time per output token after the first", ["function"],
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=self.registry)
+        self.ttft = Summary("lorafaas_ttft_seconds", "Time to first token seen by the gateway", ["function"],
+                            registry=self.registry)
+        self.tpot = Summary("lorafaas_tpot_seconds", "Time per output token after the first", ["function"],
+                            registry=self.registry)
+        self.fleet_ttft = Histogram("lorafaas_fleet_ttft_seconds", "Time to first token seen by the gateway, every "
+                                    "function's", buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.fleet_tpot = Histogram("lorafaas_fleet_tpot_seconds", "Time per output token after the first, every "
+                                    "function's", buckets=TPOT_BUCKETS_S, registry=self.registry)
         self.registry.register(_AgentCollector(agent))
         if usage is not None:
             self.registry.register(UsageCollector(usage))
@@ -45,8 +58,11 @@ class GatewayMetrics:
         self.invocations.labels(function, status).inc()
         if ttft_s is not None:
             self.ttft.labels(function).observe(ttft_s)
+            self.fleet_ttft.observe(ttft_s)
             if e2e_s is not None and completion_tokens > 1:
-                self.tpot.labels(function).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+                tpot_s = (e2e_s - ttft_s) / (completion_tokens - 1)
+                self.tpot.labels(function).observe(tpot_s)
+                self.fleet_tpot.observe(tpot_s)
 
 
 class _AgentCollector:
