@@ -1,7 +1,7 @@
 """`lorafaas deploy -f FLEET` and `POST /v1/functions:batch` against a real platform (`lorafaas up`, tiny backbone):
 many functions per request, each deployed on its own; a bad entry is refused with its name and field, the others
-land, and nothing stored before is lost. Also the control plane at a thousand functions: all listed, /metrics
-served (docs/platform.md, "Many functions at once")."""
+land, and nothing stored before is lost (docs/platform.md, "Functions"). Also the control plane at a thousand
+functions: all listed, /metrics served."""
 
 import json
 from pathlib import Path

@@ -19,7 +19,7 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
 
 NUM_FUNCTIONS = 1000
-MAX_SERIES_PER_FUNCTION = 12  # 2 invocation outcomes, 2 + 2 latency summaries, 1 cold-start kind, 5 live states
+MAX_SERIES_PER_FUNCTION = 8  # 2 invocation outcomes, 2 + 2 latency summaries, 1 cold-start kind, 1 live state
 MAX_SCRAPE_BYTES = 2 * 1024**2
 
 
@@ -62,7 +62,7 @@ def test_a_thousand_functions_scrape_under_2_mb_with_bounded_series_each(tiny_st
     body = generate_latest(_fleet_metrics(tiny_store).registry).decode()
     samples = [line for line in body.splitlines() if line and not line.startswith("#")]
     per_function = [line for line in samples if 'function="customer-function-0417"' in line]
-    assert 8 <= len(per_function) <= MAX_SERIES_PER_FUNCTION, per_function
+    assert len(per_function) == MAX_SERIES_PER_FUNCTION, per_function
     named = {line.split('function="', 1)[1].split('"', 1)[0] for line in samples if 'function="' in line}
     assert len(named) == NUM_FUNCTIONS  # every function is there: nothing refused or dropped
     assert len(body.encode()) < MAX_SCRAPE_BYTES, len(body.encode())

@@ -1,10 +1,11 @@
 """Prometheus metrics: counters and histograms updated per request, gauges read from the node agent at scrape time.
 
 Per function the series are bounded, so a fleet of a thousand functions scrapes in well under 2 MB (docs/platform.md,
-"Metrics at a thousand functions"): invocations by status (at most the four statuses), TTFT and TPOT as summaries
-(`_sum` and `_count`: the mean), cold starts by kind, instances by live state (only while it has instances) and
-failures by reason. The latency distributions are histograms over the whole fleet (`lorafaas_fleet_*`): a histogram
-per function would be 26 series each. No `_created` series (prometheus_client's, one per counter and summary).
+"Metrics at a thousand functions"): invocations by status, TTFT and TPOT as summaries (`_sum` and `_count`: the
+mean), cold starts by kind, instances by the live states they are in, and failures by reason: 8 series for a function
+invoked and warm, about 20 at most. The latency distributions are histograms over the whole fleet
+(`lorafaas_fleet_*`): a histogram per function would be 26 series each. No `_created` series (prometheus_client's,
+one per counter and summary).
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ class _AgentCollector:
                                  labels=["function", "kind"])
         for (function, kind), count in sorted(self.agent.cold_start_counts().items()):
             cold.add_metric([function, kind], count)
-        instances = GaugeMetricFamily("lorafaas_instances", "Function instances by state",
-                                      labels=["function", "state"])
+        instances = GaugeMetricFamily("lorafaas_instances", "Function instances by live state (a state with none "
+                                      "has no series)", labels=["function", "state"])
         counts = self.agent.count_by_state()
-        for function in sorted({f for f, _ in counts}):  # every live state, zeros included, so a dashboard sees
-            for state in LIVE_STATES:                    # hung and draining instances come and go
-                instances.add_metric([function, state], counts.get((function, state), 0))
+        # Only the states a function's instances are in: zeros for the other four states of every function would
+        # be most of a fleet's scrape. A series that goes is stale at once in Prometheus (no lingering last value).
+        for (function, state), count in sorted(counts.items()):
+            if state in LIVE_STATES and count:
+                instances.add_metric([function, state], count)
         failures = CounterMetricFamily("lorafaas_instance_failures", "Instances that crashed, hung or failed to start",
                                        labels=["function", "reason"])
         for (function, reason), count in sorted(self.agent.failure_counts().items()):
