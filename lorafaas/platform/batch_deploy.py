@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import BinaryIO
-
-import msgspec
 
 from lorafaas.errors import (
     AdapterInvalid,
     AlreadyExists,
     BackboneNotFound,
-    ClientError,
     Forbidden,
     InvalidInput,
     LorafaasError,
@@ -36,12 +34,13 @@ _LEADING_FIELD = re.compile(r"^(\w+) ")
 _NAME_KINDS = {"function": "name", "tenant": "tenant", "backbone": "backbone"}
 
 
-class BatchEntry(msgspec.Struct, kw_only=True):
+@dataclass(frozen=True)
+class BatchEntry:
     """One entry as the route parsed it: its fields, or the error its spec already failed with."""
 
     name: str
     fields: dict | None = None
-    error: ClientError | None = None
+    error: LorafaasError | None = None
 
 
 def field_of(exc: LorafaasError) -> str | None:
@@ -76,7 +75,8 @@ async def deploy_batch(service: FunctionService, caller: ApiKeyRecord, entries: 
             if entry.error is not None:
                 raise entry.error
             assert entry.fields is not None
-            tenant = entry.fields.get("tenant") or caller.tenant
+            # the tenant whose quota it counts against (another tenant's, named without the admin key, is refused)
+            tenant = entry.fields.get("tenant") if caller.is_admin and entry.fields.get("tenant") else caller.tenant
             if tenant not in held:
                 held[tenant] = await service.store_threads.run(service.tenant_adapters, tenant)
             deployed.append(await service.deploy(caller, entry.fields, archive, held=held[tenant]))

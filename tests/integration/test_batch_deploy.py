@@ -146,18 +146,22 @@ def test_a_tenant_deploys_a_fleet_for_itself_only(platform, admin, adapter_root)
         assert [spec.name for spec in acme.list()] == ["mine"]
 
 
-def test_a_thousand_functions_are_listed_and_scraped(tmp_path, platform, admin, lorafaas) -> None:
+def test_a_thousand_functions_are_listed_and_scraped(tmp_path, tiny_dense_dir, cli) -> None:
     """The control plane at 1,000 functions: every one deployed and listed, /metrics served (its size and time are
-    `lorafaas bench control-plane`'s)."""
-    store = ModelStore(platform.home / "models")
+    `lorafaas bench control-plane`'s). A platform of its own, stopped whole: no thousand deletes after it."""
+    store = ModelStore(tmp_path / "home" / "models")
+    store.import_dir(BACKBONE, tiny_dense_dir)
     fleet = tmp_path / "fleet"
     for index in range(1000):
         write_random_adapter(fleet / f"f{index:04d}", store, BACKBONE, rank=4, target_modules=("q_proj",),
                              seed=index)
-    done = lorafaas("deploy", "-f", str(fleet), "--batch-size", "250", timeout=900)
-    assert done.returncode == 0, done.stderr
-    listed = json.loads(lorafaas("list", "--json").stdout)
-    assert sorted(spec["name"] for spec in listed) == sorted(p.name for p in fleet.iterdir())
-    assert len({spec["adapter_digest"] for spec in listed}) == 1000
-    scrape = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"})
-    assert scrape.status_code == 200 and "lorafaas_instances" in scrape.text
+    with PlatformProcess(tmp_path / "home") as platform:
+        env = {"LORAFAAS_URL": platform.url}
+        done = cli("--home", str(platform.home), "deploy", "-f", str(fleet), "--batch-size", "250", env=env,
+                   timeout=900)
+        assert done.returncode == 0, done.stderr
+        listed = json.loads(cli("--home", str(platform.home), "list", "--json", env=env).stdout)
+        assert sorted(spec["name"] for spec in listed) == sorted(p.name for p in fleet.iterdir())
+        assert len({spec["adapter_digest"] for spec in listed}) == 1000
+        scrape = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"})
+        assert scrape.status_code == 200 and "lorafaas_busy_instances" in scrape.text
