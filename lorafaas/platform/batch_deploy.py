@@ -76,7 +76,8 @@ async def deploy_batch(service: FunctionService, caller: ApiKeyRecord, entries: 
                 raise entry.error
             assert entry.fields is not None
             # the tenant whose quota it counts against (another tenant's, named without the admin key, is refused)
-            tenant = entry.fields.get("tenant") if caller.is_admin and entry.fields.get("tenant") else caller.tenant
+            named = entry.fields.get("tenant")
+            tenant = named if caller.is_admin and isinstance(named, str) and named else caller.tenant
             if tenant not in held:
                 held[tenant] = await service.store_threads.run(service.tenant_adapters, tenant)
             deployed.append(await service.deploy(caller, entry.fields, archive, held=held[tenant]))
