@@ -6,6 +6,7 @@ a function can have at once but for failures, which are bounded by their reasons
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 from prometheus_client import generate_latest
@@ -13,7 +14,7 @@ from prometheus_client import generate_latest
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.agent import AgentConfig, NodeAgent
 from lorafaas.platform.agent.function_state import FunctionState
-from lorafaas.platform.gateway.metrics import GatewayMetrics
+from lorafaas.platform.gateway.metrics import GatewayMetrics, InstancePss
 from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
@@ -69,3 +70,24 @@ def test_a_thousand_functions_scrape_under_2_mb_with_bounded_series_each(tiny_st
     assert not [line for line in samples if "_created" in line]
     fleet = [line for line in samples if line.startswith("lorafaas_fleet_ttft_seconds_count")]
     assert fleet == [f"lorafaas_fleet_ttft_seconds_count {float(NUM_FUNCTIONS)}"]
+
+
+def test_a_scrape_reads_the_memory_of_a_few_instances_and_keeps_the_others_last_figure() -> None:
+    """Reading an instance's PSS takes ~10 ms: a scrape reads the 8 read longest ago, so a thousand warm instances
+    do not make each scrape take seconds; every instance is counted within a few scrapes, an exited one no more."""
+    processes = [subprocess.Popen(["sleep", "60"]) for _ in range(12)]
+    try:
+        live = {process.pid: "cpu" for process in processes}
+        pss = InstancePss(max_reads_per_scrape=8)
+        first = pss.per_device(live)["cpu"]
+        second = pss.per_device(live)["cpu"]  # the four not read yet join
+        assert 0 < first < second
+        assert second / 12 * 7 < first < second / 12 * 9  # eight of twelve alike processes
+        processes[0].kill()
+        processes[0].wait()
+        del live[processes[0].pid]
+        assert pss.per_device(live)["cpu"] < second
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
