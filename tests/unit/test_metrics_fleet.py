@@ -73,16 +73,19 @@ def test_a_thousand_functions_scrape_under_2_mb_with_bounded_series_each(tiny_st
 
 
 def test_a_scrape_reads_the_memory_of_a_few_instances_and_keeps_the_others_last_figure() -> None:
-    """Reading an instance's PSS takes ~10 ms: a scrape reads the 8 read longest ago, so a thousand warm instances
-    do not make each scrape take seconds; every instance is counted within a few scrapes, an exited one no more."""
-    processes = [subprocess.Popen(["sleep", "60"]) for _ in range(12)]
+    """Reading an instance's PSS takes ~10 ms: a scrape reads at most 4, those read longest ago, each at most every
+    10 s, so a thousand warm instances do not make each scrape take seconds; every instance is counted within a few
+    scrapes, an exited one no more."""
+    processes = [subprocess.Popen(["sleep", "60"]) for _ in range(6)]
+    now = [0.0]
     try:
         live = {process.pid: "cpu" for process in processes}
-        pss = InstancePss(max_reads_per_scrape=8)
+        pss = InstancePss(max_reads_per_scrape=4, max_age_s=10.0, clock=lambda: now[0])
         first = pss.per_device(live)["cpu"]
-        second = pss.per_device(live)["cpu"]  # the four not read yet join
+        second = pss.per_device(live)["cpu"]  # the two not read yet join
         assert 0 < first < second
-        assert second / 12 * 7 < first < second / 12 * 9  # eight of twelve alike processes
+        assert second / 6 * 3 < first < second / 6 * 5  # four of six alike processes
+        assert pss.per_device(live)["cpu"] == second  # nothing is due again before 10 s
         processes[0].kill()
         processes[0].wait()
         del live[processes[0].pid]

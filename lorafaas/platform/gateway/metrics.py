@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,7 +27,8 @@ LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
-MAX_PSS_READS_PER_SCRAPE = 8
+MAX_PSS_READS_PER_SCRAPE = 4
+PSS_MAX_AGE_S = 10.0
 
 
 class GatewayMetrics:
@@ -69,27 +72,29 @@ class GatewayMetrics:
 
 
 class InstancePss:
-    """The instances' PSS, each read again at most every scrape or so: reading one (/proc/PID/smaps_rollup walks its
-    mappings, the backbone's included) takes about 10 ms, so a scrape reads the `max_reads_per_scrape` read longest
-    ago and takes the others' last figure: a thousand warm instances scrape in milliseconds, not seconds. An instance
-    not read yet counts from its first read."""
+    """The instances' PSS, each read again at most every `max_age_s`: reading one (/proc/PID/smaps_rollup walks its
+    mappings, the backbone's included) takes about 10 ms, so a scrape reads at most `max_reads_per_scrape`, those read
+    longest ago, and takes the others' last figure: a thousand warm instances scrape in milliseconds, not seconds.
+    An instance not read yet counts from its first read."""
 
-    def __init__(self, max_reads_per_scrape: int = MAX_PSS_READS_PER_SCRAPE) -> None:
+    def __init__(self, max_reads_per_scrape: int = MAX_PSS_READS_PER_SCRAPE, max_age_s: float = PSS_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_reads_per_scrape = max_reads_per_scrape
+        self.max_age_s = max_age_s
+        self.clock = clock
         self._lock = threading.Lock()  # scrapes render in worker threads, maybe two at once
-        self._last: dict[int, tuple[int, int]] = {}  # pid -> (the scrape that read it, its PSS bytes)
-        self._scrapes = 0
+        self._last: dict[int, tuple[float, int]] = {}  # pid -> (when it was read, its PSS bytes)
 
     def per_device(self, live: dict[int, str]) -> dict[str, int]:
         """`live` (pid -> device): the PSS summed per device."""
         with self._lock:
-            self._scrapes += 1
+            now = self.clock()
             for pid in [pid for pid in self._last if pid not in live]:  # exited: gone with its process
                 del self._last[pid]
-            oldest = sorted(live, key=lambda pid: self._last.get(pid, (-1, 0))[0])[:self.max_reads_per_scrape]
-            for pid in oldest:
+            due = [pid for pid in live if pid not in self._last or now - self._last[pid][0] >= self.max_age_s]
+            for pid in sorted(due, key=lambda pid: self._last.get(pid, (-1.0, 0))[0])[:self.max_reads_per_scrape]:
                 try:
-                    self._last[pid] = (self._scrapes, read_memory(pid).pss_bytes)
+                    self._last[pid] = (now, read_memory(pid).pss_bytes)
                 except OSError:  # exited between listing and reading
                     self._last.pop(pid, None)
             per_device: dict[str, int] = {}
