@@ -114,6 +114,23 @@ def throughput(
     _show(result, as_json, f"throughput on {backbone}")
 
 
+@app.command("control-plane")
+def control_plane(
+    functions: int = typer.Option(1000, "--functions", min=1, max=10_000, help="Functions deployed (tiny backbone)."),
+    batch_size: int = typer.Option(100, "--batch-size", min=1, max=500, help="Functions per deploy request."),
+    sample: int = typer.Option(20, "--sample", min=1, max=1000, help="Functions deployed one a request (baseline)."),
+    invoked: int = typer.Option(3, "--invoked", min=0, max=100, help="Functions invoked once (their series)."),
+    repeats: int = typer.Option(5, "--repeats", min=1, max=50, help="Timed runs of each read (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Per-function costs at N functions: batch deploy against one a request, list, describe, /metrics."""
+    from lorafaas.bench.control_plane import run_control_plane_bench
+
+    with RichProgress() as progress:
+        result = run_control_plane_bench(functions, batch_size, sample, invoked, repeats, progress)
+    _show(result, as_json, f"the control plane at {functions} functions")
+
+
 @app.command("scheduler")
 def scheduler(
     repeats: int = typer.Option(15, "--repeats", min=1, max=200, help="Timed runs of each decision (median)."),

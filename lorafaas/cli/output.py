@@ -30,6 +30,15 @@ def print_table(table) -> None:
     Console(file=console.file, width=max(console.width, natural)).print(table)
 
 
+def print_columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    """Rows as plain aligned columns (as `kubectl get` prints them): one line per row, never cut or wrapped, and
+    printed in milliseconds for thousands of rows, where a rich table takes seconds."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *rows)]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
 def print_json(document: object) -> None:
     sys.stdout.write(json.dumps(document, indent=2, default=str, ensure_ascii=False) + "\n")
 

@@ -18,6 +18,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -92,6 +93,19 @@ class UsageReport(msgspec.Struct, kw_only=True):
     total: UsageGroup
 
 
+@dataclass
+class TenantAdapters:
+    """The adapters one tenant's functions hold, and their bytes (an adapter shared by several counts once)."""
+
+    digests: set[str] = field(default_factory=set)
+    num_bytes: int = 0
+
+    def add(self, digest: str, size_bytes: int) -> None:
+        if digest not in self.digests:
+            self.digests.add(digest)
+            self.num_bytes += size_bytes
+
+
 class FunctionService:
     def __init__(self, store: StateStore, models: ModelStore, adapters: AdapterStore, agent: NodeAgent,
                  limits: AdapterLimits | None = None) -> None:
@@ -133,7 +147,10 @@ class FunctionService:
 
     # -- functions -------------------------------------------------------------------------------------------------
 
-    async def deploy(self, caller: ApiKeyRecord, fields: dict, adapter_archive: bytes | BinaryIO) -> FunctionSpec:
+    async def deploy(self, caller: ApiKeyRecord, fields: dict, adapter_archive: bytes | BinaryIO,
+                     held: TenantAdapters | None = None) -> FunctionSpec:
+        """`held`: the adapters the tenant's functions hold (`tenant_adapters()`), kept by a caller that deploys many
+        (batch_deploy.py) so the quota costs no store read per function; the new adapter is added to it."""
         name = fields.get("name", "")
         tenant = _tenant_of(caller, fields.get("tenant"))
         now = time.time()
@@ -144,12 +161,18 @@ class FunctionService:
         if await self.store_threads.run(self._exists, spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
-        digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant)
+        digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant, held=held)
         spec = msgspec.structs.replace(spec, adapter_digest=digest)
         try:
             await self.store_threads.run(self.store.put_function, spec, create=True)
-        finally:
+        except BaseException:
             await self._release_adapter(digest)  # a failed deploy leaves no adapter behind
+            raise
+        # Stored: the function references the adapter now, so there is nothing to collect (a collect lists every
+        # function and adapter: a deploy would cost more with each function deployed).
+        self.adapters.unpin(digest)
+        if held is not None:
+            held.add(digest, self.adapters.size_bytes(digest))
         self.agent.apply(spec)
         log.info("deployed %s (tenant %s, backbone %s, adapter %s)", spec.name, spec.tenant, spec.backbone,
                  digest[:12])
@@ -247,17 +270,17 @@ class FunctionService:
         return True
 
     async def _store_adapter(self, archive: bytes | BinaryIO, backbone: str, tenant: str,
-                             replacing: str | None = None) -> str:
+                             replacing: str | None = None, held: TenantAdapters | None = None) -> str:
         """Unpack, check against the limits and the tenant's quota, validate and store; returns the digest, pinned
-        until `_release_adapter`."""
+        until `_release_adapter`. `held`: the tenant's adapters, if the caller has them (see deploy)."""
         def unpack_and_store() -> str:
             with tempfile.TemporaryDirectory(prefix="lorafaas-upload-") as scratch:
                 try:
                     adapter_dir = unpack_adapter(archive, Path(scratch))
                     manifest = self.models.get(backbone)
                     new_bytes = check_adapter_size(adapter_dir, backbone, manifest.num_parameters, self.limits)
-                    check_tenant_quota(tenant, self._tenant_adapter_bytes(tenant, replacing), new_bytes,
-                                       self.limits)
+                    used = held if held is not None else self.tenant_adapters(tenant, replacing)
+                    check_tenant_quota(tenant, used.num_bytes, new_bytes, self.limits)
                     return self.adapters.put(adapter_dir, self.models, backbone)
                 except LorafaasError as exc:  # name files as they are in the archive, not where this server put them
                     exc.message = exc.message.replace(f"{scratch}/", "").replace(scratch, "the archive")
@@ -266,10 +289,12 @@ class FunctionService:
 
         return await asyncio.to_thread(unpack_and_store)
 
-    def _tenant_adapter_bytes(self, tenant: str, replacing: str | None) -> int:
+    def tenant_adapters(self, tenant: str, replacing: str | None = None) -> TenantAdapters:
         """What the tenant's functions (but `replacing`, whose adapter an update swaps) hold in the adapter store."""
-        digests = {s.adapter_digest for s in self.store.list_functions(tenant) if s.name != replacing}
-        return sum(self.adapters.size_bytes(d) for d in digests)
+        held = TenantAdapters()
+        for digest in {s.adapter_digest for s in self.store.list_functions(tenant) if s.name != replacing}:
+            held.add(digest, self.adapters.size_bytes(digest))
+        return held
 
     async def _release_adapter(self, digest: str) -> None:
         self.adapters.unpin(digest)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
-from typing import Annotated, Any, BinaryIO, Literal
+from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -24,9 +24,10 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from lorafaas import __version__
-from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, PayloadTooLarge, ServerError
+from lorafaas.errors import Forbidden, InvalidInput, LorafaasError, ServerError
 from lorafaas.function_runtime import messages as m
 from lorafaas.platform.auth import KeyInfo, authenticate, create_key, key_id_of
+from lorafaas.platform.gateway.batch_route import install_batch_route
 from lorafaas.platform.gateway.limits import RequestLimits, RequestLimitsMiddleware
 from lorafaas.platform.gateway.max_tokens import max_tokens_for
 from lorafaas.platform.gateway.metrics import GatewayMetrics
@@ -67,11 +68,11 @@ from lorafaas.platform.gateway.streaming import (
     start_invocation,
     usage,
 )
+from lorafaas.platform.gateway.uploads import first_problem, spooled
 from lorafaas.platform.service import FunctionService
 from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec, InvocationStatus
 
 log = logging.getLogger(__name__)
-MAX_ADAPTER_UPLOAD_BYTES = 2 * 1024**3
 MAX_LISTED_INVOCATIONS = 1000
 MAX_LOG_TAIL_LINES = 100_000
 MAX_UNIX_TIME = 2**33  # the year 2242: a bound the OpenAPI document states
@@ -127,7 +128,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
                      adapter: UploadFile = File(..., description="tar(.gz) of the adapter's two files"),
                      who: ApiKeyRecord = Depends(caller)) -> Response:
         fields = _parse_spec(spec)
-        return encoded(await service.deploy(who, fields, _spooled(adapter)), status_code=201)
+        return encoded(await service.deploy(who, fields, spooled(adapter)), status_code=201)
 
     @app.get("/v1/functions", tags=["functions"], response_model=None,
              responses={200: reply(FunctionList, "The caller's functions (every tenant's for the admin)"), **errors()})
@@ -150,7 +151,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         fields = _parse_spec(spec)
         if fields.get("name") not in (None, name) or fields.get("backbone") or fields.get("tenant"):
             raise InvalidInput("PATCH cannot change a function's name, backbone or tenant; deploy a new function")
-        archive = _spooled(adapter) if adapter is not None else None
+        archive = spooled(adapter) if adapter is not None else None
         return encoded(await service.update(who, name, fields, archive))
 
     @app.delete("/v1/functions/{name}", tags=["functions"], response_model=None,
@@ -251,6 +252,7 @@ def create_app(service: FunctionService, metrics: GatewayMetrics, lifespan=None,
         record = await service.revoke_key(key_id)
         return encoded(KeyRevoked(revoked=record.key_id, tenant=record.tenant))
 
+    install_batch_route(app, service, caller)
     from lorafaas.platform.gateway.openai_api import openai_router
     from lorafaas.platform.gateway.responses_api import responses_router
 
@@ -290,23 +292,7 @@ def _parse_spec(raw: str) -> dict:
     try:
         return DeploySpec.model_validate_json(raw).model_dump(exclude_none=True)
     except ValidationError as exc:
-        raise InvalidInput(f"invalid spec: {_first_problem(exc.errors())}") from exc
-
-
-def _spooled(upload: UploadFile) -> BinaryIO:
-    """The uploaded archive as the file Starlette spooled it to (on disk past 1 MiB), read as a stream."""
-    if upload.size is not None and upload.size > MAX_ADAPTER_UPLOAD_BYTES:
-        raise PayloadTooLarge(f"the adapter upload is {upload.size} bytes; the limit is {MAX_ADAPTER_UPLOAD_BYTES}")
-    upload.file.seek(0)
-    return upload.file
-
-
-def _first_problem(errors: Sequence[Mapping[str, Any]]) -> str:  # pydantic's ErrorDetails or FastAPI's dicts
-    if not errors:
-        return "invalid request"
-    first = errors[0]
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        raise InvalidInput(f"invalid spec: {first_problem(exc.errors())}") from exc
 
 
 def _error_response(status: int, code: str, message: str, openai_param: str | bool | None = False) -> JSONResponse:
@@ -334,7 +320,7 @@ def _install_error_handlers(app: FastAPI, service: FunctionService) -> None:
             return _error_response(400, "malformed_json", "the request body is not valid JSON",
                                    openai_param(request, None))
         param = param_of(errors[0].get("loc", ())) if errors else None
-        return _error_response(422, "invalid_input", _first_problem(errors), openai_param(request, param))
+        return _error_response(422, "invalid_input", first_problem(errors), openai_param(request, param))
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", made specific

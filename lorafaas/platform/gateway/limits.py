@@ -37,7 +37,7 @@ from lorafaas.errors import (
 MAX_HEADER_BYTES = 32 * 1024
 MAX_JSON_BODY_BYTES = 4 * 1024**2  # a prompt at the end of a long context window is well under 1 MiB
 MAX_UPLOAD_BODY_BYTES = 2 * 1024**3 + 1024**2  # the adapter archive's own limit plus the multipart envelope
-UPLOAD_PATHS = ("/v1/functions",)  # POST deploys and PATCH /v1/functions/{name} replaces an adapter
+UPLOAD_PATHS = ("/v1/functions", "/v1/functions:batch")  # deploys; PATCH /v1/functions/{name} replaces one
 MAX_CONCURRENT_UPLOADS = 4
 MAX_UPLOADS_PER_TENANT = 2  # one tenant never holds every slot
 UPLOAD_TIMEOUT_S = 20.0  # `lorafaas up --upload-timeout`

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from lorafaas.platform.auth import KeyInfo
+from lorafaas.platform.batches import BatchDeployed
 from lorafaas.platform.descriptions import FunctionDescription
 from lorafaas.platform.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from lorafaas.platform.service import UsageReport
@@ -202,9 +203,9 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     usage: ResponseUsage | None
 
 
-STRUCTS: tuple[type, ...] = (Status, FunctionSpec, FunctionList, FunctionDescription, Deleted, InvokeResult, Accepted,
-                             InvocationRecord, InvocationList, UsageReport, KeyCreated, KeyList, KeyRevoked, Model,
-                             ModelList, Completion, ChatCompletion, ResponseObject)
+STRUCTS: tuple[type, ...] = (Status, FunctionSpec, FunctionList, BatchDeployed, FunctionDescription, Deleted,
+                             InvokeResult, Accepted, InvocationRecord, InvocationList, UsageReport, KeyCreated, KeyList,
+                             KeyRevoked, Model, ModelList, Completion, ChatCompletion, ResponseObject)
 _REF = "#/components/schemas/{name}"
 
 
