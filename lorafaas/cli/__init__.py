@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from lorafaas import __version__
 from lorafaas.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up, usage
@@ -14,7 +15,27 @@ from lorafaas.cli.output import err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
 
+
+class _RootGroup(TyperGroup):
+    """`lorafaas replay matrix` is a command of its own beside `lorafaas replay TRACE` (a trace file named `matrix`
+    is given as `./matrix`)."""
+
+    def resolve_command(self, ctx, args):
+        if args[:2] == ["replay", "matrix"]:
+            return "replay matrix", _replay_matrix_command(), args[2:]
+        return super().resolve_command(ctx, args)
+
+
+def _replay_matrix_command():
+    matrix_app = typer.Typer(add_completion=False)
+    matrix_app.command("matrix")(replay.matrix)
+    matrix_command = typer.main.get_command(matrix_app)
+    _show_flags_bare(matrix_command)
+    return matrix_command
+
+
 app = typer.Typer(
+    cls=_RootGroup,
     name="lorafaas",
     help="Deploy each LoRA adapter as an isolated serverless function on a shared backbone.",
     no_args_is_help=True,

@@ -48,7 +48,8 @@ def replay(
                                                           "lorafaas-shared (CPU clusters: the shared base pass)"),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON document."),
 ) -> None:
-    """Replay an Azure trace against a running platform (or a simulated cluster) and write a report."""
+    """Replay an Azure trace against a running platform (or a simulated cluster) and write a report. `lorafaas replay
+    matrix`: the scheduling acceptance on the paper cluster (its own --help)."""
     if expansion not in ("uniform", "poisson"):
         raise InvalidInput(f"--expansion is {expansion!r}; choose uniform or poisson")
     if not mapping:
@@ -93,3 +94,22 @@ def replay(
     else:
         print_text(summary_table(summaries))  # a Markdown table: verbatim, never wrapped
         err_console.print(f"report in {out}/ (results.json, requests.csv, summary.md, plots)")
+
+
+def matrix(
+    case: list[str] = typer.Option([], "--case", help="Run only the cases whose name contains this (repeatable): "
+                                                      "code/2fn/0-1800, bursty/seed1, code/8fn, normal, ..."),
+    policy: list[str] = typer.Option([], "--policy", help="Run only these policies (repeatable; default: lorafaas, "
+                                                          "serverlessllm and every ablation, what the criteria read)."),
+    jobs: int = typer.Option(1, "--jobs", min=1, max=64, help="Simulations run at once (processes)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdicts as one JSON document."),
+) -> None:
+    """The scheduling acceptance on the paper cluster: every case, lorafaas against ServerlessLLM and every ablation,
+    a pass/fail column per criterion. Exits 0 whatever the verdicts; the last line counts the cases that pass."""
+    from lorafaas.replay.matrix import run_matrix, select_cases, select_policies, stderr_progress, summary_line, table
+
+    verdicts = run_matrix(select_cases(case), jobs, select_policies(policy), stderr_progress)
+    if as_json:
+        typer.echo(json.dumps({"cases": [v.row() for v in verdicts], "summary": summary_line(verdicts)}, indent=1))
+    else:
+        print_text(table(verdicts) + "\n\n" + summary_line(verdicts))

@@ -78,7 +78,10 @@ class SchedulerConfig:
     # keep-alive (Shahrad et al., "Serverless in the Wild", ATC 2020)
     fixed_keep_alive_s: float = 600.0
     histogram_bin_s: float = 60.0
-    histogram_range_s: float = 4 * 3600.0
+    # the paper's range is 4 hours; at 30 minutes a gap of hours between a function's bursts is out of range instead
+    # of its 99th percentile, so it does not keep a burst's last instance, billed as idle device memory, for hours:
+    # the window ends by 1.1 x the range (docs/scheduler.md, "Idle cost": chosen on the acceptance matrix)
+    histogram_range_s: float = 1800.0
     head_percentile: float = 5.0
     tail_percentile: float = 99.0
     prewarm_margin: float = 0.10  # pre-warm window = head * (1 - margin)
@@ -86,6 +89,10 @@ class SchedulerConfig:
     min_histogram_samples: int = 10
     min_histogram_cv: float = 2.0  # CV of the bin counts below this: the histogram is not representative
     max_out_of_range_fraction: float = 0.5  # more idle times beyond the range than this: fixed fallback
+    # the histogram's window ends no earlier than this after an invocation: a function's idle times are between any
+    # two of its invocations, and under steady traffic they say 66 s while a scaled-out instance, idle for minutes
+    # between the traffic's waves, would cost a cold start (a backbone's load) to start again; 0: no floor
+    min_keep_alive_s: float = 0.0
     # a function idle as a whole retires its idle instances one per this many seconds, least recently used first,
     # none later than its keep-alive window: a burst's scale-out is not billed through the hybrid window's long
     # tail, and the next burst finds the instances it most likely needs (docs/scheduler.md, "Idle cost"); 0: off
@@ -117,7 +124,7 @@ class SchedulerConfig:
         if not 0 < self.prefill_fit_decay <= 1:
             raise ValueError(f"SchedulerConfig.prefill_fit_decay is {self.prefill_fit_decay}; must be in (0, 1]")
         for name in ("device_preload_horizon_s", "idle_retire_step_s", "idle_retire_min_cv", "burst_window_s",
-                     "early_scale_out_s"):
+                     "early_scale_out_s", "min_keep_alive_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"SchedulerConfig.{name} is {value!r}; it must be a finite number >= 0 (0: off)")

@@ -1,13 +1,14 @@
 """Keep-alive: a fixed window, or the hybrid histogram policy of Shahrad et al. ("Serverless in the Wild", ATC 2020).
 
 Per function, a histogram of idle times (the time from the end of one invocation to the start of the next), bins of
-`histogram_bin_s` up to `histogram_range_s` (1 minute and 4 hours in the paper); idle times beyond the range are
-counted as out of range. From it:
+`histogram_bin_s` up to `histogram_range_s` (1 minute and 4 hours in the paper; lorafaas's range is 30 minutes, so the
+window ends by 33 minutes: a gap of hours between bursts is out of range, not the tail that keeps a burst's last
+instance for hours); idle times beyond the range are counted as out of range. From it:
 
     head         = the `head_percentile` (5th) of the idle times, at the lower edge of its bin
     tail         = the `tail_percentile` (99th), at the upper edge of its bin
     pre-warm     = head * (1 - prewarm_margin)              unload after the invocation, load again after this long
-    keep-alive   = tail * (1 + keep_alive_margin) - pre-warm    then keep it loaded this long
+    keep-alive   = max(tail * (1 + keep_alive_margin), min_keep_alive_s) - pre-warm    then keep it loaded this long
 
 A function idle as a whole (no request in flight or queued) also retires its idle instances one per
 `idle_retire_step_s`, least recently used first (`next_idle_retirement_s`), the window above still bounding each: the
@@ -18,7 +19,7 @@ The histogram is used only when it is representative; otherwise the fixed window
 `fixed_keep_alive_s`):
     - fewer than `min_histogram_samples` idle times                                          -> "fixed:few_samples"
     - more than `max_out_of_range_fraction` of them beyond the range (the paper forecasts these with ARIMA; lorafaas
-      falls back to the fixed window, which should then be set at least as long as the range) -> "fixed:out_of_range"
+      falls back to the fixed window)                                                         -> "fixed:out_of_range"
     - the coefficient of variation of the bin counts below `min_histogram_cv` (idle times spread evenly over the
       range: no pattern to exploit)                                                          -> "fixed:flat"
 """
@@ -122,8 +123,8 @@ class KeepAlivePolicy:
         head_s = histogram.bin_of_percentile(config.head_percentile) * histogram.bin_s
         tail_s = (histogram.bin_of_percentile(config.tail_percentile) + 1) * histogram.bin_s
         prewarm_s = head_s * (1.0 - config.prewarm_margin)
-        keep_alive_s = tail_s * (1.0 + config.keep_alive_margin) - prewarm_s
-        return KeepAliveDecision(prewarm_s, keep_alive_s, "histogram")
+        end_s = max(tail_s * (1.0 + config.keep_alive_margin), config.min_keep_alive_s)
+        return KeepAliveDecision(prewarm_s, end_s - prewarm_s, "histogram")
 
     def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
                                ) -> float | None:

@@ -19,9 +19,10 @@ from lorafaas.replay.workload import Request, Workload
 from lorafaas.scheduler import FunctionName, SchedulerConfig
 
 STEP_S = 180.0
-# idle times of a bursty function: mostly seconds within a burst, a few hours-long gaps between bursts; the
-# histogram is representative and its window (the long tail, about 5,500 s) far beyond the step
+# idle times of a bursty function: mostly seconds within a burst, a few hours-long gaps between bursts; on the
+# paper's 4-hour histogram range it is representative and its window (the long tail, about 5,500 s) far beyond the step
 BURSTY_IDLE_S = [10.0] * 20 + [5000.0] * 2
+PAPER_RANGE_S = 4 * 3600.0
 
 
 class Clock:
@@ -34,7 +35,8 @@ class Clock:
 
 def _agent(spec: FunctionSpec, idle_times_s=BURSTY_IDLE_S) -> tuple[NodeAgent, Clock]:
     clock = Clock()
-    config = AgentConfig(scheduler=SchedulerConfig(max_batch_size=8, idle_retire_step_s=STEP_S))
+    config = AgentConfig(scheduler=SchedulerConfig(max_batch_size=8, idle_retire_step_s=STEP_S,
+                                                   histogram_range_s=PAPER_RANGE_S))
     agent = NodeAgent(launcher=None, adapter_path=Path, config=config, clock=clock)  # type: ignore[arg-type]
     agent.functions[spec.name] = FunctionState(spec)
     for idle_s in idle_times_s:

@@ -18,6 +18,7 @@ from lorafaas.replay.sim.cluster import ClusterSpec, load_cluster
 from lorafaas.replay.sim.engine import SimOutcome, Simulator
 from lorafaas.replay.sim.policies import PolicySpec, resolve_policies
 from lorafaas.replay.workload import Workload
+from lorafaas.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class PolicyResult:
     num_plans: int
     sim_wall_s: float
     waits: dict[str, int] = field(default_factory=dict)  # why queues waited (admission reason -> times)
+    ttft_p999_s: float | None = None
+    # the fraction of all requests (errors included) whose first token came within their function's SLO
+    slo_attainment: float | None = None
 
     def row(self) -> dict:
         s = self.summary
@@ -39,6 +43,8 @@ class PolicyResult:
             "cold_starts": self.num_cold_starts,
             "ttft_mean_s": s.ttft_s.mean,
             "ttft_p99_s": s.ttft_s.p99,
+            "ttft_p999_s": self.ttft_p999_s,
+            "slo_attainment": self.slo_attainment,
             "tpot_mean_s": s.tpot_s.mean,
             "e2e_mean_s": s.e2e_s.mean,
             "e2e_p99_s": s.e2e_s.p99,
@@ -58,13 +64,18 @@ def simulate(
     background: Sequence[tuple[float, float]] = (),
 ) -> tuple[SimOutcome, PolicyResult]:
     started = time.perf_counter()
-    outcome = Simulator(cluster, policy, workload, seed, background).run()
+    simulator = Simulator(cluster, policy, workload, seed, background)
+    outcome = simulator.run()
     wall = time.perf_counter() - started
     overall = summarize(outcome.results)[-1]
     e2e = overall.e2e_s.mean
     ce = 1.0 / (e2e * outcome.cost) if e2e and outcome.cost > 0 else None
+    slo_s: dict[str, float] = {str(name): state.spec.slo_ttft_s for name, state in simulator.fns.items()}
+    ttfts = [r.ttft_s for r in outcome.results if r.ok and r.ttft_s is not None]
+    within = sum(1 for r in outcome.results if r.ok and r.ttft_s is not None and r.ttft_s <= slo_s[r.function])
     return outcome, PolicyResult(
-        policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans, wall, outcome.waits
+        policy.name, overall, outcome.cost, ce, outcome.num_cold_starts, outcome.num_plans, wall, outcome.waits,
+        percentile(ttfts, 99.9), within / len(outcome.results) if outcome.results else None,
     )
 
 

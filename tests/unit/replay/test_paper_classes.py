@@ -47,3 +47,17 @@ def test_on_off_traffic_is_no_slower_than_with_the_flat_window(tmp_path: Path) -
                f"{flat.cost:.2f} USD")
     assert ours.summary.ttft_s.mean <= flat.summary.ttft_s.mean, figures
     assert ours.summary.ttft_s.p99 <= flat.summary.ttft_s.p99, figures
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_bursty_idle_cost_is_bounded_at_every_seed(seed: int, tmp_path: Path) -> None:
+    """Keep-alive that pays for itself (issue 39): on the paper's 4-hour histogram range the hybrid window kept a
+    burst's last instance for hours, and Bursty at seeds 2 and 4 cost 8.16 and 6.59 USD against ServerlessLLM's 3.56
+    and 2.95. The 30-minute range (`SchedulerConfig.histogram_range_s`, chosen on the acceptance matrix across seeds
+    1-4) brings them within 1.05x, at a TTFT mean still below ServerlessLLM's."""
+    work = paper_table.class_workload("bursty", 8, 240, seed, tmp_path)
+    ours = simulate(work, load_cluster("paper"), POLICIES["lorafaas"], seed)[1]
+    theirs = simulate(work, load_cluster("paper"), POLICIES["serverlessllm"], seed)[1]
+    figures = f"lorafaas {ours.cost:.2f} USD, {ours.summary.ttft_s.mean:.3f} s; ServerlessLLM {theirs.cost:.2f} USD"
+    assert ours.cost <= 1.05 * theirs.cost, figures
+    assert ours.summary.ttft_s.mean < theirs.summary.ttft_s.mean, figures

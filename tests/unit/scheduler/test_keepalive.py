@@ -9,6 +9,7 @@ import pytest
 from lorafaas.scheduler import KeepAlivePolicy, SchedulerConfig
 
 MIN = 60.0
+PAPER_RANGE_S = 4 * 3600.0  # the paper's histogram range (lorafaas's default is 30 minutes)
 
 
 def policy_with(idle_times_s, **config) -> KeepAlivePolicy:
@@ -35,7 +36,7 @@ def test_concentrated_idle_times_give_prewarm_and_keepalive() -> None:
 def test_two_modes() -> None:
     # 50 at ~5 min and 50 at ~30 min: 5th percentile in bin 5 (300 s), 99th in bin 30 (up to 1860 s)
     idle = [5 * MIN + 1] * 50 + [30 * MIN + 1] * 50
-    decision = policy_with(idle).decide("f")
+    decision = policy_with(idle, histogram_range_s=PAPER_RANGE_S).decide("f")
     assert decision.reason == "histogram"
     assert decision.prewarm_s == pytest.approx(270)
     assert decision.keep_alive_s == pytest.approx(1860 * 1.1 - 270)
@@ -54,7 +55,7 @@ def test_too_few_samples_fall_back() -> None:
 
 def test_flat_histogram_is_not_representative() -> None:
     # one idle time per minute bin over the whole 4 h range: CV of the bin counts is 0
-    decision = policy_with([k * MIN + 30 for k in range(240)]).decide("f")
+    decision = policy_with([k * MIN + 30 for k in range(240)], histogram_range_s=PAPER_RANGE_S).decide("f")
     assert decision.reason == "fixed:flat"
 
 
@@ -105,7 +106,29 @@ def test_stepped_retirement_is_off_with_a_zero_step_or_the_fixed_window() -> Non
     assert policy_with(BURSTY_S[:5]).next_idle_retirement_s("f", 0.0, None) is None
 
 
-@pytest.mark.parametrize("field", ["idle_retire_step_s", "device_preload_horizon_s", "idle_retire_min_cv"])
+def test_a_bursts_last_instance_is_not_kept_for_hours() -> None:
+    """Bursts of back-to-back requests hours apart: on the paper's 4-hour histogram the 99th percentile of the idle
+    times is a gap between bursts, and the window kept a burst's last instance 5,544 s (84 minutes x 1.1), billed as
+    idle device memory, for a burst hours later (issue 39: about 95% of Bursty's cost). On the default 30-minute range
+    those gaps are out of range: the window covers the gaps within a burst, and no window outlasts 1.1 x the range."""
+    decision = policy_with(BURSTY_S).decide("f")
+    assert decision.reason == "histogram"
+    assert (decision.prewarm_s, decision.keep_alive_s) == (0.0, pytest.approx(66.0))
+    paper = policy_with(BURSTY_S, histogram_range_s=PAPER_RANGE_S).decide("f")
+    assert paper.prewarm_s + paper.keep_alive_s == pytest.approx(84 * MIN * 1.1)
+    # idle times just inside the range: the longest window there is
+    longest = policy_with([29 * MIN + 30] * 30).decide("f")
+    assert longest.reason == "histogram" and longest.prewarm_s + longest.keep_alive_s <= 1.1 * 30 * MIN + 1e-9
+
+
+def test_the_floor_keeps_a_short_window_open() -> None:
+    assert policy_with([5.0] * 30, min_keep_alive_s=600.0).decide("f").keep_alive_s == 600.0
+    decision = policy_with([20 * MIN + 1] * 30, min_keep_alive_s=600.0).decide("f")  # a longer window: unchanged
+    assert decision.prewarm_s + decision.keep_alive_s == pytest.approx(21 * MIN * 1.1)
+
+
+@pytest.mark.parametrize("field", ["idle_retire_step_s", "device_preload_horizon_s", "idle_retire_min_cv",
+                                   "min_keep_alive_s"])
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
 def test_the_idle_cost_settings_refuse_what_is_not_a_duration(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
