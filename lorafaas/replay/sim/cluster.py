@@ -115,6 +115,9 @@ class ClusterSpec:
     # CPU: the step gate gives an instance computing alone every core; it then runs this much faster (1.0: not modelled)
     lone_speedup: float = 1.0
     shared_base: SharedBaseSpec | None = None  # CPU: the shared base pass's model (None: the cluster has none)
+    # CPU: the agent's step gate (`up`'s default) grants a step a core of its own for its whole length, never more
+    # steps at once than cores: a pass is not time-sliced with other instances, which share the cores it leaves
+    step_gate: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -291,7 +294,10 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         _flag(dev, "strict_compute", False),
         dev.number("lone_speedup", 1.0, 1.0, 64.0),
         shared_base,
+        _flag(dev, "step_gate", False),
     )
+    if spec.step_gate and spec.cores is None:
+        raise ClusterInvalid(f"{where}.device.step_gate is for a CPU device with `cores` (the gate grants cores)")
     for fields in (*checked, dev, load, price):
         fields.check_known()
     return spec

@@ -14,6 +14,10 @@
                                (`core_interference`: shared caches and memory bandwidth)
                                an instance alone on a CPU device (the step gate grants it every core) runs
                                `lone_speedup` times faster, slowed as its threads share the cores with others'
+    pass_contention(n, b)      under the step gate (`step_gate`) a pass, once granted, computes on a core of its
+                               own: it shares the cores with other programs' threads, not with more instances than
+                               cores
+    decode_contention(n, p, b) under the step gate the n - p decoding instances share the cores the p passes leave
     backbone load (standard)   lorafaas's loader: NVMe -> device at its `disk` fraction of `hardware.nvme_gbps`;
                                from a copy in host memory (pre-loaded, or kept in the node's host tier) at its
                                `host` fraction of `hardware.host_to_device_gbps`; bound to a copy already on the
@@ -71,6 +75,26 @@ class CostModel:
             interference = 1.0 + self.cluster.core_interference * max(0.0, min(busy, cores) - 1.0)
             return max(1.0, busy / cores) * interference
         return 1.0 + self.cluster.contention * max(0, num_running - 1)
+
+    def pass_contention(self, num_running: int, background_threads: float = 0.0) -> float:
+        """A prefill pass starting while `num_running` instances run batches (it among them)."""
+        cores = self.cluster.cores
+        if cores is None or not self.cluster.step_gate:
+            return self.contention(num_running, background_threads)
+        return self.contention(min(num_running, max(1, int(cores))), background_threads)
+
+    def decode_contention(self, num_running: int, passing: int, background_threads: float = 0.0) -> float:
+        """Decoding while `passing` of the `num_running` instances run a prefill pass: under the step gate each pass
+        holds a core, and the others share what is left (when nothing is, the gate still interleaves: as contention)."""
+        cores = self.cluster.cores
+        if cores is None or not self.cluster.step_gate or passing < 1 or num_running <= 1:
+            return self.contention(num_running, background_threads)
+        left = cores - min(passing, cores)
+        if left < 1:
+            return self.contention(num_running, background_threads)
+        busy = num_running + background_threads
+        interference = 1.0 + self.cluster.core_interference * max(0.0, min(busy, cores) - 1.0)
+        return max(1.0, (num_running - passing + background_threads) / left) * interference
 
     def kv_bytes(self, backbone: BackboneSpec, tokens: int) -> int:
         return backbone.kv_bytes_per_token * tokens

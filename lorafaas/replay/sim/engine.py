@@ -151,6 +151,15 @@ class Simulator:
         the other programs' runnable threads."""
         return self.costs.contention(device.num_running + starting, self.background_threads_now())
 
+    def pass_slowdown(self, device: DeviceState) -> float:
+        """How much slower a prefill pass starting now on `device` runs (`CostModel.pass_contention`)."""
+        return self.costs.pass_contention(device.num_running, self.background_threads_now())
+
+    def decode_slowdown(self, device: DeviceState) -> float:
+        """How much slower decoding on `device` runs now, beside the passes under way there."""
+        passing = sum(1 for inst in device.decoding if inst.prefill_free_at_s > self.now)
+        return self.costs.decode_contention(device.num_running, passing, self.background_threads_now())
+
     def _on_background(self) -> None:
         for device in self.mem.devices:  # the cores' share moved: decoding goes on at the new rate
             self.worker.retime(device)
@@ -165,6 +174,8 @@ class Simulator:
             self.worker.on_prefill(event.instance)
         elif isinstance(event, Observe):
             self.scheduler.observe_prefill(event.function, event.slo_ttft_s, event.size, event.pass_s)
+            if self.cluster.step_gate:  # the pass gave its core back: decoding goes on at the new rate
+                self._on_background()
         elif isinstance(event, Recheck):
             self._on_recheck(event)
         elif isinstance(event, Expire):

@@ -44,6 +44,10 @@ class WorkerHost(Protocol):
 
     def slowdown(self, device: DeviceState, starting: int = 0) -> float: ...
 
+    def pass_slowdown(self, device: DeviceState) -> float: ...
+
+    def decode_slowdown(self, device: DeviceState) -> float: ...
+
     def background_threads_now(self) -> float: ...
 
 
@@ -78,7 +82,7 @@ class WorkerModel:
         taken, inst.waiting = inst.waiting, []
         backbone = sim.costs.backbone(fs.spec)
         reqs = [sim.workload.requests[i] for i, _ in taken]
-        slow = sim.slowdown(inst.device)
+        slow = sim.pass_slowdown(inst.device)
         pass_s = sim.costs.prefill_pass_s(backbone, [r.prompt_tokens for r in reqs]) * slow
         self._advance(inst)
         end = sim.now + pass_s
@@ -120,7 +124,7 @@ class WorkerModel:
         the new one; its next completion event is rescheduled. With the shared base pass and at least its threshold
         of instances decoding, every one of them makes one step a round (`CostModel.shared_round_s`)."""
         sim = self.sim
-        slow = sim.slowdown(device)
+        slow = sim.decode_slowdown(device)
         spec = sim.cluster.shared_base
         round_s = None
         if sim.policy.shared_base and spec is not None and len(device.decoding) >= spec.from_members:

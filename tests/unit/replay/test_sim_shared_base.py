@@ -15,7 +15,7 @@ from lorafaas.replay.workload import Request, Workload
 
 # round 50 ms + 10 ms a member + 2 ms a row: far from the 62.6 ms one-thread step, so a step of either kind shows
 PASS = SharedBaseSpec(from_members=2, round_s=0.050, per_member_s=0.010, per_row_s=0.002)
-LOCAL = replace(load_cluster("local"), lone_speedup=1.0, shared_base=PASS)
+LOCAL = replace(load_cluster("local"), lone_speedup=1.0, core_interference=0.0, shared_base=PASS)
 COSTS = CostModel(LOCAL)
 SMOL = LOCAL.backbones["smollm2-135m"]
 

@@ -3,10 +3,13 @@ prefilled in one padded pass, decoding goes at the rate the device's load allows
 running batch when every instance holds B and none can start."""
 
 from dataclasses import replace
+from importlib import resources
 
 import pytest
+import yaml
 
-from lorafaas.replay.sim.cluster import load_cluster
+from lorafaas.errors import ClusterInvalid
+from lorafaas.replay.sim.cluster import load_cluster, parse_cluster
 from lorafaas.replay.sim.costmodel import CostModel
 from lorafaas.replay.sim.policies import POLICIES
 from lorafaas.replay.sim.runner import simulate
@@ -99,3 +102,32 @@ def test_a_scale_out_slower_than_the_slo_gives_way_to_a_running_batch() -> None:
     full, _ = simulate(work, replace(two_gpus, max_batch_size=1), POLICIES["no-preload"])
     assert full.num_cold_starts == 2 and full.results[2].cold
     assert full.results[2].cold_start_s > two_gpus.backbones["llama2-7b"].size_bytes / two_gpus.loading.disk_bytes_per_s
+
+
+# pirate and haiku decode 200 tokens from 30 s; french's 154-token prompt comes at 31 s, all three warm from 0 s
+THREE_BUSY = _work((0.0, "pirate", 10, 2), (0.0, "haiku", 10, 2), (0.0, "french", 10, 2),
+                   (30.0, "pirate", 10, 200), (30.0, "haiku", 10, 200), (31.0, "french", 154, 2))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_under_the_step_gate_a_pass_has_a_core_and_the_decoders_share_the_other(gated: bool) -> None:
+    # three instances busy on two cores: the gate grants french's pass a core for its whole length, so it takes its
+    # one-core time, and pirate and haiku step on the core left (half speed while it lasts); processor sharing (no
+    # gate) slows all three alike (3 on 2 cores: 1.5x)
+    cluster = replace(LOCAL, core_interference=0.0, step_gate=gated)
+    costs = CostModel(cluster)
+    assert costs.pass_contention(3) == (1.0 if gated else 1.5)
+    assert costs.decode_contention(3, passing=1) == (2.0 if gated else 1.5)
+    assert costs.decode_contention(3, passing=0) == 1.5  # no pass under way: the cores shared as before
+    out, _ = simulate(THREE_BUSY, cluster, POLICIES["fixed-keep-alive"])
+    french = out.results[5]
+    assert french.ttft_s == pytest.approx(costs.prefill_pass_s(SMOL, [154]) * (1.0 if gated else 1.5)
+                                          + cluster.request_overhead_s)
+
+
+def test_the_step_gate_is_refused_on_a_device_without_cores() -> None:
+    data = yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
+    assert data["device"]["step_gate"] is True  # the shipped CPU cluster models `up`'s default
+    del data["device"]["cores"], data["device"]["shared_base"]
+    with pytest.raises(ClusterInvalid, match="step_gate is for a CPU device with `cores`"):
+        parse_cluster(data, "test.yaml")
