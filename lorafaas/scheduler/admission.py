@@ -14,8 +14,9 @@ The rule, in order:
    compute for, beyond one per function with requests. A function sent to an idle instance on a device other
    functions share also starts another instance in the background on the first device offered where compute is
    spare now (`_spare_device`) when that device's compute is taken (load-aware sharing: placement binds a busy copy
-   of the backbone when no free device holds one) or when the function is steady (`AdmissionView.steady`): its next
-   requests find an idle instance, preferably alone on its device, rather than a device another function keeps busy.
+   of the backbone when no free device holds one) or, for a steady function (`AdmissionView.steady`), when that
+   instance's is (another function's batch runs there): its next requests find an idle instance, preferably alone
+   on its device, rather than a device another function keeps busy.
 2. Otherwise, if the function may grow (fewer than `max_instances`), an instance starts on the first device offered
    where it helps: its first instance anywhere; another only where the device has compute to spare
    (`may_scale_out`) and, when a running batch could take the request instead or a start of it is under way (begun
@@ -113,8 +114,8 @@ class AdmissionView:
     compute_waited_s: float = 0.0  # how long this function has waited for a core
     max_compute_wait_s: float = 10.0  # SchedulerConfig.max_compute_wait_s
     recent_arrivals: int = 0  # arrivals within SchedulerConfig.burst_window_s (`Scheduler.recent_arrivals`)
-    steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device it gets a spare instance
-    # (any function does where the shared device's compute is taken)
+    steady: bool = False  # its arrivals are steady (`Scheduler.steady`): on a shared device another function keeps
+    # busy it gets a spare instance (any function does where all its instances' devices are taken)
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,10 @@ def _decide(view: AdmissionView) -> AdmissionDecision:
             room = max(room, limit - best.in_flight)  # limit), or it would wait a whole round of other turns
         # load-aware sharing: no instance of it computes alone, all share devices other functions keep busy
         contended = all(i.shares_device and not i.spare_compute for i in ready)
-        wants_spare = best.shares_device and best.in_flight == 0 and (contended or view.steady)
+        # a steady function's spare only while another function's batch keeps that device busy now: on an idle
+        # shared device a spare only churns (started, idle to its window, started again: Predictable's 1,867 starts)
+        wants_spare = best.shares_device and best.in_flight == 0 and (
+            contended or (view.steady and not best.spare_compute))
         if wants_spare or _bursting(len(view.instances), view.recent_arrivals, cap):
             spare = _spare_device(view)
         else:

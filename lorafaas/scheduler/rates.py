@@ -16,8 +16,8 @@ Recent arrivals (`recent_arrivals`): how many arrived within the last `burst_win
 function's first `early_scale_out_s` of traffic (before the decaying rate says much; early scale-out reads it).
 
 Variation (`gap_variation`): the same coefficient over the same gaps, once at least `VARIATION_MIN_GAPS` are known.
-Stepped retirement uses it to tell bursts (CV well above a Poisson stream's 1) from the active stretches of on/off
-traffic (docs/scheduler.md, "Idle cost").
+Stepped retirement can use it to tell bursts (CV well above a Poisson stream's 1) from the active stretches of on/off
+traffic (`idle_retire_min_cv`; 0 by default: both retire stepwise, docs/scheduler.md, "Idle cost").
 """
 
 from __future__ import annotations

@@ -91,10 +91,10 @@ class Scheduler:
 
     def next_idle_retirement_s(self, function: FunctionName, idle_since_s: float, last_retired_s: float | None
                                ) -> float | None:
-        """None unless `function`'s arrivals come in bursts: a steady function's next arrival is due within about one
-        mean gap (`RateTracker.steady`), and the active stretches of on/off traffic vary less than
-        `idle_retire_min_cv` (`RateTracker.gap_variation`); their instances stay to their windows, since the next
-        stretch needs them again. With fewer gaps known the step applies."""
+        """None for a steady function: its next arrival is due within about one mean gap (`RateTracker.steady`);
+        and for one whose gaps vary less than `idle_retire_min_cv` (`RateTracker.gap_variation`; 0 by default, so
+        on/off traffic's pauses retire stepwise too: kept to the window they cost more than the next stretch's
+        starts). With fewer gaps known the step applies."""
         if self.rates.steady(function):
             return None
         variation = self.rates.gap_variation(function)

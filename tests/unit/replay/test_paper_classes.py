@@ -34,19 +34,20 @@ def test_lorafaas_is_no_slower_than_serverlessllm_at_lower_cost(trace_class: str
     assert ours.cost < theirs.cost, figures
 
 
-def test_on_off_traffic_is_no_slower_than_with_the_flat_window(tmp_path: Path) -> None:
-    """Normal's functions alternate active stretches and pauses. Stepped retirement applies only to bursts
-    (`idle_retire_min_cv`), so the instances of a stretch wait for the next one as the flat window's do: TTFT mean and
-    p99 no worse than the fixed-keep-alive ablation's. Retiring them stepwise gave 0.263 / 1.721 s against its 0.243 /
-    1.591 s."""
+def test_on_off_traffic_is_as_fast_as_with_the_flat_window_at_no_more_cost(tmp_path: Path) -> None:
+    """Normal's functions alternate active stretches and pauses (issue 39's third criterion against the
+    fixed-keep-alive ablation: mean TTFT within 5%, cost no higher). Their instances kept to the hybrid window through
+    every pause, and a steady function's spare started on every idle shared device, cost 14.64 USD against the flat
+    window's 13.65 at 0.219 / 0.217 s; stepped retirement in the pauses and spares only beside another function's
+    batch bring it under."""
     work = paper_table.class_workload("normal", 8, 240, 1, tmp_path)
     ours = simulate(work, load_cluster("paper"), POLICIES["lorafaas"], 1)[1]
     flat = simulate(work, load_cluster("paper"), POLICIES["fixed-keep-alive"], 1)[1]
     figures = (f"lorafaas {ours.summary.ttft_s.mean:.3f} / {ours.summary.ttft_s.p99:.3f} s, {ours.cost:.2f} USD; "
                f"fixed-keep-alive {flat.summary.ttft_s.mean:.3f} / {flat.summary.ttft_s.p99:.3f} s, "
                f"{flat.cost:.2f} USD")
-    assert ours.summary.ttft_s.mean <= flat.summary.ttft_s.mean, figures
-    assert ours.summary.ttft_s.p99 <= flat.summary.ttft_s.p99, figures
+    assert ours.summary.ttft_s.mean <= 1.05 * flat.summary.ttft_s.mean, figures
+    assert ours.cost <= flat.cost, figures
 
 
 @pytest.mark.parametrize("seed", [2, 4])

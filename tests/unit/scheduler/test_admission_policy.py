@@ -194,7 +194,7 @@ def test_of_equally_loaded_instances_one_alone_on_its_device_goes_first() -> Non
     assert decide_admission(view(shared, busy_alone)).instance_id == "old"  # fewer requests still comes first
 
 
-def test_a_steady_function_on_a_shared_device_also_starts_an_instance_where_compute_is_spare() -> None:
+def test_a_steady_function_on_a_device_another_keeps_busy_also_starts_an_instance_where_compute_is_spare() -> None:
     gpu0 = StartOption("gpu0", busy_instances=1, compute_slots=1)
     gpu1 = StartOption("gpu1", busy_instances=0, compute_slots=1)
     shared = InstanceLoad("a", True, 0, 0.0, False, shares_device=True)
@@ -205,6 +205,8 @@ def test_a_steady_function_on_a_shared_device_also_starts_an_instance_where_comp
     spare_here = replace(shared, spare_compute=True)
     assert decide_admission(replace(steady, steady=False, instances=(spare_here,))).device is None  # not steady,
     # and its device's compute is free: no extra instance
+    # steady, but its device's compute is free now: a spare would idle to its window and start again (churn)
+    assert decide_admission(replace(steady, instances=(spare_here,))).device is None
     alone = replace(shared, shares_device=False)
     assert decide_admission(replace(steady, instances=(alone,))).device is None  # nothing to contend with
     assert decide_admission(replace(steady, start_options=(gpu0,))).device is None  # no compute spare anywhere

@@ -150,7 +150,9 @@ def test_a_steady_function_is_not_retired_stepwise() -> None:
     assert scheduler.next_idle_retirement_s("f", 60_000.0, None) is None
 
 
-def test_only_bursts_are_retired_stepwise_not_the_stretches_of_on_off_traffic() -> None:
+def test_idle_retire_min_cv_keeps_the_stretches_of_on_off_traffic_and_by_default_they_retire_stepwise() -> None:
+    """The default (0) retires on/off traffic's instances stepwise in its pauses, as bursts' (on the paper cluster's
+    Normal seed 1 the exemption at 5 cost 7% more than the flat window, at the same TTFT); a knob of 5 keeps them."""
     import random
 
     from lorafaas.scheduler import Scheduler
@@ -172,7 +174,9 @@ def test_only_bursts_are_retired_stepwise_not_the_stretches_of_on_off_traffic() 
         t = end + 1200.0
     bursts = [(3600.0 * k, 40) for k in range(4)]  # 40 at once, an hour apart
 
-    assert scheduler_after(on_off).next_idle_retirement_s("f", 1000.0, None) is None
-    assert scheduler_after(bursts).next_idle_retirement_s("f", 1000.0, None) == 1180.0
-    assert scheduler_after(on_off[:5]).next_idle_retirement_s("f", 1000.0, None) == 1180.0  # too few gaps to tell
-    assert scheduler_after(on_off, idle_retire_min_cv=0.0).next_idle_retirement_s("f", 1000.0, None) == 1180.0
+    bursts_only = {"idle_retire_min_cv": 5.0}
+    assert scheduler_after(on_off, **bursts_only).next_idle_retirement_s("f", 1000.0, None) is None
+    assert scheduler_after(bursts, **bursts_only).next_idle_retirement_s("f", 1000.0, None) == 1180.0
+    # too few gaps to tell
+    assert scheduler_after(on_off[:5], **bursts_only).next_idle_retirement_s("f", 1000.0, None) == 1180.0
+    assert scheduler_after(on_off).next_idle_retirement_s("f", 1000.0, None) == 1180.0
