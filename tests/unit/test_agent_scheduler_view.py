@@ -27,25 +27,7 @@ from lorafaas.platform.instance_table import InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import FunctionName, Scheduler, SchedulerConfig
 from lorafaas.testing.tiny_models import save_tiny_adapter
-
-
-class StoreOnlyLauncher:
-    """A backend that runs nothing: what the view reads of one (no daemon, no library pool) and its model store."""
-
-    zygote_pid = None
-    lora_servers = None
-
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
-
-    def running_backbones(self, device: str | None = None) -> list[str]:
-        return []
-
-    def forget_failures(self, function: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from tests.support.store_only_launcher import StoreOnlyLauncher
 
 
 def _spec(digest: str, version: int = 1) -> FunctionSpec:

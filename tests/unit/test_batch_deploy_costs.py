@@ -19,6 +19,7 @@ from lorafaas.platform.state.records import ApiKeyRecord, FunctionSpec
 from lorafaas.platform.state.sqlite import SQLiteStore
 from lorafaas.scheduler import SchedulerConfig
 from lorafaas.testing.synthetic_adapters import write_random_adapter
+from tests.support.store_only_launcher import StoreOnlyLauncher
 
 
 class CountingStore(SQLiteStore):
@@ -31,25 +32,11 @@ class CountingStore(SQLiteStore):
         return super().list_functions(tenant)
 
 
-class NoProcesses:
-    zygote_pid = None
-    lora_servers = None
-    log_dir = None
-
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
-
-    def running_backbones(self, device: str | None = None) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
-
 
 def test_a_batch_lists_the_functions_once_however_many_it_deploys(tmp_path: Path, tiny_store: ModelStore) -> None:
     store = CountingStore(tmp_path / "state.db")
     adapters = AdapterStore(tmp_path / "adapters")
-    agent = NodeAgent(NoProcesses(tiny_store), adapters.path,  # type: ignore[arg-type]
+    agent = NodeAgent(StoreOnlyLauncher(tiny_store), adapters.path,  # type: ignore[arg-type]
                       AgentConfig(scheduler=SchedulerConfig(preloading=False)))
     service = FunctionService(store, tiny_store, adapters, agent)
     now = time.time()

@@ -18,30 +18,16 @@ from lorafaas.platform.gateway.metrics import GatewayMetrics, InstancePss
 from lorafaas.platform.instance_table import Identity, Instance
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import SchedulerConfig
+from tests.support.store_only_launcher import StoreOnlyLauncher
 
 NUM_FUNCTIONS = 1000
 MAX_SERIES_PER_FUNCTION = 8  # 2 invocation outcomes, 2 + 2 latency summaries, 1 cold-start kind, 1 live state
 MAX_SCRAPE_BYTES = 2 * 1024**2
 
 
-class NoProcesses:
-    """A backend that runs nothing: what the agent reads of one to be built and scraped."""
-
-    zygote_pid = None
-    lora_servers = None
-
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
-
-    def running_backbones(self, device: str | None = None) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
-
 
 def _fleet_metrics(tiny_store: ModelStore) -> GatewayMetrics:
-    agent = NodeAgent(NoProcesses(tiny_store), lambda digest: tiny_store.models_dir,  # type: ignore[arg-type]
+    agent = NodeAgent(StoreOnlyLauncher(tiny_store), lambda digest: tiny_store.models_dir,  # type: ignore[arg-type]
                       AgentConfig(scheduler=SchedulerConfig(preloading=False)))
     metrics = GatewayMetrics(agent)
     now = time.time()
