@@ -60,7 +60,10 @@ class HostTier:
     @property
     def kept_bytes(self) -> int:
         with self._lock:
-            return sum(k.nbytes for k in self._kept.values())
+            return self._kept_bytes()
+
+    def _kept_bytes(self) -> int:  # under the lock
+        return sum(k.nbytes for k in self._kept.values())
 
     def keys(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -73,7 +76,7 @@ class HostTier:
             return False
         with self._lock:
             evicted = [self._kept.pop(key)] if key in self._kept else []
-            while self._kept and sum(k.nbytes for k in self._kept.values()) + kept.nbytes > self.budget_bytes:
+            while self._kept and self._kept_bytes() + kept.nbytes > self.budget_bytes:
                 evicted.append(self._kept.popitem(last=False)[1])
             self._kept[key] = kept
         self._close(evicted, "the host tier's budget is full")
@@ -106,7 +109,6 @@ class HostTier:
             os.close(kept.fd)  # the memory goes with the last descriptor (no daemon maps it any more)
             log.info("host tier: dropped the segment of %s (%d bytes): %s", kept.record.backbone.name, kept.nbytes,
                      why)
-
 
 
 def keep_stopping_daemon(tier: HostTier, config: DaemonConfig, segment_fd: int | None) -> bool:
