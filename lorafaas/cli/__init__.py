@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import typer
@@ -10,10 +13,34 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from lorafaas import __version__
-from lorafaas.cli import adapter, backbone, bench, demo, functions, invocations, moe, replay, up, usage
 from lorafaas.cli.output import err_console
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import ClientError, LorafaasError
+
+# The top-level commands: name -> (module under lorafaas.cli, its Typer group or command function, help if not the
+# function's own). `main` imports only the module of the command it runs: a user's `lorafaas list` does not pay for
+# importing the benchmarks, the simulator and the server (`bench control-plane` times `list` at 1,000 functions).
+COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "backbone": ("backbone", "app", None),
+    "adapter": ("adapter", "app", None),
+    "bench": ("bench", "app", None),
+    "moe": ("moe", "app", None),
+    "demo": ("demo", "demo", None),
+    "up": ("up", "up", None),
+    "deploy": ("functions", "deploy", None),
+    "list": ("functions", "list_functions", None),
+    "ls": ("functions", "list_functions", "List functions (alias of list)."),
+    "describe": ("functions", "describe", None),
+    "invoke": ("functions", "invoke", None),
+    "logs": ("functions", "logs", None),
+    "scale": ("functions", "scale", None),
+    "delete": ("functions", "delete", None),
+    "rm": ("functions", "delete", "Delete a function and stop its instances (alias of delete)."),
+    "invocations": ("invocations", "app", None),
+    "usage": ("usage", "usage", None),
+    "keys": ("functions", "keys_app", None),
+    "replay": ("replay", "replay", None),
+}
 
 
 class _RootGroup(TyperGroup):
@@ -27,6 +54,8 @@ class _RootGroup(TyperGroup):
 
 
 def _replay_matrix_command():
+    from lorafaas.cli import replay
+
     matrix_app = typer.Typer(add_completion=False)
     matrix_app.command("matrix")(replay.matrix)
     matrix_command = typer.main.get_command(matrix_app)
@@ -34,33 +63,34 @@ def _replay_matrix_command():
     return matrix_command
 
 
-app = typer.Typer(
-    cls=_RootGroup,
-    name="lorafaas",
-    help="Deploy each LoRA adapter as an isolated serverless function on a shared backbone.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-app.add_typer(backbone.app, name="backbone")
-app.add_typer(adapter.app, name="adapter")
-app.add_typer(bench.app, name="bench")
-app.add_typer(moe.app, name="moe")
-app.command("demo")(demo.demo)
-app.command("up")(up.up)
-app.command("deploy")(functions.deploy)
-app.command("list")(functions.list_functions)
-app.command("ls", help="List functions (alias of list).")(functions.list_functions)
-app.command("describe")(functions.describe)
-app.command("invoke")(functions.invoke)
-app.command("logs")(functions.logs)
-app.command("scale")(functions.scale)
-app.command("delete")(functions.delete)
-app.command("rm", help="Delete a function and stop its instances (alias of delete).")(functions.delete)
-app.add_typer(invocations.app, name="invocations")
-app.command("usage")(usage.usage)
-app.add_typer(functions.keys_app, name="keys")
-app.command("replay")(replay.replay)
+def root_app(names: Iterable[str] = COMMANDS) -> typer.Typer:
+    """The `lorafaas` app with the commands `names` (every command by default), importing only their modules."""
+    root_typer = typer.Typer(
+        cls=_RootGroup,
+        name="lorafaas",
+        help="Deploy each LoRA adapter as an isolated serverless function on a shared backbone.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+    for name in names:
+        module, attribute, help_text = COMMANDS[name]
+        target = getattr(importlib.import_module(f"lorafaas.cli.{module}"), attribute)
+        if isinstance(target, typer.Typer):
+            root_typer.add_typer(target, name=name)
+        else:
+            root_typer.command(name, help=help_text)(target)
+    root_typer.callback()(root)
+    return root_typer
+
+
+def __getattr__(name: str) -> typer.Typer:
+    """`lorafaas.cli.app`: the whole app, built on first use (tests and docs read it; `main` builds only what runs)."""
+    if name == "app":
+        global app
+        app = root_app()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _show_version(value: bool) -> None:
@@ -69,7 +99,6 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def root(
     ctx: typer.Context,
     home: Path | None = typer.Option(
@@ -85,16 +114,29 @@ def main(argv: list[str] | None = None) -> None:
     # lorafaas never fetches from a model hub; without this, transformers/peft try the network on unknown names.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        command().main(args=argv, prog_name="lorafaas")
+        command(_command_named(sys.argv[1:] if argv is None else argv)).main(args=argv, prog_name="lorafaas")
     except LorafaasError as exc:
         err_console.print(f"[bold red]error:[/] {escape(exc.message)}")
         raise SystemExit(2 if isinstance(exc, ClientError) else 1) from None
 
 
-def command():
-    """`app` as the click command it runs, with boolean flags shown as bare flags in help (typer labels them
-    `<bool>`, which reads as an option that takes a value)."""
-    root_command = typer.main.get_command(app)
+def _command_named(argv: list[str]) -> str | None:
+    """The top-level command `argv` runs, past the root's options; None: none known (the whole app answers)."""
+    args = iter(argv)
+    for arg in args:
+        if arg == "--home":
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+        elif not arg.startswith("--home="):
+            return None  # --help, --version, or an unknown option: the whole app answers
+    return None
+
+
+def command(name: str | None = None):
+    """The click command `lorafaas` runs (with only command `name`, or all), with boolean flags shown as bare flags
+    in help (typer labels them `<bool>`, which reads as an option that takes a value)."""
+    root_command = typer.main.get_command(root_app([name]) if name else root_app())
     _show_flags_bare(root_command)
     return root_command
 

@@ -12,8 +12,6 @@ from lorafaas.errors import InvalidInput, LorafaasError
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.platform.batches import MAX_BATCH_FUNCTIONS
 
-DEFAULT_BATCH_SIZE = 100
-
 
 def read_fleet(path: Path, flags: dict) -> list[dict]:
     """The entries to deploy, flags given applied to every one (they win over the file, as for one function)."""

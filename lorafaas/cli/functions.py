@@ -16,8 +16,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from lorafaas.cli.fleet import DEFAULT_BATCH_SIZE, deploy_fleet, read_fleet
-from lorafaas.cli.function_file import is_fleet, read_function_file
 from lorafaas.cli.output import (
     console,
     err_console,
@@ -31,6 +29,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.errors import FunctionNotFound, InvalidInput
 from lorafaas.platform import log_lines
 from lorafaas.platform.api_client import ApiClient, resolve_key, resolve_url
+from lorafaas.platform.batches import DEFAULT_BATCH_SIZE
 
 URL = typer.Option(None, "--url", envvar="LORAFAAS_URL", show_default=False,
                    help="The lorafaas gateway (default: $LORAFAAS_URL, else the URL `lorafaas up` recorded in the "
@@ -89,6 +88,9 @@ def deploy(
     as_json: bool = JSON,
 ) -> None:
     """Deploy a LoRA adapter as a function (or, with -f, a fleet of them)."""
+    from lorafaas.cli.fleet import deploy_fleet, read_fleet  # the file readers only where a file is read (see COMMANDS)
+    from lorafaas.cli.function_file import is_fleet, read_function_file
+
     flags = {"name": name, "backbone": backbone, "slo_ttft_ms": slo_ttft_ms, "keep_alive_s": keep_alive_s,
              "min_instances": min_instances, "max_instances": max_instances, "max_tokens_limit": max_tokens_limit,
              "max_request_s": max_request_s, "lora_mode": lora_mode, "shared_base": shared_base, "tenant": tenant}

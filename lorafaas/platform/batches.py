@@ -7,6 +7,7 @@ import msgspec
 from lorafaas.platform.state.records import FunctionSpec
 
 MAX_BATCH_FUNCTIONS = 500  # per request; Starlette parses at most 1,000 parts of a form
+DEFAULT_BATCH_SIZE = 100  # `lorafaas deploy -f FLEET --batch-size`
 
 
 class RefusedEntry(msgspec.Struct, kw_only=True):
