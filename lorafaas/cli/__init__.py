@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -84,12 +85,15 @@ def root_app(names: Iterable[str] = COMMANDS) -> typer.Typer:
     return root_typer
 
 
+@functools.cache
+def _whole_app() -> typer.Typer:
+    return root_app()
+
+
 def __getattr__(name: str) -> typer.Typer:
     """`lorafaas.cli.app`: the whole app, built on first use (tests and docs read it; `main` builds only what runs)."""
     if name == "app":
-        global app
-        app = root_app()
-        return app
+        return _whole_app()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
