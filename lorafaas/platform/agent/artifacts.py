@@ -157,10 +157,11 @@ class ArtifactPlanner:
                 kv[instance.device] = kv.get(instance.device, 0) + self.request_bytes(state.spec, share)
         return kv
 
-    def profile(self, state: FunctionState, with_instance: bool, price: AdapterPrice) -> FunctionProfile:
+    def profile(self, state: FunctionState, with_instance: bool, price: AdapterPrice | None = None
+                ) -> FunctionProfile:
         spec = state.spec
         backbone = self.catalogue.backbone(spec.backbone)
-        adapter_bytes, adapter_s = price(state)  # its own (read when applied, load measured), or rank-blind's mean
+        adapter_bytes, adapter_s = (price or adapter_prices((), rank_aware=True))(state)  # its own (read when applied, load measured), or rank-blind's mean
 
         def load_s(kind: str) -> float:
             return state.load_s.get(kind, DEFAULT_LOAD_S[kind])

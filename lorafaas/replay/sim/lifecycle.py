@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
-from lorafaas.replay.sim.cluster import ClusterSpec
+from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
 from lorafaas.replay.sim.model import Expire, FunctionState, IdleRetire, SimEvent, SimInstance
 from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState
@@ -47,6 +47,7 @@ class InstanceLifecycle:
         self.instance_ids = itertools.count()
         self.num_budget_retirements = 0
         self.pricing = AdapterCostModel(sim.scheduler.config)
+        self.priced: dict[FunctionName, FunctionSpec] = {}  # each function's spec as the scheduler prices it
 
     # -- starts -------------------------------------------------------------------------------------------------
 
@@ -158,7 +159,9 @@ class InstanceLifecycle:
         the start they save (libraries, warm-up, the adapter from disk) and the rest of its keep-alive window."""
         sim = self.sim
         load = sim.cluster.loading
-        spec = sim.views.costs.priced(sim.fns[inst.function].spec, self.pricing)
+        spec = self.priced.get(inst.function)
+        if spec is None:
+            spec = self.priced[inst.function] = sim.views.costs.priced(sim.fns[inst.function].spec, self.pricing)
         rate = sim.scheduler.rates.rate(inst.function, sim.now) or sim.scheduler.config.rate_floor_per_s
         start_s = load.spawn_s + load.libraries_s + load.warmup_s + spec.adapter_bytes / load.disk_bytes_per_s
         window_s = max(0.0, inst.last_used_s + sim.keep_alive_s(inst.function) - sim.now)
