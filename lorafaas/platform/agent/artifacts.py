@@ -161,7 +161,8 @@ class ArtifactPlanner:
                 ) -> FunctionProfile:
         spec = state.spec
         backbone = self.catalogue.backbone(spec.backbone)
-        adapter_bytes, adapter_s = (price or adapter_prices((), rank_aware=True))(state)  # its own (read when applied, load measured), or rank-blind's mean
+        # its own (read when applied, load measured), or rank-blind's mean
+        adapter_bytes, adapter_s = (price or adapter_prices((), rank_aware=True))(state)
 
         def load_s(kind: str) -> float:
             return state.load_s.get(kind, DEFAULT_LOAD_S[kind])

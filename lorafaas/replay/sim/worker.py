@@ -132,8 +132,8 @@ class WorkerModel:
             round_s = sim.costs.shared_round_s(len(device.decoding), rows, sim.background_threads_now())
         for inst in device.decoding:
             self._advance(inst)
-            spec = sim.fns[inst.function].spec
-            step_s = sim.costs.decode_step_s(sim.costs.backbone(spec), len(inst.rows)) * slow * spec.step_factor
+            fn_spec = sim.fns[inst.function].spec
+            step_s = sim.costs.decode_step_s(sim.costs.backbone(fn_spec), len(inst.rows)) * slow * fn_spec.step_factor
             inst.step_s = round_s if round_s is not None else step_s
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
