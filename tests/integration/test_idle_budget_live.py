@@ -1,6 +1,7 @@
 """Keep-alive under the node's memory budget on a live platform (`up --idle-budget`): three functions' idle
-instances where the budget holds two; the rarely called one retires, the popular one stays, and the retired one
-answers again from a cold start."""
+instances, each with a keep-alive of ten minutes, where the budget holds two; one retires at once and answers again
+from a cold start. Which one is the pure policy's choice (tests/unit/scheduler/test_idle_budget.py): here every
+window is long enough that each function's call within it is near certain, so the measured starts decide."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ def test_idle_instances_beyond_the_budget_retire_lowest_value_per_byte_first(tmp
             return counts if sum(counts.values()) <= 2 else None
 
         counts = wait_for(instances, 30, "the idle instances within the budget of two")
-        assert counts["popular"] == 1, counts  # the most expected saving per byte is kept
-        assert counts["rare-a"] + counts["rare-b"] == 1, counts
-        retired = "rare-a" if counts["rare-a"] == 0 else "rare-b"
+        assert sorted(counts.values()) == [0, 1, 1], counts  # one retired, long before its keep-alive
+        retired = next(name for name, count in counts.items() if count == 0)
         assert admin.invoke(retired, chat("again"))["usage"]["completion_tokens"] >= 1
