@@ -45,23 +45,23 @@ COMMANDS: dict[str, tuple[str, str, str | None]] = {
 
 
 class _RootGroup(TyperGroup):
-    """`lorafaas replay matrix` is a command of its own beside `lorafaas replay TRACE` (a trace file named `matrix`
-    is given as `./matrix`)."""
+    """`lorafaas replay matrix` and `lorafaas replay fleet` are commands of their own beside `lorafaas replay TRACE`
+    (a trace file named `matrix` or `fleet` is given as `./matrix`)."""
 
     def resolve_command(self, ctx, args):
-        if args[:2] == ["replay", "matrix"]:
-            return "replay matrix", _replay_matrix_command(), args[2:]
+        if args[:2] in (["replay", "matrix"], ["replay", "fleet"]):
+            return f"replay {args[1]}", _replay_subcommand(args[1]), args[2:]
         return super().resolve_command(ctx, args)
 
 
-def _replay_matrix_command():
+def _replay_subcommand(name: str):
     from lorafaas.cli import replay
 
-    matrix_app = typer.Typer(add_completion=False)
-    matrix_app.command("matrix")(replay.matrix)
-    matrix_command = typer.main.get_command(matrix_app)
-    _show_flags_bare(matrix_command)
-    return matrix_command
+    sub_app = typer.Typer(add_completion=False)
+    sub_app.command(name)(replay.matrix if name == "matrix" else replay.fleet)
+    command = typer.main.get_command(sub_app)
+    _show_flags_bare(command)
+    return command
 
 
 def root_app(names: Iterable[str] = COMMANDS) -> typer.Typer:

@@ -113,3 +113,29 @@ def matrix(
         typer.echo(json.dumps({"cases": [v.row() for v in verdicts], "summary": summary_line(verdicts)}, indent=1))
     else:
         print_text(table(verdicts) + "\n\n" + summary_line(verdicts))
+
+
+def fleet(
+    functions: int = typer.Option(1000, "--functions", min=1, max=100_000, help="Functions in the fleet."),
+    rate: float = typer.Option(10.0, "--rate", min=0.001, max=10_000.0, help="Total arrivals per second (Poisson)."),
+    zipf: float = typer.Option(1.0, "--zipf", min=0.0, max=10.0, help="Zipf exponent of the functions' popularity."),
+    duration: float = typer.Option(600.0, "--duration", min=1.0, max=86_400.0, help="Seconds of arrivals."),
+    prompt_tokens: int = typer.Option(32, "--prompt-tokens", min=1, max=32_768, help="Every prompt's length."),
+    output_tokens: int = typer.Option(32, "--output-tokens", min=1, max=32_768, help="Every reply's length."),
+    cluster: str = typer.Option("paper", "--cluster", help="paper, or a cluster YAML whose backbones give widths."),
+    policy: list[str] = typer.Option([], "--policy", help="Policies (repeatable; default: lorafaas, "
+                                                          "lorafaas-rank-blind, serverlessllm)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the adapters' shapes and of the arrivals."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as one JSON document."),
+) -> None:
+    """The fleet benchmark's workload simulated (issue 41): N functions of mixed adapter ranks and target modules,
+    Zipf popularity, Poisson arrivals; TTFT, cost and the scheduler's plan time per policy."""
+    from lorafaas.replay.fleet import FLEET_POLICIES, FleetOptions, fleet_table, run_fleet
+    from lorafaas.replay.sim.cluster import load_cluster
+
+    options = FleetOptions(functions, rate, zipf, duration, prompt_tokens, output_tokens, seed)
+    document = run_fleet(options, load_cluster(cluster), policy or FLEET_POLICIES)
+    if as_json:
+        typer.echo(json.dumps(document, indent=1))
+    else:
+        print_text(fleet_table(document))

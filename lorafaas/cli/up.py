@@ -75,6 +75,12 @@ def up(
     host_tier: str = typer.Option(None, "--host-tier",
                                   help="Memory that keeps the backbones of stopped CPU daemons for their next start "
                                        "(e.g. 8G; 0 off; default: a quarter of the machine's memory, at most 8G)."),
+    idle_budget: str = typer.Option(None, "--idle-budget",
+                                    help="Memory the node's idle instances may hold (e.g. 4G); beyond it the lowest "
+                                         "expected saving per byte retire (default: half the machine's memory)."),
+    rank_blind: bool = typer.Option(False, "--rank-blind", hidden=True,
+                                    help="Benchmark switch: the scheduler prices every adapter alike, whatever its "
+                                         "rank and target modules (docs/scheduler.md, \"Rank-aware costs\")."),
     tenant_adapter_quota: str = typer.Option("10G", "--tenant-adapter-quota",
                                              help="Adapter storage each tenant's functions may take (e.g. 10G)."),
     upload_timeout: float = typer.Option(20.0, "--upload-timeout", min=0.1, max=3600,
@@ -103,6 +109,9 @@ def up(
         host_tier_bytes=None if host_tier is None else 0 if host_tier.strip() == "0" else parse_size(host_tier,
                                                                                                    "--host-tier"),
         upload_timeout_s=upload_timeout, upload_min_rate_bytes_s=parse_size(upload_min_rate, "--upload-min-rate"),
+        idle_budget_bytes=None if idle_budget is None else 0 if idle_budget.strip() == "0" else parse_size(
+            idle_budget, "--idle-budget"),
+        rank_aware=not rank_blind,
     )
     url = f"http://{_local_address(host)}:{port}"
     # The hints name the home only when it differs from the one a plain `lorafaas` in this shell uses; the URL needs

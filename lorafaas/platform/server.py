@@ -22,7 +22,7 @@ from lorafaas.platform.adapter_access import AdapterAccess
 from lorafaas.platform.adapter_limits import DEFAULT_TENANT_ADAPTER_BYTES, AdapterLimits
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.agent import AgentConfig, NodeAgent
-from lorafaas.platform.agent.config import DEFAULT_MAX_BATCH
+from lorafaas.platform.agent.config import DEFAULT_IDLE_BUDGET_FRACTION, DEFAULT_MAX_BATCH
 from lorafaas.platform.auth import ADMIN_KEY_FILE, ensure_admin_key, read_admin_key
 from lorafaas.platform.backends import open_backend
 from lorafaas.platform.backends.lora_servers import LoraServers
@@ -63,6 +63,9 @@ class ServerConfig:
     max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
     host_tier_bytes: int | None = None  # LocalLauncher's host tier (None: host_tier.default_host_tier_bytes)
+    # AgentConfig.idle_budget_bytes (None: DEFAULT_IDLE_BUDGET_FRACTION of the machine's memory)
+    idle_budget_bytes: int | None = None
+    rank_aware: bool = True  # SchedulerConfig.rank_aware (`up --rank-blind`: a benchmark's comparison)
     upload_timeout_s: float = UPLOAD_TIMEOUT_S  # RequestLimits.upload_timeout_s
     upload_min_rate_bytes_s: float = UPLOAD_MIN_RATE_BYTES_S  # RequestLimits.upload_min_rate_bytes_s
 
@@ -144,6 +147,10 @@ class Platform:
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
             scheduler = replace(scheduler, max_batch_size=config.max_batch_size)
+        scheduler = replace(scheduler, rank_aware=config.rank_aware)
+        idle_budget = config.idle_budget_bytes
+        if idle_budget is None:
+            idle_budget = int(psutil.virtual_memory().total * DEFAULT_IDLE_BUDGET_FRACTION)
         agent_config = AgentConfig(devices=devices,
                                    max_batch_size=config.max_batch_size,
                                    scheduler=scheduler, compute_slots=config.compute_slots,
@@ -151,7 +158,8 @@ class Platform:
                                    step_gate=config.step_gate, lone_threads=config.lone_threads,
                                    shared_base=config.shared_base, shared_base_from=config.shared_base_from,
                                    hang_timeout_s=config.hang_timeout_s, start_timeout_s=config.start_timeout_s,
-                                   heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s))
+                                   heartbeat_after_s=min(AgentConfig.heartbeat_after_s, config.hang_timeout_s),
+                                   idle_budget_bytes=idle_budget)
         # LoRA servers for MoE backbones run beside local instances; pods have none (remote mode is not wired there)
         lora_servers = None
         if config.backend == "local":

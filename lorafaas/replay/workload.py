@@ -47,10 +47,11 @@ class Request:
 class Workload:
     requests: tuple[Request, ...]  # sorted by arrival
     duration_s: float
+    deployed: tuple[str, ...] = ()  # functions deployed besides those the requests name (a fleet's never-called tail)
 
     @property
     def functions(self) -> tuple[str, ...]:
-        return tuple(sorted({r.function for r in self.requests}))
+        return tuple(sorted({r.function for r in self.requests}.union(self.deployed)))
 
     def compressed(self, speedup: float) -> Workload:
         if not (math.isfinite(speedup) and speedup > 0):

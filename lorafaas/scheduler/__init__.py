@@ -4,6 +4,7 @@ Plain frozen data in (`messages.ClusterView`), decisions out (`messages.Plan` an
 times arrive as `now_s` arguments. `Scheduler` bundles the policies for a node agent or the simulator.
 """
 
+from lorafaas.scheduler.adapter_cost import AdapterCostModel, AdapterShape, BackboneShape
 from lorafaas.scheduler.admission import (
     AdmissionDecision,
     AdmissionView,
@@ -24,6 +25,7 @@ from lorafaas.scheduler.batching import (
 from lorafaas.scheduler.compute_turns import ComputeTurns
 from lorafaas.scheduler.config import SchedulerConfig, for_device_kind
 from lorafaas.scheduler.core_grants import SHARED_PASS, CoreGrants
+from lorafaas.scheduler.idle_budget import IdleBudgetDecision, IdleInstance, keep_within_budget
 from lorafaas.scheduler.keepalive import KeepAliveDecision, KeepAlivePolicy
 from lorafaas.scheduler.messages import (
     ArtifactCost,
@@ -51,12 +53,15 @@ from lorafaas.scheduler.scheduler import Scheduler
 
 __all__ = [
     "SHARED_PASS",
+    "AdapterCostModel",
+    "AdapterShape",
     "AdmissionDecision",
     "AdmissionSettings",
     "AdmissionView",
     "ArtifactCost",
     "ArtifactCosts",
     "BackboneName",
+    "BackboneShape",
     "BatchDecision",
     "BatchPolicy",
     "ClusterView",
@@ -67,6 +72,8 @@ __all__ = [
     "DeviceView",
     "FunctionName",
     "FunctionProfile",
+    "IdleBudgetDecision",
+    "IdleInstance",
     "InstanceId",
     "InstanceLoad",
     "InstanceView",
@@ -95,6 +102,7 @@ __all__ = [
     "decide_admission",
     "for_device_kind",
     "in_flight_limit",
+    "keep_within_budget",
     "may_scale_out",
     "needs_start_options",
     "plan_difference",

@@ -69,6 +69,14 @@ class SchedulerConfig:
     # beside them anyway, time-slicing the cores: what one tenant's long generations can cost another's first token
     max_compute_wait_s: float = 10.0
 
+    # rank-aware costs (CaraServe; `adapter_cost.py`): an adapter's bytes and extra FLOPs per token follow its rank
+    # and target modules; False prices every adapter as rank `rank_blind_rank` on q/v (the comparison's baseline)
+    rank_aware: bool = True
+    rank_blind_rank: int = 16
+    # an unmerged LoRA product runs this many times less efficiently per FLOP than the backbone's large ones
+    # (batched small matmuls, launch overhead; CaraServe's measurements put rank-64 steps 10-30% above rank-8)
+    lora_step_inefficiency: float = 4.0
+
     # offloading
     offload_to_host: bool = True  # an evicted adapter goes to its worker slot's host memory when it fits there
 
@@ -131,6 +139,11 @@ class SchedulerConfig:
         if not (0 <= self.steady_min_gaps <= self.steady_max_gaps <= 10_000 and self.steady_max_gaps >= 2):
             raise ValueError(f"SchedulerConfig: steady_min_gaps ({self.steady_min_gaps}) must be in [0, "
                              f"steady_max_gaps ({self.steady_max_gaps})], and steady_max_gaps in [2, 10000]")
+        if not 1 <= self.rank_blind_rank <= 4096:
+            raise ValueError(f"SchedulerConfig.rank_blind_rank is {self.rank_blind_rank}; must be in [1, 4096]")
+        if not (math.isfinite(self.lora_step_inefficiency) and self.lora_step_inefficiency >= 0):
+            raise ValueError(f"SchedulerConfig.lora_step_inefficiency is {self.lora_step_inefficiency}; must be a "
+                             "finite number >= 0")
         if not self.rate_floor_per_s >= 0:
             raise ValueError(f"SchedulerConfig.rate_floor_per_s is {self.rate_floor_per_s}; must be >= 0")
         if self.rate_change_tolerance <= 0:

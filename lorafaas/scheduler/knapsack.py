@@ -26,6 +26,8 @@ import math
 from lorafaas.scheduler.messages import ArtifactKind, ClusterView, DeviceId, FunctionName, Residency, SlotId
 
 NONE, HOST, DEV = 0, 1, 2
+# functions without a slot of their own considered per open slot (`_shortlist_open_slot_candidates`)
+OPEN_SLOT_CANDIDATES_PER_SLOT = 4
 LIB, BBH, ADH, BBD, ADD, WARM = range(6)
 
 
@@ -162,6 +164,28 @@ class GreedyKnapsack:
         self.inv_host = 1.0 / max(1.0, sum(idle_slots) / len(idle_slots))
         self.inv_dev = 1.0 / max(1.0, sum(idle_devs) / len(idle_devs))
         self.best_dev = max(range(len(dev_ids)), key=self.dev_free.__getitem__) if dev_ids else -1
+        self._shortlist_open_slot_candidates()
+
+    def _shortlist_open_slot_candidates(self) -> None:
+        """A function with no slot of its own pre-loads nothing unless it takes an open slot, and each open slot
+        takes one function: of the many such functions of a large fleet only the `OPEN_SLOT_CANDIDATES_PER_SLOT` per
+        open slot whose closures are worth the most (their whole chain's value, an upper bound of any closure's
+        density since a closure taking a slot weighs at least one) are candidates. The others' candidates would be
+        evaluated, pushed and re-pushed at every backbone placed for nothing: at 10,000 functions that was most of
+        a plan's time."""
+        limit = OPEN_SLOT_CANDIDATES_PER_SLOT * len(self.open_slots)
+        needing = [i for i, kinds in enumerate(self.open_kinds)
+                   if kinds and self.pref_slot[i] < 0 and i not in self.own_slots]
+        if len(needing) <= limit:
+            return
+
+        def bound(i: int) -> float:
+            return (self.v_lib[i] + max(self.v_bbh[i], self.v_bbd[i], 0.0) + max(self.v_adh[i], self.v_add[i], 0.0)
+                    + max(self.v_warm[i], 0.0))
+
+        needing.sort(key=lambda i: (-bound(i), i))
+        for i in needing[limit:]:
+            self.open_kinds[i] = []
 
     # -- candidates ---------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import math
 from collections import deque
 
 from lorafaas.scheduler.config import SchedulerConfig
-from lorafaas.scheduler.messages import ClusterView, FunctionName
+from lorafaas.scheduler.messages import ClusterView, FunctionName, FunctionProfile
 
 VARIATION_MIN_GAPS = 10  # fewer gaps say too little about a stream's variation (standard error ~ 1 / sqrt(n))
 RECENT_MAX = 4096  # arrival times kept per function for `recent_arrivals` (more than any batch takes)
@@ -131,8 +131,9 @@ class RateTracker:
             deployed_s = self._first_planned.setdefault(name, now_s)
             if estimate is None and horizon > 0 and now_s - deployed_s < horizon:
                 rate = max(rate, 1.0 / horizon)
-            if rate != profile.arrival_rate_per_s:
-                functions[name] = dataclasses.replace(profile, arrival_rate_per_s=rate)
+            if rate != profile.arrival_rate_per_s:  # not dataclasses.replace: 20x slower, and 10,000 a plan
+                functions[name] = FunctionProfile(profile.name, profile.backbone, rate, profile.costs,
+                                                  profile.slo_ttft_s, profile.kv_bytes_per_token)
         return dataclasses.replace(view, functions=functions)
 
     def mark_planned(self, now_s: float) -> None:

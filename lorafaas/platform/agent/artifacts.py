@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from lorafaas.errors import LorafaasError
 from lorafaas.function_runtime import messages as m
@@ -57,6 +57,20 @@ DEFAULT_LOAD_S = {"libraries": 4.0, "backbone": 5.0, "adapter": 0.01, "warmup": 
 INSTANCE_OVERHEAD_BYTES = 64 * 1024**2  # a worker's own memory besides the artifacts (interpreter, heaps, buffers)
 POOL_SLOT_BYTES = 1024**4  # host memory is the device's on the CPU: slots are not the binding constraint
 CHARS_PER_TOKEN = 4  # the agent does not tokenize: a prompt's tokens are estimated from its length
+
+AdapterPrice = Callable[[FunctionState], tuple[int, float]]  # (bytes, load seconds) an adapter is priced at
+
+
+def adapter_prices(states: Iterable[FunctionState], rank_aware: bool) -> AdapterPrice:
+    """Each function's adapter at its own bytes and measured load; rank-blind, every one at the fleet's means."""
+    def own(state: FunctionState) -> tuple[int, float]:
+        return state.adapter_bytes, state.load_s.get("adapter", DEFAULT_LOAD_S["adapter"])
+
+    if rank_aware:
+        return own
+    prices = [own(state) for state in states]
+    mean = (sum(b for b, _ in prices) // max(1, len(prices)), sum(s for _, s in prices) / max(1, len(prices)))
+    return lambda state: mean
 
 
 class ArtifactPlanner:
@@ -102,10 +116,11 @@ class ArtifactPlanner:
         instances = tuple(InstanceView(InstanceId(i.instance_id), FunctionName(i.function), DeviceId(i.device),
                                        frozenset(i.loaded), i.in_flight, self.config.max_batch_size)
                           for i in self.table.all() if i.state == "ready")
+        price = adapter_prices(self.functions.values(), self.config.scheduler.rank_aware)
         for state in self.functions.values():
             spec, name = state.spec, FunctionName(state.name)
             pool = [i for i in self.table.current(spec) if i.state == "ready"]
-            functions[name] = self.profile(state, with_instance=bool(pool))
+            functions[name] = self.profile(state, with_instance=bool(pool), price=price)
             fn_slots = [SlotId(i.instance_id) for i in pool] or [SlotId(f"pool:{name}")]
             for instance in pool:
                 slot, device = SlotId(instance.instance_id), DeviceId(instance.device)
@@ -142,10 +157,12 @@ class ArtifactPlanner:
                 kv[instance.device] = kv.get(instance.device, 0) + self.request_bytes(state.spec, share)
         return kv
 
-    def profile(self, state: FunctionState, with_instance: bool) -> FunctionProfile:
+    def profile(self, state: FunctionState, with_instance: bool, price: AdapterPrice | None = None
+                ) -> FunctionProfile:
         spec = state.spec
         backbone = self.catalogue.backbone(spec.backbone)
-        adapter_bytes = state.adapter_bytes  # read when it was applied
+        # its own (read when applied, load measured), or rank-blind's mean
+        adapter_bytes, adapter_s = (price or adapter_prices((), rank_aware=True))(state)
 
         def load_s(kind: str) -> float:
             return state.load_s.get(kind, DEFAULT_LOAD_S[kind])
@@ -156,8 +173,8 @@ class ArtifactPlanner:
             libraries=ArtifactCost(self.instances.library_import_s or DEFAULT_LOAD_S["libraries"], 0),
             backbone_device=ArtifactCost(backbone_s, backbone.weight_bytes),
             # adapter and warm-up live in an instance: without one they cannot be pre-loaded
-            adapter_host=ArtifactCost(load_s("adapter") / 2, adapter_bytes) if with_instance else None,
-            adapter_device=ArtifactCost(load_s("adapter"), adapter_bytes) if with_instance else None,
+            adapter_host=ArtifactCost(adapter_s / 2, adapter_bytes) if with_instance else None,
+            adapter_device=ArtifactCost(adapter_s, adapter_bytes) if with_instance else None,
             warmup=ArtifactCost(load_s("warmup"), 0) if with_instance else None,
         )
         return FunctionProfile(name=FunctionName(spec.name), backbone=BackboneName(spec.backbone),

@@ -23,6 +23,9 @@ WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode", "shared_base")  # wh
 # gave 1.13x the tokens/s and a TTFT p90 of 1.75 s against 14.8 s: beyond its capacity a request waits for a whole
 # generation to end (docs/performance.md, "Worker capacity").
 DEFAULT_MAX_BATCH = 32
+# `up`'s default idle-instance budget: this share of the machine's memory (the rest: backbones, running batches, the
+# host tier, everything else the node runs)
+DEFAULT_IDLE_BUDGET_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,14 @@ class AgentConfig:
     # counted a failed start: an adapter built to make its start expensive burns a core for this long at most. A
     # backbone daemon started on the way does not count (the node's work, with its own limit).
     start_timeout_s: float = 120.0
+    # Bytes of idle instances (their own memory and adapters) the node keeps; beyond it the lowest expected saving
+    # per byte retire (idle_budget.py). None: no budget (`up` sets DEFAULT_IDLE_BUDGET_FRACTION of the memory)
+    idle_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_devices(self.device_names)
+        if self.idle_budget_bytes is not None and self.idle_budget_bytes < 0:
+            raise ValueError(f"idle_budget_bytes is {self.idle_budget_bytes}; it must be >= 0 (None: no budget)")
         for name in ("heartbeat_after_s", "hang_timeout_s", "hang_after_steps_s", "reconcile_interval_s",
                      "start_timeout_s"):
             if not getattr(self, name) > 0:

@@ -33,6 +33,7 @@ from lorafaas.platform.agent.artifacts import ArtifactPlanner
 from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.agent.config import REQUEST_STAGES, AgentConfig, same_worker
 from lorafaas.platform.agent.function_state import FunctionState
+from lorafaas.platform.agent.idle_budget import budget_retirements
 from lorafaas.platform.agent.instances import Instances
 from lorafaas.platform.agent.observations import observe_prefill
 from lorafaas.platform.agent.retirement import retirements
@@ -381,6 +382,9 @@ class NodeAgent:
                     await self._reconcile(name)
                 except LorafaasError as exc:
                     log.warning("%s: reconcile failed: %s", name, exc.message)
+            for instance, why in budget_retirements(self.functions, self.table, self.scheduler, self.config,
+                                                    self.clock()):
+                await self.instances.stop(instance, why)
             try:
                 await self.planner.tick(self.clock())
             except LorafaasError as exc:

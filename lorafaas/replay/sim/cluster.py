@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from lorafaas.errors import ClusterInvalid
+from lorafaas.scheduler import AdapterShape, BackboneShape
 
 GB = 1e9
 
@@ -29,6 +30,7 @@ class BackboneSpec:
     decode_step_s: float  # one decode step at batch 1
     decode_step_per_seq_s: float  # added per extra sequence in the batch
     kv_bytes_per_token: int
+    shape: BackboneShape | None = None  # its layers' widths: what a LoRA adapter's rank costs on it (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class FunctionSpec:
     backbone: str
     adapter_bytes: int
     slo_ttft_s: float
+    adapter_shape: AdapterShape | None = None  # rank and target modules (the fleet's functions; None: unknown)
+    step_factor: float = 1.0  # prefill and decode run this much slower with its adapter (rank-aware, the truth)
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ class ClusterSpec:
     # CPU: the agent's step gate (`up`'s default) grants a step a core of its own for its whole length, never more
     # steps at once than cores: a pass is not time-sliced with other instances, which share the cores it leaves
     step_gate: bool = False
+    # per node: bytes of idle instances the scheduler's policies keep (value per byte, `keep_within_budget`); None:
+    # no budget, each idle instance stays its keep-alive window
+    idle_budget_bytes: int | None = None
 
     @property
     def num_devices(self) -> int:
@@ -214,6 +221,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
             b.number("decode_ms_per_step", low=1e-6) / 1e3,
             b.number("decode_ms_per_extra_seq") / 1e3,
             int(b.number("kv_kb_per_token") * 1e3),
+            _backbone_shape(b) if b.has("hidden") else None,
         )
     if not backbones:
         raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
@@ -295,12 +303,20 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         dev.number("lone_speedup", 1.0, 1.0, 64.0),
         shared_base,
         _flag(dev, "step_gate", False),
+        int(top.number("idle_budget_gb", low=0.0) * GB) if top.has("idle_budget_gb") else None,
     )
     if spec.step_gate and spec.cores is None:
         raise ClusterInvalid(f"{where}.device.step_gate is for a CPU device with `cores` (the gate grants cores)")
     for fields in (*checked, dev, load, price):
         fields.check_known()
     return spec
+
+
+def _backbone_shape(b: _Fields) -> BackboneShape:
+    """The widths a LoRA adapter's cost follows (`lorafaas.scheduler.adapter_cost`)."""
+    hidden = b.integer("hidden", high=1 << 20)
+    return BackboneShape(hidden, b.integer("intermediate", high=1 << 20), b.integer("layers", high=4096),
+                         b.integer("kv_dim", hidden, high=1 << 20), int(b.number("params_b", low=1e-6) * 1e9))
 
 
 def _shared_base(fields: _Fields) -> SharedBaseSpec:

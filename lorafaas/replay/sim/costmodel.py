@@ -30,8 +30,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lorafaas.replay.sim.cluster import BackboneSpec, ClusterSpec, FunctionSpec
-from lorafaas.scheduler import ArtifactCost, ArtifactCosts
+from lorafaas.scheduler import AdapterCostModel, ArtifactCost, ArtifactCosts
 
 
 class CostModel:
@@ -126,6 +128,14 @@ class CostModel:
             adapter_device=ArtifactCost(function.adapter_bytes / disk, function.adapter_bytes),
             warmup=ArtifactCost(self.load.warmup_s, self.load.warmup_bytes),
         )
+
+    def priced(self, function: FunctionSpec, pricing: AdapterCostModel) -> FunctionSpec:
+        """`function` as the scheduler's decisions see it: a rank-blind scheduler prices every adapter as one shape
+        (`SchedulerConfig.rank_aware`); the simulated loads and steps keep the adapter's own."""
+        backbone = self.backbone(function).shape
+        if function.adapter_shape is None or backbone is None:
+            return function
+        return replace(function, adapter_bytes=pricing.adapter_bytes(function.adapter_shape, backbone))
 
     def device_bytes(self, kind: str, function: FunctionSpec) -> int:
         if kind == "backbone":

@@ -24,6 +24,7 @@ import heapq
 import itertools
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,8 @@ class SimOutcome:
     cold_breakdowns: dict[str, list[dict[str, float]]]
     waits: dict[str, int] = field(default_factory=dict)  # admission reason -> times a function's queue waited for it
     busy_peak: int = 0  # the most instances busy at once on one device (running a batch or starting)
+    plan_times_s: list[float] = field(default_factory=list)  # wall time of each `Scheduler.plan` (not simulated)
+    budget_retirements: int = 0  # idle instances retired because their node's idle budget was full
 
 
 class Simulator:
@@ -98,6 +101,7 @@ class Simulator:
             keep_alive_policy=policy.keep_alive,
             fixed_keep_alive_s=cluster.keep_alive_s,
             max_batch_size=cluster.max_batch_size,
+            rank_aware=policy.rank_aware,
         ), cluster.device_kind)
         self.scheduler = Scheduler(config, random.Random(seed))
         self.fns: dict[FunctionName, FunctionState] = {}
@@ -129,6 +133,7 @@ class Simulator:
             for i, r in enumerate(workload.requests)
         ]
         self.num_plans = 0
+        self.plan_times_s: list[float] = []
         self.last_plan_s = -math.inf
         self.host_cache: dict[int, dict[str, None]] = {n: {} for n in range(cluster.num_nodes)}  # ServerlessLLM
         self.blocked: dict[FunctionName, None] = {}  # functions waiting for room, in the order they blocked
@@ -214,7 +219,8 @@ class Simulator:
         cost = self._finish(end)
         lifecycle = self.lifecycle
         return SimOutcome(self.results, cost, end, lifecycle.num_cold_starts, self.num_plans,
-                          lifecycle.cold_breakdowns, dict(self.admission.waits), lifecycle.busy_peak)
+                          lifecycle.cold_breakdowns, dict(self.admission.waits), lifecycle.busy_peak,
+                          self.plan_times_s, lifecycle.num_budget_retirements)
 
     def _finish(self, end_s: float) -> float:
         if self.policy.serverful:
@@ -368,6 +374,7 @@ class Simulator:
                 if at_s is not None:
                     self.push(at_s, IdleRetire(inst.function, self.now))
             self.push(self.now + self.keep_alive_s(inst.function), Expire(inst, inst.expire_token))
+            self.lifecycle.keep_within_budget(inst.device.node)
         self.retry_blocked()
 
     def keep_alive_s(self, name: FunctionName) -> float:
@@ -416,9 +423,14 @@ class Simulator:
         """`tick`: the periodic plan (schedules the next); else a re-plan because a rate moved."""
         self.num_plans += 1
         self.last_plan_s = self.now
-        plan = self.scheduler.plan(self.views.view(), self.now)
+        view = self.views.view()
+        started = time.perf_counter()  # the scheduler's decision time, reported, never simulated
+        plan = self.scheduler.plan(view, self.now)
+        self.plan_times_s.append(time.perf_counter() - started)
         self.views.apply_plan(plan)
         if tick:
+            for node in range(self.cluster.num_nodes):
+                self.lifecycle.keep_within_budget(node)
             self.push(self.now + self.cluster.plan_interval_s, PlanTick())
 
     # -- instances (lifecycle.py; the admission and the views call these) ---------------------------------------

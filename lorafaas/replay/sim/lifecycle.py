@@ -11,12 +11,12 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
-from lorafaas.replay.sim.cluster import ClusterSpec
+from lorafaas.replay.sim.cluster import ClusterSpec, FunctionSpec
 from lorafaas.replay.sim.model import Expire, FunctionState, IdleRetire, SimEvent, SimInstance
 from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState
 from lorafaas.replay.sim.views import ViewBuilder
-from lorafaas.scheduler import FunctionName, Scheduler
+from lorafaas.scheduler import AdapterCostModel, FunctionName, IdleInstance, InstanceId, Scheduler, keep_within_budget
 
 
 class LifecycleHost(Protocol):
@@ -45,6 +45,9 @@ class InstanceLifecycle:
         self.num_cold_starts = self.busy_peak = 0
         self.cold_breakdowns: dict[str, list[dict[str, float]]] = {}
         self.instance_ids = itertools.count()
+        self.num_budget_retirements = 0
+        self.pricing = AdapterCostModel(sim.scheduler.config)
+        self.priced: dict[FunctionName, FunctionSpec] = {}  # each function's spec as the scheduler prices it
 
     # -- starts -------------------------------------------------------------------------------------------------
 
@@ -132,6 +135,39 @@ class InstanceLifecycle:
         policy = self.sim.policy
         self.stop_instance(inst, keep_artifacts=policy.preloading and policy.uses_scheduler_placement)
         self.sim.retry_blocked()
+
+    def keep_within_budget(self, node: int) -> None:
+        """The node's idle instances beyond its `idle_budget_bytes` retire, lowest expected saving per byte first
+        (the scheduler's `keep_within_budget`, as the node agent's), each with its own artifacts on its device."""
+        sim = self.sim
+        budget = sim.cluster.idle_budget_bytes
+        if budget is None or not sim.policy.uses_scheduler_placement or sim.policy.serverful:
+            return
+        idle = {InstanceId(i.instance_id): i for d in sim.mem.devices if d.node == node for i in d.instances
+                if not i.permanent and not i.running and not i.num_seqs and i.ready_at_s <= sim.now}
+        if not idle:
+            return
+        decision = keep_within_budget((self.idle_instance(i) for i in idle.values()), budget)
+        for instance_id in decision.retire:
+            self.num_budget_retirements += 1
+            self.stop_instance(idle[instance_id], keep_artifacts=False)
+        if decision.retire:
+            sim.retry_blocked()
+
+    def idle_instance(self, inst: SimInstance) -> IdleInstance:
+        """`inst` as the budget prices it: its process, adapter and warm-up (priced as the scheduler sees adapters),
+        the start they save (libraries, warm-up, the adapter from disk) and the rest of its keep-alive window."""
+        sim = self.sim
+        load = sim.cluster.loading
+        spec = self.priced.get(inst.function)
+        if spec is None:
+            spec = self.priced[inst.function] = sim.views.costs.priced(sim.fns[inst.function].spec, self.pricing)
+        rate = sim.scheduler.rates.rate(inst.function, sim.now) or sim.scheduler.config.rate_floor_per_s
+        start_s = load.spawn_s + load.libraries_s + load.warmup_s + spec.adapter_bytes / load.disk_bytes_per_s
+        window_s = max(0.0, inst.last_used_s + sim.keep_alive_s(inst.function) - sim.now)
+        return IdleInstance(InstanceId(inst.instance_id), inst.function,
+                            inst.overhead_bytes + spec.adapter_bytes + load.warmup_bytes, rate, start_s, window_s,
+                            inst.last_used_s)
 
     def on_idle_retire(self, event: IdleRetire) -> None:
         """A function idle as a whole since `idle_since` retires its least recently used idle instance, then plans

@@ -9,6 +9,7 @@ lorafaas             backbone sharing, knapsack pre-loading, offloading, adaptiv
                      cores, one on a GPU: `lorafaas.scheduler.may_scale_out`, as the agent)
 lorafaas-foe         the same with the paper's fill-or-expire admission (`AgentConfig.fill_or_expire=True`):
                      hold the queue until it holds B requests or the oldest has waited d = SLO - T(N)
+lorafaas-rank-blind  the same with SchedulerConfig(rank_aware=False): decisions price every adapter as one shape
 no-sharing           every function binds its own backbone copy (a per-function backbone name in the views)
 no-preload           SchedulerConfig(preloading=False)
 no-offload           SchedulerConfig(offloading=False); nothing resident is evicted for a batch or an instance
@@ -59,12 +60,14 @@ class PolicySpec:
     serverful: bool = False
     uses_scheduler_placement: bool = True
     shared_base: bool = False  # `up --shared-base`: the cluster's `device.shared_base` model (a CPU option)
+    rank_aware: bool = True  # SchedulerConfig.rank_aware: decisions price adapters by rank and target modules
 
 
 POLICIES: dict[str, PolicySpec] = {
     "lorafaas": PolicySpec("lorafaas"),
     "lorafaas-foe": PolicySpec("lorafaas-foe", fill_or_expire=True),
     "lorafaas-shared": PolicySpec("lorafaas-shared", shared_base=True),
+    "lorafaas-rank-blind": PolicySpec("lorafaas-rank-blind", rank_aware=False),
     "no-sharing": PolicySpec("no-sharing", sharing=False),
     "no-preload": PolicySpec("no-preload", preloading=False),
     "no-offload": PolicySpec("no-offload", offloading=False, eviction="none"),
@@ -107,9 +110,10 @@ POLICIES: dict[str, PolicySpec] = {
         agent_admission=False,
     ),
 }
-# lorafaas with the agent's other admission rule, and with the shared base pass (a CPU option: `all` leaves it out,
-# as the paper's GPU cluster has no model of it); not among the paper's ablations
-VARIANTS = ("lorafaas-foe", "lorafaas-shared")
+# lorafaas with the agent's other admission rule, with the shared base pass (a CPU option: `all` leaves it out, as
+# the paper's GPU cluster has no model of it), and rank-blind (`all` leaves it out: it differs only where functions
+# have adapter shapes, the fleet replay's); not among the paper's ablations
+VARIANTS = ("lorafaas-foe", "lorafaas-shared", "lorafaas-rank-blind")
 ABLATIONS = (
     "no-sharing",
     "no-preload",
@@ -126,7 +130,7 @@ def resolve_policies(names: list[str]) -> list[PolicySpec]:
     out: list[PolicySpec] = []
     for name in names:
         if name == "all":
-            out.extend(p for p in POLICIES.values() if not p.shared_base)
+            out.extend(p for p in POLICIES.values() if not p.shared_base and p.rank_aware)
         elif name == "fixed-batch":
             out.extend(POLICIES[n] for n in ("fixed-batch-1", "fixed-batch-10", "fixed-batch-20"))
         elif name in POLICIES:

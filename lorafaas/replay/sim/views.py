@@ -21,6 +21,7 @@ from lorafaas.replay.sim.policies import PolicySpec
 from lorafaas.replay.sim.state import DeviceState, MemoryState, slot_of
 from lorafaas.replay.workload import Workload
 from lorafaas.scheduler import (
+    AdapterCostModel,
     BackboneName,
     ClusterView,
     DeviceView,
@@ -59,12 +60,13 @@ class ViewBuilder:
     def __init__(self, sim: ViewHost, cluster: ClusterSpec, costs: CostModel) -> None:
         self.sim, self.cluster, self.costs = sim, cluster, costs
         self.mem = sim.mem
+        pricing = AdapterCostModel(sim.scheduler.config)
         self.profiles = {
             f: FunctionProfile(
                 f,
                 BackboneName(self.mem.backbone_of[f]),
                 0.0,
-                costs.artifact_costs(s.spec),
+                costs.artifact_costs(costs.priced(s.spec, pricing)),
                 s.spec.slo_ttft_s,
                 costs.backbone(s.spec).kv_bytes_per_token,
             )

@@ -83,7 +83,7 @@ class WorkerModel:
         backbone = sim.costs.backbone(fs.spec)
         reqs = [sim.workload.requests[i] for i, _ in taken]
         slow = sim.pass_slowdown(inst.device)
-        pass_s = sim.costs.prefill_pass_s(backbone, [r.prompt_tokens for r in reqs]) * slow
+        pass_s = sim.costs.prefill_pass_s(backbone, [r.prompt_tokens for r in reqs]) * slow * fs.spec.step_factor
         self._advance(inst)
         end = sim.now + pass_s
         inst.prefill_free_at_s = end
@@ -132,8 +132,9 @@ class WorkerModel:
             round_s = sim.costs.shared_round_s(len(device.decoding), rows, sim.background_threads_now())
         for inst in device.decoding:
             self._advance(inst)
-            backbone = sim.costs.backbone(sim.fns[inst.function].spec)
-            inst.step_s = round_s if round_s is not None else sim.costs.decode_step_s(backbone, len(inst.rows)) * slow
+            fn_spec = sim.fns[inst.function].spec
+            step_s = sim.costs.decode_step_s(sim.costs.backbone(fn_spec), len(inst.rows)) * slow * fn_spec.step_factor
+            inst.step_s = round_s if round_s is not None else step_s
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
             sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, Done(inst, inst.done_token))
