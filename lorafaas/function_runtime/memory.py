@@ -6,6 +6,7 @@ counts a shared backbone once, which is the number that tells whether sharing wo
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import msgspec
@@ -73,3 +74,15 @@ def _mapping_kind(name: str) -> str:
     if ".so" in name or "/bin/python" in name:
         return "libraries"
     return "other"
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc's `malloc_trim`; a no-op on a C library without it).
+
+    A worker's batch frees its KV cache and activations when it drains, but glibc keeps the pages (a freed chunk
+    inside its heaps, and large tensors below its self-raising mmap threshold, are reused, not returned): measured
+    on SmolLM2 after 16 concurrent requests, an idle worker's own memory was 237 MB before a trim and 141 MB after.
+    """
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
