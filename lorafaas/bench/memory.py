@@ -99,22 +99,20 @@ def run_memory_bench(
         marginal_pss_mb=round((totals[-1] - totals[-2]) / MB, 1),
         ratio_standalone_over_lorafaas=round(standalone / totals[-1], 2),
         lorafaas_total_pss_mb_by_count=[round(t / MB, 1) for t in totals],
-        **_by_kind(parts),
+        pss_mb_by_kind={kind: round(sum(p.pss_bytes for p in ps) / MB, 1) for kind, ps in parts.items()},
+        worker_own_mb=_worker_own(parts["workers"]),
+        worker_own_parts_mb=_own_parts(max(parts["workers"], key=lambda p: p.own_bytes)),
     )
 
 
-def _by_kind(parts: dict[str, list[MemoryParts]]) -> dict[str, dict[str, float]]:
-    workers = parts["workers"]
-    largest = max(workers, key=lambda p: p.own_bytes)
-    return {
-        "pss_mb_by_kind": {kind: round(sum(p.pss_bytes for p in ps) / MB, 1) for kind, ps in parts.items()},
-        "worker_own_mb": {"max": round(largest.own_bytes / MB, 1),
-                          "mean": round(sum(p.own_bytes for p in workers) / len(workers) / MB, 1)},
-        "worker_own_parts_mb": {"heap": round(largest.heap_bytes / MB, 1),
-                                "libraries": round(largest.libraries_bytes / MB, 1),
-                                "other": round(largest.other_bytes / MB, 1),
-                                "segment_share": round(largest.segment_bytes / MB, 1)},
-    }
+def _worker_own(workers: list[MemoryParts]) -> dict[str, float]:
+    return {"max": round(max(p.own_bytes for p in workers) / MB, 1),
+            "mean": round(sum(p.own_bytes for p in workers) / len(workers) / MB, 1)}
+
+
+def _own_parts(worker: MemoryParts) -> dict[str, float]:
+    return {"heap": round(worker.heap_bytes / MB, 1), "libraries": round(worker.libraries_bytes / MB, 1),
+            "other": round(worker.other_bytes / MB, 1), "segment_share": round(worker.segment_bytes / MB, 1)}
 
 
 def _lorafaas_totals(home: Path, backbone: str, adapters: list[Path], progress: ProgressSink
