@@ -253,7 +253,7 @@ def test_symlinked_adapter_directory_is_packed_as_files(adapter: Path, tmp_path:
 
 def test_warm_up_builds_each_backbones_module_table_and_survives_a_broken_one(tmp_path, tiny_dense_dir, caplog,
                                                                               monkeypatch) -> None:
-    """The gateway warms the adapter checks before serving (the first upload must not import torch on a request):
+    """The gateway warms the adapter checks before serving (the first upload must not wait for a module table):
     every stored backbone is built once, and one that cannot be built is logged, not fatal."""
     from lorafaas.formats.model_store import ModelStore
     from lorafaas.models import adapter_validation as validate_module
