@@ -10,6 +10,12 @@
                               safetensors, so the page cache shares the weights between them (reported so the
                               comparison is complete; separate containers do not share a file)
     marginal_pss_mb           what the Nth lorafaas instance added to the total (total at N minus total at N-1)
+    pss_mb_by_kind            the total at N by process kind: backbone daemon, library pool (the zygote), workers
+    worker_own_mb             per worker at N, its own memory: its PSS less its share of the backbone segment (what
+                              one more function costs the machine), largest and mean
+    worker_own_parts_mb       the largest worker's own memory by mapping: heap (anonymous memory: Python objects,
+                              tensors, KV cache, malloc's arenas), libraries (.so and interpreter), other files, and
+                              beside them its segment share
 
 PSS divides every shared page among the processes that map it, so a sum of PSS counts the shared backbone once.
 The adapters are the demo adapters plus random ones of the same shapes, so that all N differ.
@@ -29,7 +35,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.errors import InstanceUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime import messages as m
-from lorafaas.function_runtime.memory import read_memory
+from lorafaas.function_runtime.memory import MemoryParts, read_memory, read_memory_parts
 from lorafaas.function_runtime.zygote import prepare_backbone
 from lorafaas.platform.backends.local import LocalLauncher
 from lorafaas.progress import ProgressSink, SilentProgress
@@ -49,6 +55,9 @@ class MemoryResult(msgspec.Struct, frozen=True, kw_only=True):
     marginal_pss_mb: float
     ratio_standalone_over_lorafaas: float
     lorafaas_total_pss_mb_by_count: list[float]  # total after 1, 2, ... N instances
+    pss_mb_by_kind: dict[str, float]
+    worker_own_mb: dict[str, float]  # max, mean
+    worker_own_parts_mb: dict[str, float]
 
 
 def bench_adapters(home: Path, backbone: str, demo_dirs: list[Path], count: int) -> list[Path]:
@@ -71,7 +80,7 @@ def run_memory_bench(
         raise ValueError("the memory bench needs at least two adapters (the marginal is the last one's cost)")
     store = ModelStore(LorafaasConfig(home=Path(home)).models_dir)
     manifest = store.get(backbone)
-    totals = _lorafaas_totals(home, backbone, adapters, progress)
+    totals, parts = _lorafaas_totals(home, backbone, adapters, progress)
     copies_dir = Path(home) / "bench" / "standalone-copies"
     try:
         progress.stage(f"copying the backbone files for {len(adapters)} standalone processes")
@@ -90,10 +99,25 @@ def run_memory_bench(
         marginal_pss_mb=round((totals[-1] - totals[-2]) / MB, 1),
         ratio_standalone_over_lorafaas=round(standalone / totals[-1], 2),
         lorafaas_total_pss_mb_by_count=[round(t / MB, 1) for t in totals],
+        pss_mb_by_kind={kind: round(sum(p.pss_bytes for p in ps) / MB, 1) for kind, ps in parts.items()},
+        worker_own_mb=_worker_own(parts["workers"]),
+        worker_own_parts_mb=_own_parts(max(parts["workers"], key=lambda p: p.own_bytes)),
     )
 
 
-def _lorafaas_totals(home: Path, backbone: str, adapters: list[Path], progress: ProgressSink) -> list[int]:
+def _worker_own(workers: list[MemoryParts]) -> dict[str, float]:
+    return {"max": round(max(p.own_bytes for p in workers) / MB, 1),
+            "mean": round(sum(p.own_bytes for p in workers) / len(workers) / MB, 1)}
+
+
+def _own_parts(worker: MemoryParts) -> dict[str, float]:
+    return {"heap": round(worker.heap_bytes / MB, 1), "libraries": round(worker.libraries_bytes / MB, 1),
+            "other": round(worker.other_bytes / MB, 1), "segment_share": round(worker.segment_bytes / MB, 1)}
+
+
+def _lorafaas_totals(home: Path, backbone: str, adapters: list[Path], progress: ProgressSink
+                     ) -> tuple[list[int], dict[str, list[MemoryParts]]]:
+    """The PSS total after each instance, and each process's parts at the end by kind."""
     totals = []
     with LocalLauncher(home) as launcher:
         progress.stage(f"starting the {backbone} daemon and the library pool")
@@ -108,7 +132,9 @@ def _lorafaas_totals(home: Path, backbone: str, adapters: list[Path], progress: 
             pids = [daemon_pid, zygote_pid, *(i.pid for i in launcher.instances)]
             totals.append(sum(read_memory(pid).pss_bytes for pid in pids))
             progress.advance()
-    return totals
+        parts = {"backbone daemon": [read_memory_parts(daemon_pid)], "library pool": [read_memory_parts(zygote_pid)],
+                 "workers": [read_memory_parts(i.pid) for i in launcher.instances]}
+    return totals, parts
 
 
 def _daemon_pid(launcher: LocalLauncher, backbone: str) -> int:

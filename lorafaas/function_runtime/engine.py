@@ -32,6 +32,7 @@ from lorafaas.errors import InvalidInput, PromptTooLong
 from lorafaas.function_runtime.base_pass import BasePassClient
 from lorafaas.function_runtime.decode_step import decode_step
 from lorafaas.function_runtime.grammar import GrammarCompiler, GrammarMatcher
+from lorafaas.function_runtime.memory import release_free_memory
 from lorafaas.function_runtime.messages import FinishReason, SamplingParams, TokenLogprob, TokenLogprobs
 from lorafaas.function_runtime.sampling import (
     TextStream,
@@ -93,9 +94,10 @@ class _Sequence:
 class GenerationEngine:
     def __init__(
         self, model, tokenizer, config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter,
-        base_pass: BasePassClient | None = None,
+        base_pass: BasePassClient | None = None, release_memory: Callable[[], None] = release_free_memory,
     ) -> None:
         self.model = model
+        self.release_memory = release_memory  # called when the batch drains with nothing waiting
         self.base_pass = base_pass  # the shared base pass `model` is installed in, handed to each decode step
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -377,6 +379,8 @@ class GenerationEngine:
         self._running = [self._running[i] for i in keep]
         if not keep:
             self._cache = self._mask = self._positions = self._next_input = None
+            if not self._waiting:  # idle: the batch's KV cache and activations go back to the machine
+                self.release_memory()
             return
         index = torch.tensor(keep, device=self.device)
         cache, mask, positions, next_input = self._batch()

@@ -316,6 +316,7 @@ class ZygoteStatus(msgspec.Struct, frozen=True, kw_only=True, tag="zygote_status
     exit_codes: dict[int, int]  # workers that ended: pid -> exit code (negative: killed by that signal)
     import_s: float  # how long importing the libraries took at start
     prepared: tuple[str, ...]  # model directories whose tokenizers the pool holds
+    frozen_objects: int = 0  # objects moved out of the collector's reach before forking (`gc.freeze`)
 
 
 ZygoteRequest = Hello | Spawn | Prepare | ZygoteStatusRequest | Shutdown

@@ -23,10 +23,9 @@ import socket
 
 import torch
 
-log = logging.getLogger(__name__)
+from lorafaas.protocols.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
 
-WANT, DONE, NEXT, MEMBER, LEAVE = b"w", b"d", b"n", b"m", b"l"
-SHARED = 0x80  # the flag on a grant's byte
+log = logging.getLogger(__name__)
 
 
 class StepGate:

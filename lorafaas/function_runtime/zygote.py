@@ -17,6 +17,7 @@ next platform stopping a dead platform's zygote, leaves none of its workers behi
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -114,6 +115,7 @@ class Zygote:
                         exit_codes=dict(self.exit_codes),
                         import_s=self.import_s,
                         prepared=tuple(self.tokenizers),
+                        frozen_objects=gc.get_freeze_count(),
                     )
                 )
             )
@@ -122,6 +124,9 @@ class Zygote:
 
     def _fork(self, request: m.Spawn, conn: socket.socket, listener: socket.socket) -> int:
         zygote_pid = os.getpid()
+        # Out of the collector's reach: a collection in the worker writes into every object it tracks, which would
+        # copy each page of the inherited heap (libraries, tokenizers) into the worker's private memory.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the worker
             code = 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorafaas.errors import AdapterIncompatible, AdapterInvalid, AdapterUnsupported
 from lorafaas.formats.adapter_files import WEIGHTS_FILE, AdapterInfo, read_adapter
-from lorafaas.formats.adapter_rules import ModuleTable, check_against_model
+from lorafaas.formats.adapter_rules import MAX_FLOAT32, ModuleTable, check_against_model
 from lorafaas.formats.expert_adapters import (
     EXPERTS_KEY,
     ExpertAdapterInfo,
@@ -21,7 +21,8 @@ from lorafaas.formats.expert_adapters import (
     read_expert_adapter_info,
 )
 from lorafaas.formats.model_store import NAME_PATTERN, BackboneManifest, ModelStore
-from lorafaas.formats.weights import read_safetensors_header
+from lorafaas.formats.weights import DTYPE_SIZES, read_safetensors_header
+from lorafaas.models.module_table_process import module_table_of
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +83,14 @@ def validate_adapter(path: Path, store: ModelStore, backbone: str) -> AdapterInf
 
 
 def backbone_module_table(model_dir: Path) -> ModuleTable:
-    """The backbone's module tree as PEFT's matching sees it, from the model built on the meta device."""
-    from lorafaas.models.binding import build_empty_model
-    from lorafaas.models.lora import module_table
-
-    return module_table(build_empty_model(model_dir))
+    """The backbone's module tree as PEFT's matching sees it, from the model built on the meta device (in a child
+    process, once per backbone: this process need not import torch)."""
+    return module_table_of(model_dir)
 
 
 def warm_up(store: ModelStore) -> None:
-    """Import what validating an upload needs (torch, transformers and each stored backbone's model class) and build
-    each module table once, before the gateway serves: done lazily, the first upload's imports hold the GIL for
-    seconds and stall the event loop (/healthz answered in 200 ms during the first hostile upload)."""
-    import safetensors.torch  # noqa: F401
-
+    """Build each stored backbone's module table before the gateway serves, so that the first upload does not wait
+    for it (built in a child process: the gateway imports neither torch nor transformers)."""
     for manifest in store.list():
         try:
             backbone_module_table(store.path(manifest.name))
@@ -126,15 +122,37 @@ def _check_targets(info: AdapterInfo, layers: dict[str, tuple[int, int]], backbo
         )
 
 
-def _check_finite(info: AdapterInfo) -> None:
-    import torch
-    from safetensors.torch import load_file
+# A float is NaN or infinite when its exponent bits are all ones (float8 e4m3 has no infinity: all ones is NaN).
+_NON_FINITE_MASKS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80),
+                     "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F)}
+_CHUNK_ELEMENTS = 1 << 22  # the check's scratch stays a few MB whatever the adapter's size
 
-    for name, tensor in load_file(info.path / WEIGHTS_FILE).items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
-        if tensor.is_floating_point() and tensor.dtype == torch.float64 and not torch.isfinite(tensor.float()).all():
-            raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} holds values float32 cannot hold")
+
+def _check_finite(info: AdapterInfo) -> None:
+    """Refuse NaN and infinite weights (and float64 ones beyond float32), reading the file's bits with numpy: the
+    gateway's process does not import torch."""
+    import numpy as np
+
+    path = info.path / WEIGHTS_FILE
+    header = read_safetensors_header(path)
+    for name, tensor in header.tensors.items():
+        if tensor.dtype not in _NON_FINITE_MASKS and tensor.dtype != "F64":
+            continue
+        count = tensor.num_bytes // DTYPE_SIZES[tensor.dtype]
+        if count == 0:
+            continue
+        kind, mask = _NON_FINITE_MASKS.get(tensor.dtype, ("<f8", 0))
+        values = np.memmap(path, dtype=kind, mode="r", offset=header.data_offset + tensor.begin, shape=(count,))
+        for start in range(0, count, _CHUNK_ELEMENTS):
+            chunk = values[start:start + _CHUNK_ELEMENTS]
+            if tensor.dtype == "F64":
+                if not np.isfinite(chunk).all():
+                    raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
+                if (np.abs(chunk) > MAX_FLOAT32).any():
+                    raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} holds values float32 cannot hold")
+            elif ((chunk & mask) == mask).any():
+                raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
+        del values
 
 
 def validate_expert_adapter(path: Path, store, backbone: str) -> ExpertAdapterInfo:

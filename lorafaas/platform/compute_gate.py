@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafaas.function_runtime.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
 from lorafaas.protocols.leases import socket_peer_pid
+from lorafaas.protocols.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
 log = logging.getLogger(__name__)

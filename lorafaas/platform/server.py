@@ -180,7 +180,7 @@ class Platform:
     async def _lifespan(self, _app):
         from lorafaas.models.adapter_validation import warm_up
 
-        await asyncio.to_thread(warm_up, self.models)  # before serving: the first upload must not import torch
+        await asyncio.to_thread(warm_up, self.models)  # before serving: the first upload must not wait for it
         await self.agent.start()
         restored = await self.service.restore()
         log.info("restored %d function(s) from the store", restored)

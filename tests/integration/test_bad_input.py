@@ -350,3 +350,14 @@ def test_odd_adapters_get_their_own_422_and_peft_features_run_as_peft(
             admin.delete("peft-features")
     model, tokenizer = load_backbone(tiny_dense_dir)
     assert answer["text"] == greedy_generate(with_adapter(model, snapshot), tokenizer, prompt, 10).text
+
+
+def test_the_gateway_process_never_maps_torch(platform, headers) -> None:
+    """Last in the module, after its uploads were validated and its function served: the `lorafaas up` process
+    (gateway and node agent) computes nothing, so it never loads torch's libraries (they and transformers were
+    about 250 MB of its 330; a function's memory is in its worker)."""
+    reply = httpx.post(f"{platform.url}/v1/functions/alpha/invoke", headers=headers, timeout=120,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    maps = Path(f"/proc/{platform.pid}/maps").read_text()
+    assert "libtorch" not in maps and "tokenizers" not in maps

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.function_runtime.zygote import zygote_status
 from lorafaas.platform.backends.local import InstanceHandle, LocalLauncher
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.protocols.leases import process_alive, process_start_ticks
@@ -47,6 +48,15 @@ def test_workers_forked_by_the_zygote_die_with_it(tmp_path, tiny_dense_dir) -> N
         while any(process_alive(pid, ticks) for pid, ticks in started.items()):
             assert time.monotonic() < deadline, "a worker outlived its zygote by 30 s"
             time.sleep(0.05)
+
+
+def test_the_zygote_freezes_its_heap_before_forking_a_worker(tmp_path, tiny_dense_dir) -> None:
+    """A worker's garbage collections must not write into the objects it inherited (each would copy its page into
+    the worker's private memory): the zygote moves them out of the collector's reach before it forks."""
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    with LocalLauncher(tmp_path) as launcher:
+        launcher.launch(launcher.spec("fn-0", "tiny-dense", None, shared=False))
+        assert zygote_status(launcher.zygote_socket).frozen_objects > 10_000  # the libraries' objects, at least
 
 
 def test_nothing_starts_once_the_launcher_is_closing(tmp_path, tiny_dense_dir) -> None:

@@ -253,7 +253,7 @@ def test_symlinked_adapter_directory_is_packed_as_files(adapter: Path, tmp_path:
 
 def test_warm_up_builds_each_backbones_module_table_and_survives_a_broken_one(tmp_path, tiny_dense_dir, caplog,
                                                                               monkeypatch) -> None:
-    """The gateway warms the adapter checks before serving (the first upload must not import torch on a request):
+    """The gateway warms the adapter checks before serving (the first upload must not wait for a module table):
     every stored backbone is built once, and one that cannot be built is logged, not fatal."""
     from lorafaas.formats.model_store import ModelStore
     from lorafaas.models import adapter_validation as validate_module
@@ -268,3 +268,49 @@ def test_warm_up_builds_each_backbones_module_table_and_survives_a_broken_one(tm
     validate_module.warm_up(store)
     assert sorted(built) == sorted(p.name for p in (store.path("good"), store.path("broken")))
     assert "broken" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_in_every_float_dtype(adapter, tiny_store, dtype, bad) -> None:
+    """The finiteness check reads the file's bits (the gateway does not import torch): each float dtype's NaN and
+    infinities are found, and a clean adapter of the same dtype passes."""
+    path = adapter / "adapter_model.safetensors"
+    weights = {name: tensor.to(dtype) for name, tensor in load_file(path).items()}
+    save_file(weights, path)
+    validate_adapter(adapter, tiny_store, "tiny-dense")
+    last = sorted(weights)[-1]
+    weights[last].view(-1)[-1] = bad
+    save_file(weights, path)
+    with pytest.raises(AdapterInvalid, match=rf"tensor {re.escape(last)} contains NaN or infinite"):
+        validate_adapter(adapter, tiny_store, "tiny-dense")
+
+
+def test_float64_weights_beyond_float32_are_refused(adapter, tiny_store) -> None:
+    path = adapter / "adapter_model.safetensors"
+    weights = {name: tensor.double() for name, tensor in load_file(path).items()}
+    weights[sorted(weights)[0]][0, 0] = 1e39
+    save_file(weights, path)
+    with pytest.raises(AdapterInvalid, match="holds values float32 cannot hold"):
+        validate_adapter(adapter, tiny_store, "tiny-dense")
+
+
+def test_validating_an_adapter_imports_neither_torch_nor_transformers(tiny_adapter_dir, tiny_store) -> None:
+    """The gateway validates every upload: the module table is built in a child process and the weights read with
+    numpy, so the gateway's process never holds torch (about 250 MB of it and transformers)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from lorafaas.formats.model_store import ModelStore\n"
+        "from lorafaas.models.adapter_validation import validate_adapter, warm_up\n"
+        "import lorafaas.platform.server\n"
+        f"store = ModelStore(Path({str(tiny_store.models_dir)!r}))\n"
+        "warm_up(store)\n"
+        f"validate_adapter(Path({str(tiny_adapter_dir)!r}), store, 'tiny-dense')\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -284,3 +284,21 @@ def test_a_step_uses_no_deprecated_transformers_name(engine: GenerationEngine, c
     deprecated = [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
     deprecated += [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage().lower()]
     assert deprecated == []
+
+
+def test_the_heap_goes_back_to_the_machine_each_time_the_batch_drains_and_only_then(tiny_store, tiny_adapter_dir
+                                                                                     ) -> None:
+    """A drained batch's KV cache and activations are freed, but glibc keeps the pages unless trimmed (an idle
+    SmolLM2 worker held 96 MB that way): the engine releases free memory when its batch empties with nothing
+    waiting, never while a sequence runs or waits."""
+    model, tokenizer = load_backbone(tiny_store.path("tiny-dense"))
+    attach_adapter(model, read_host_adapter(tiny_adapter_dir))
+    released: list[tuple[int, int]] = []
+    engine = GenerationEngine(model, tokenizer, EngineConfig(max_batch_size=4),
+                              release_memory=lambda: released.append((engine.num_running, engine.num_waiting)))
+    requests = {rid: (PROMPTS[i], SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, (rid, n) in enumerate([("a", 3), ("b", 6), ("c", 4)])}
+    finished, _, _ = run(engine, requests, arrivals={0: ["a"], 2: ["b"], 20: ["c"]})
+    assert sorted(finished) == ["a", "b", "c"]
+    # a ends while b runs (no release); b ends alone (one); c, arriving later, ends alone (another)
+    assert released == [(0, 0), (0, 0)]

@@ -1,0 +1,8 @@
+"""The step gate's bytes, shared by the worker (`lorafaas.function_runtime.step_gate`, which describes the protocol)
+and the node agent that serves it (`lorafaas.platform.compute_gate`). Kept apart from the worker's side so that the
+agent's process does not import torch to learn six constants."""
+
+from __future__ import annotations
+
+WANT, DONE, NEXT, MEMBER, LEAVE = b"w", b"d", b"n", b"m", b"l"
+SHARED = 0x80  # the flag on a grant's byte
