@@ -72,6 +72,7 @@ class ServerFigures(msgspec.Struct, frozen=True, kw_only=True):
     functions: int
     deploy_s: float  # lorafaas: the batch deploy of N functions; vLLM: registering N adapters
     deploy_refused: int
+    deploy_refusals: list[str]  # the first few reasons
     requests: int
     completed: int
     failed: int
@@ -167,7 +168,8 @@ class HealthzPoller:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def summarize_server(server: str, url: str, functions: int, deploy: tuple[int, float], outcomes: list[RequestOutcome],
+def summarize_server(server: str, url: str, functions: int, deploy: tuple[list[str], float],
+                     outcomes: list[RequestOutcome],
                      wall_s: float, lag_s: float, load: MachineLoad, config: FleetConfig,
                      lorafaas: LorafaasFigures | None = None) -> ServerFigures:
     done = [o for o in outcomes if o.ok]
@@ -176,7 +178,8 @@ def summarize_server(server: str, url: str, functions: int, deploy: tuple[int, f
     tokens = sum(o.output_tokens for o in done)
     under = sum(1 for o in done if o.ttft_s <= config.slo_ttft_s)
     return ServerFigures(
-        server=server, url=url, functions=functions, deploy_refused=deploy[0], deploy_s=deploy[1],
+        server=server, url=url, functions=functions, deploy_refused=len(deploy[0]),
+        deploy_refusals=list(dict.fromkeys(deploy[0]))[:5], deploy_s=deploy[1],
         requests=len(outcomes), completed=len(done), failed=len(outcomes) - len(done),
         failures=dict(Counter(o.error[:160] for o in outcomes if not o.ok).most_common(10)),
         short_replies=sum(1 for o in done if o.output_tokens < config.output_len),
@@ -240,18 +243,21 @@ def names_of(adapters: Sequence[Path]) -> list[str]:
 
 
 def deploy_lorafaas(client: ApiClient, adapters: list[Path], config: FleetConfig, progress: ProgressSink
-                    ) -> tuple[int, float]:
-    """(entries refused, seconds) of deploying the fleet; a name already deployed is an error before any time."""
+                    ) -> tuple[list[str], float]:
+    """(why each refused entry was, seconds) of deploying the fleet; a name already deployed is an error first."""
     taken = {spec.name for spec in client.list()} & set(names_of(adapters))
     if taken:
         raise ValueError(f"{len(taken)} of the fleet's functions ({sorted(taken)[0]}, ...) are deployed already "
                          "(a run that did not finish?): delete them, or give another --prefix")
-    return deploy_batches(client, adapters, {"backbone": config.backbone}, config.batch_size, progress)
+    refused, deploy_s = deploy_batches(client, adapters, {"backbone": config.backbone}, config.batch_size, progress)
+    return [f"{entry['name']}: {entry['message']}" for entry in refused], deploy_s
 
 
 def delete_lorafaas(client: ApiClient, adapters: list[Path], progress: ProgressSink) -> None:
-    progress.stage(f"deleting the {len(adapters)} functions", total=len(adapters))
-    for name in names_of(adapters):
+    """Delete the fleet's functions that were deployed."""
+    deployed = sorted({spec.name for spec in client.list()} & set(names_of(adapters)))
+    progress.stage(f"deleting the {len(deployed)} functions", total=len(deployed))
+    for name in deployed:
         client.delete(name)
         progress.advance()
 

@@ -133,15 +133,12 @@ def _register_vllm(http: httpx.Client, adapters: list[Path], progress: ProgressS
     import time
 
     progress.stage(f"vllm: registering {len(adapters)} adapters", total=len(adapters))
-    refused = 0
+    refused: list[str] = []
     started = time.perf_counter()
     for adapter in adapters:
         reply = http.post("/v1/load_lora_adapter", json={"lora_name": adapter.name,
                                                           "lora_path": str(adapter.resolve())})
         if reply.status_code != 200 and "already been loaded" not in reply.text:
-            refused += 1
-            if refused == 1:
-                progress.stage(f"vllm: {adapter.name} refused: HTTP {reply.status_code} {reply.text[:200]}",
-                               total=len(adapters))
+            refused.append(f"{adapter.name}: HTTP {reply.status_code} {reply.text[:200]}")
         progress.advance()
     return refused, time.perf_counter() - started

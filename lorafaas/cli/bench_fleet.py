@@ -114,5 +114,7 @@ def _print(result) -> None:
                           f"in {extra.scrape_ms:.0f} ms; /healthz p99 {extra.healthz_p99_ms:.1f} ms over "
                           f"{extra.healthz_polls} polls every {extra.healthz_interval_s} s ({extra.healthz_failed} "
                           f"failed); cold starts {extra.cold_starts}")
+        for reason in server.deploy_refusals:
+            console.print(f"[red]{server.server}: deploy refused:[/red] {reason}")
         for reason, count in server.failures.items():
             console.print(f"[red]{server.server}: {count} failed:[/red] {reason}")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.adapter_validation import backbone_linear_layers
+from lorafaas.platform.adapter_limits import DEFAULT_MAX_BACKBONE_FRACTION
 from lorafaas.progress import ProgressSink, SilentProgress
 
 
@@ -57,13 +58,16 @@ def write_random_adapter(
     return out_dir
 
 
-# A fleet's mix, as real fleets are: ranks 4 to 64, and attention-only, q/v-only or all-linear target modules.
+# A fleet's mix, as real fleets are: ranks 4 to 64, most of them small, and target modules q/v only, attention, or
+# every linear layer; each drawn with its weight (on smollm2-135m an adapter is 6.5 MB on average, 0.2 to 75 MB).
 FLEET_RANKS = (4, 8, 16, 32, 64)
+FLEET_RANK_WEIGHTS = (0.2, 0.35, 0.3, 0.1, 0.05)
 FLEET_TARGETS = (
     ("q_proj", "v_proj"),
     ("q_proj", "k_proj", "v_proj", "o_proj"),
     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 )
+FLEET_TARGET_WEIGHTS = (0.5, 0.35, 0.15)
 
 
 class FleetAdapter(NamedTuple):
@@ -78,8 +82,9 @@ def fleet_plan(count: int, seed: int = 0, prefix: str = "fleet") -> list[FleetAd
     adapter, each adapter's weights seeded by its own seed."""
     rng = random.Random(seed)
     width = max(5, len(str(count - 1)))
-    return [FleetAdapter(name=f"{prefix}-{index:0{width}d}", rank=rng.choice(FLEET_RANKS),
-                         target_modules=rng.choice(FLEET_TARGETS), seed=seed * 1_000_003 + index)
+    return [FleetAdapter(name=f"{prefix}-{index:0{width}d}", rank=rng.choices(FLEET_RANKS, FLEET_RANK_WEIGHTS)[0],
+                         target_modules=rng.choices(FLEET_TARGETS, FLEET_TARGET_WEIGHTS)[0],
+                         seed=seed * 1_000_003 + index)
             for index in range(count)]
 
 
@@ -89,14 +94,22 @@ def write_fleet(out_dir: Path, store: ModelStore, backbone: str, plan: list[Flee
     plan (a marker file holds its rank, modules and seed), so a second run over the same fleet writes nothing."""
     progress = progress or SilentProgress()
     progress.stage(f"writing {len(plan)} adapters of {backbone} in {out_dir}", total=len(plan))
+    manifest = store.get(backbone)
+    layers = backbone_linear_layers(store, manifest)
     paths = []
     for adapter in plan:
         path = Path(out_dir) / adapter.name
         marker = path / ".fleet-plan"
-        stamp = json.dumps([backbone, adapter.rank, list(adapter.target_modules), adapter.seed])
+        # what a deploy refuses (adapter_limits): a rank beyond a layer's min(in, out), or an adapter over a
+        # fraction of its backbone; a small backbone's adapters get the largest rank it allows
+        adapted = [shape for layer, shape in layers.items() if layer.rsplit(".", 1)[-1] in adapter.target_modules]
+        per_rank = sum(sum(shape) for shape in adapted)
+        fits = int(manifest.num_parameters * DEFAULT_MAX_BACKBONE_FRACTION) // max(per_rank, 1)
+        rank = max(1, min([adapter.rank, fits, *(min(shape) for shape in adapted)]))
+        stamp = json.dumps([backbone, rank, list(adapter.target_modules), adapter.seed])
         if not (marker.is_file() and marker.read_text() == stamp):
             # target modules the backbone lacks (gate_proj, ... on a backbone without them) are left out
-            write_random_adapter(path, store, backbone, rank=adapter.rank, alpha=2 * adapter.rank,
+            write_random_adapter(path, store, backbone, rank=rank, alpha=2 * rank,
                                  target_modules=adapter.target_modules, seed=adapter.seed)
             marker.write_text(stamp)
         paths.append(path)
