@@ -21,8 +21,8 @@ def platform(tmp_path_factory, tiny_dense_dir):
 
 def test_bench_fleet_deploys_drives_and_measures_twenty_functions(platform, cli, tmp_path) -> None:
     result = cli("--home", str(platform.home), "bench", "fleet", "--url", platform.url, "--functions", "20",
-                 "--duration", "10", "--rate", "2", "--drain", "60", "--output-len", "4", "--prompt-len", "8", "--backbone",
-                 "tiny-dense", "--adapters-dir", str(tmp_path / "fleet"), "--lorafaas-pid",
+                 "--duration", "10", "--rate", "2", "--drain", "60", "--output-len", "4", "--prompt-len", "8",
+                 "--backbone", "tiny-dense", "--adapters-dir", str(tmp_path / "fleet"), "--lorafaas-pid",
                  str(platform.process.pid), "--json", env={"LORAFAAS_API_KEY": platform.admin_key}, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(result.stdout)
