@@ -127,9 +127,9 @@ def _run_vllm(server: ServerSpec, adapters: list[Path], schedule, prompts, confi
     return summarize_server("vllm", server.url, len(adapters), deploy, outcomes, wall_s, lag_s, load, config)
 
 
-def _register_vllm(http: httpx.Client, adapters: list[Path], progress: ProgressSink) -> tuple[int, float]:
-    """(adapters refused, seconds) of registering each adapter by path (`/v1/load_lora_adapter`); one vLLM holds
-    already (a run that did not finish) counts as registered."""
+def _register_vllm(http: httpx.Client, adapters: list[Path], progress: ProgressSink) -> tuple[list[str], float]:
+    """(why each refused adapter was, seconds) of registering each adapter by path (`/v1/load_lora_adapter`); one
+    vLLM holds already (a run that did not finish) counts as registered."""
     import time
 
     progress.stage(f"vllm: registering {len(adapters)} adapters", total=len(adapters))
