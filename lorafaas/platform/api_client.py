@@ -92,22 +92,22 @@ class ApiClient:
     # -- functions -------------------------------------------------------------------------------------------------
 
     def deploy(self, spec: dict, adapter_dir: Path) -> dict:
-        files = {"adapter": ("adapter.tar.gz", pack_adapter(adapter_dir), "application/gzip")}
+        files = {"adapter": ("adapter.tar", pack_adapter(adapter_dir), "application/x-tar")}
         return self._call("POST", "/v1/functions", data={"spec": json.dumps(spec)}, files=files).json()
 
     @staticmethod
     def pack(adapter_dir: Path) -> bytes:
-        """The adapter as `deploy_many` sends it (a gzipped tar of its two files)."""
+        """The adapter as `deploy_many` sends it (a tar of its two files)."""
         return pack_adapter(adapter_dir)
 
     def deploy_many(self, specs: builtins.list[dict], archives: builtins.list[bytes]) -> dict:
         """POST /v1/functions:batch: `specs[i]` with the packed adapter `archives[i]`; the BatchDeployed reply."""
-        files = [("adapters", (f"adapter-{i}.tar.gz", archive, "application/gzip"))
+        files = [("adapters", (f"adapter-{i}.tar", archive, "application/x-tar"))
                  for i, archive in enumerate(archives)]
         return self._call("POST", "/v1/functions:batch", data={"specs": json.dumps(specs)}, files=files).json()
 
     def update(self, name: str, spec: dict, adapter_dir: Path | None = None) -> dict:
-        files = {"adapter": ("adapter.tar.gz", pack_adapter(adapter_dir), "application/gzip")} if adapter_dir else None
+        files = {"adapter": ("adapter.tar", pack_adapter(adapter_dir), "application/x-tar")} if adapter_dir else None
         return self._call("PATCH", f"/v1/functions/{name}", data={"spec": json.dumps(spec)}, files=files).json()
 
     def list(self) -> list[FunctionSpec]:

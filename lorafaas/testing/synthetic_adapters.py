@@ -7,11 +7,15 @@ B is non-zero (unlike a freshly initialised PEFT adapter), so every adapter chan
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from typing import NamedTuple
 
 from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.adapter_validation import backbone_linear_layers
+from lorafaas.platform.adapter_limits import DEFAULT_MAX_BACKBONE_FRACTION
+from lorafaas.progress import ProgressSink, SilentProgress
 
 
 def write_random_adapter(
@@ -31,9 +35,12 @@ def write_random_adapter(
     layers = backbone_linear_layers(store, store.get(backbone))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
+    present: set[str] = set()
     for path, (out_features, in_features) in sorted(layers.items()):
-        if path.rsplit(".", 1)[-1] not in target_modules:
+        module = path.rsplit(".", 1)[-1]
+        if module not in target_modules:
             continue
+        present.add(module)
         tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * scale
         tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * scale
     if not tensors:
@@ -43,11 +50,71 @@ def write_random_adapter(
     save_file(tensors, out_dir / WEIGHTS_FILE)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": backbone, "r": rank,
-        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(target_modules), "bias": "none",
+        "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": [m for m in target_modules if m in present],
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+# A fleet's mix, as real fleets are: ranks 4 to 64, most of them small, and target modules q/v only, attention, or
+# every linear layer; each drawn with its weight (on smollm2-135m an adapter is 6.5 MB on average, 0.2 to 75 MB).
+FLEET_RANKS = (4, 8, 16, 32, 64)
+FLEET_RANK_WEIGHTS = (0.2, 0.35, 0.3, 0.1, 0.05)
+FLEET_TARGETS = (
+    ("q_proj", "v_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
+FLEET_TARGET_WEIGHTS = (0.5, 0.35, 0.15)
+
+
+class FleetAdapter(NamedTuple):
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+    seed: int
+
+
+def fleet_plan(count: int, seed: int = 0, prefix: str = "fleet") -> list[FleetAdapter]:
+    """The `count` adapters of a fleet, the same for the same (count, seed): rank and target modules drawn per
+    adapter, each adapter's weights seeded by its own seed."""
+    rng = random.Random(seed)
+    width = max(5, len(str(count - 1)))
+    return [FleetAdapter(name=f"{prefix}-{index:0{width}d}", rank=rng.choices(FLEET_RANKS, FLEET_RANK_WEIGHTS)[0],
+                         target_modules=rng.choices(FLEET_TARGETS, FLEET_TARGET_WEIGHTS)[0],
+                         seed=seed * 1_000_003 + index)
+            for index in range(count)]
+
+
+def write_fleet(out_dir: Path, store: ModelStore, backbone: str, plan: list[FleetAdapter],
+                progress: ProgressSink | None = None) -> list[Path]:
+    """Write each planned adapter under `out_dir` (a directory per name), keeping one already written with the same
+    plan (a marker file holds its rank, modules and seed), so a second run over the same fleet writes nothing."""
+    progress = progress or SilentProgress()
+    progress.stage(f"writing {len(plan)} adapters of {backbone} in {out_dir}", total=len(plan))
+    manifest = store.get(backbone)
+    layers = backbone_linear_layers(store, manifest)
+    paths = []
+    for adapter in plan:
+        path = Path(out_dir) / adapter.name
+        marker = path / ".fleet-plan"
+        # what a deploy refuses (adapter_limits): a rank beyond a layer's min(in, out), or an adapter over a
+        # fraction of its backbone; a small backbone's adapters get the largest rank it allows
+        adapted = [shape for layer, shape in layers.items() if layer.rsplit(".", 1)[-1] in adapter.target_modules]
+        per_rank = sum(sum(shape) for shape in adapted)
+        fits = int(manifest.num_parameters * DEFAULT_MAX_BACKBONE_FRACTION) // max(per_rank, 1)
+        rank = max(1, min([adapter.rank, fits, *(min(shape) for shape in adapted)]))
+        stamp = json.dumps([backbone, rank, list(adapter.target_modules), adapter.seed])
+        if not (marker.is_file() and marker.read_text() == stamp):
+            # target modules the backbone lacks (gate_proj, ... on a backbone without them) are left out
+            write_random_adapter(path, store, backbone, rank=rank, alpha=2 * rank,
+                                 target_modules=adapter.target_modules, seed=adapter.seed)
+            marker.write_text(stamp)
+        paths.append(path)
+        progress.advance()
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
