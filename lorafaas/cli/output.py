@@ -65,32 +65,73 @@ def human_bytes(num_bytes: float) -> str:
 
 
 class RichProgress:
-    """A ProgressSink drawing one bar per stage on stderr (so `--json` output on stdout stays clean)."""
+    """A ProgressSink drawing one bar per stage on stderr (so `--json` output on stdout stays clean). Where stderr is
+    not a terminal (a log file, CI), where rich draws nothing until the end, it writes a plain line per stage and
+    per tenth of a stage's total instead, so a long step shows it is moving."""
 
     def __init__(self) -> None:
+        self._live = err_console.is_terminal
         self._progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
             TimeElapsedColumn(), console=err_console,
         )
         self._task: TaskID | None = None
+        self._lines = _ProgressLines()
 
     def __enter__(self) -> RichProgress:
-        self._progress.start()
+        if self._live:
+            self._progress.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._finish_stage()
-        self._progress.stop()
+        if self._live:
+            self._progress.stop()
 
     def stage(self, description: str, total: float | None = None) -> None:
         self._finish_stage()
-        self._task = self._progress.add_task(description, total=total)
+        if self._live:
+            self._task = self._progress.add_task(description, total=total)
+        else:
+            self._lines.stage(description, total)
 
     def advance(self, amount: float = 1) -> None:
         if self._task is not None:
             self._progress.advance(self._task, amount)
+        elif not self._live:
+            self._lines.advance(amount)
 
     def _finish_stage(self) -> None:
         if self._task is not None:
             task = self._progress.tasks[self._task]
             self._progress.update(self._task, total=task.total or 1, completed=task.total or 1)
+        elif not self._live:
+            self._lines.finish()
+
+
+class _ProgressLines:
+    """Plain progress lines on stderr: a stage's start, each tenth of its total, its end."""
+
+    def __init__(self) -> None:
+        self.description: str | None = None
+        self.total: float | None = None
+        self.done = 0.0
+        self.tenths = 0
+
+    def stage(self, description: str, total: float | None) -> None:
+        self.description, self.total, self.done, self.tenths = description, total, 0.0, 0
+        print(f"{description} ...", file=sys.stderr, flush=True)
+
+    def advance(self, amount: float) -> None:
+        self.done += amount
+        if self.description is None or not self.total:
+            return
+        tenths = min(10, int(10 * self.done / self.total))
+        if tenths > self.tenths and tenths < 10:
+            self.tenths = tenths
+            print(f"{self.description}: {self.done:g} of {self.total:g}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.description is not None:
+            print(f"{self.description}: done", file=sys.stderr, flush=True)
+            self.description = None

@@ -52,3 +52,20 @@ def test_a_simulated_replay_prints_its_markdown_report_verbatim_when_piped(tmp_p
     report = (out / "comparison.md").read_text()
     assert max(map(len, report.splitlines())) > 80  # the case: lines wider than the terminal rich assumes
     assert done.stdout == report
+
+
+def test_progress_written_to_a_file_shows_each_stage_moving(capsys):
+    """Where stderr is a log file, rich draws no bar until the end: a long step (a fleet's deploy) must still show
+    that it moves, a line per tenth of the stage."""
+    from lorafaas.cli.output import RichProgress
+
+    with RichProgress() as progress:
+        progress.stage("deploying 20 functions", total=20)
+        for _ in range(20):
+            progress.advance()
+        progress.stage("checking")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "deploying 20 functions ..."
+    tenths = [f"deploying 20 functions: {n} of 20" for n in range(2, 20, 2)]
+    assert [line for line in lines if " of 20" in line] == tenths
+    assert lines[-3:] == ["deploying 20 functions: done", "checking ...", "checking: done"]
