@@ -33,12 +33,12 @@ import httpx
 import msgspec
 
 from lorafaas.bench.control_plane import deploy_batches
-from lorafaas.bench.fleet_workload import Arrival, WorkloadSpec
 from lorafaas.bench.serve import ServeBenchConfig, Target, one_request, shown_key
 from lorafaas.bench.serve_stats import MachineLoad, RequestOutcome
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.stats import percentile
+from lorafaas.testing.fleet_workload import Arrival, WorkloadSpec
 
 
 class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,13 +25,13 @@ from lorafaas.bench.fleet import (
     shown_config,
     summarize_server,
 )
-from lorafaas.bench.fleet_workload import arrivals
 from lorafaas.bench.serve import Target, make_prompts
 from lorafaas.bench.serve_stats import LoadProbe
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.progress import ProgressSink, SilentProgress
-from lorafaas.testing.synthetic_adapters import fleet_plan, write_fleet
+from lorafaas.testing.fleet_workload import arrivals, fleet_plan
+from lorafaas.testing.synthetic_adapters import write_fleet
 
 
 class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):

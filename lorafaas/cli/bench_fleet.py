@@ -42,10 +42,10 @@ def fleet(
 ) -> None:
     """N functions (mixed ranks and modules) under Poisson arrivals and Zipf popularity; lorafaas, then vLLM."""
     from lorafaas.bench.fleet_run import ServerSpec, run_fleet_bench
-    from lorafaas.bench.fleet_workload import WorkloadSpec
     from lorafaas.bench.serve import parse_target
     from lorafaas.formats.model_store import ModelStore
     from lorafaas.platform.api_client import resolve_key, resolve_url
+    from lorafaas.testing.fleet_workload import WorkloadSpec
 
     config: LorafaasConfig = ctx.obj
     bases = {}

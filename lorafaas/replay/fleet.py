@@ -1,12 +1,11 @@
 """The fleet workload in the simulator (issue 41): N functions, one adapter each of mixed rank and target modules,
 Poisson arrivals at a total rate, the function drawn by Zipf popularity, fixed prompt and output lengths.
 
-The workload is the fleet benchmark's (`lorafaas bench fleet`) described again in the simulator's terms: function k
-(0-based) is drawn with probability proportional to (k + 1)^-s, gaps are exponential of mean 1/rate; adapters have
-ranks 4, 8, 16, 32 or 64 on q/v, the four attention projections, or every linear layer, drawn per function from the
-seed. Their bytes and extra step time follow `lorafaas.scheduler.AdapterCostModel` on the cluster's backbone widths
-(rank-aware: the simulated truth, whatever the policy's scheduler is told). Every function is deployed, called or
-not: the scheduler plans for the whole fleet.
+The workload is the fleet benchmark's (`lorafaas bench fleet`), from the same definition
+(`lorafaas.testing.fleet_workload`): the same seed gives the same adapters' ranks and target modules and the same
+arrivals to the same functions. The adapters' bytes and extra step time follow `lorafaas.scheduler.AdapterCostModel`
+on the cluster's backbone widths (rank-aware: the simulated truth, whatever the policy's scheduler is told). Every
+function is deployed, called or not: the scheduler plans for the whole fleet.
 
     fleet_cluster(cluster, options)   the cluster with the fleet's functions (backbones round-robin)
     fleet_workload(options)           the requests
@@ -15,10 +14,7 @@ not: the scheduler plans for the whole fleet.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -28,11 +24,9 @@ from lorafaas.replay.sim.policies import resolve_policies
 from lorafaas.replay.sim.runner import simulate
 from lorafaas.replay.workload import Request, Workload
 from lorafaas.scheduler import AdapterCostModel, AdapterShape, SchedulerConfig
-from lorafaas.scheduler.adapter_cost import ALL_LINEAR, ATTENTION_MODULES
 from lorafaas.stats import percentile
+from lorafaas.testing.fleet_workload import WorkloadSpec, arrivals, fleet_plan
 
-FLEET_RANKS = (4, 8, 16, 32, 64)
-FLEET_TARGETS = (("q_proj", "v_proj"), ATTENTION_MODULES, ALL_LINEAR)
 FLEET_POLICIES = ("lorafaas", "lorafaas-rank-blind", "serverlessllm")
 
 
@@ -59,13 +53,11 @@ class FleetOptions:
 
 
 def fleet_names(count: int) -> list[str]:
-    width = max(5, len(str(count - 1)))
-    return [f"fleet-{k:0{width}d}" for k in range(count)]
+    return [adapter.name for adapter in fleet_plan(count)]
 
 
 def fleet_shapes(options: FleetOptions) -> list[AdapterShape]:
-    rng = random.Random(options.seed)
-    return [AdapterShape(rng.choice(FLEET_RANKS), rng.choice(FLEET_TARGETS)) for _ in range(options.functions)]
+    return [AdapterShape(a.rank, a.target_modules) for a in fleet_plan(options.functions, options.seed)]
 
 
 def fleet_cluster(cluster: ClusterSpec, options: FleetOptions) -> ClusterSpec:
@@ -85,17 +77,12 @@ def fleet_cluster(cluster: ClusterSpec, options: FleetOptions) -> ClusterSpec:
 
 
 def fleet_workload(options: FleetOptions) -> Workload:
-    rng = random.Random(options.seed + 1)
     names = fleet_names(options.functions)
-    cumulative = list(itertools.accumulate((k + 1) ** -options.zipf_s for k in range(options.functions)))
-    total = cumulative[-1]
-    requests = []
-    at = rng.expovariate(options.rate_per_s)
-    while at < options.duration_s:
-        k = min(bisect.bisect_right(cumulative, rng.random() * total), options.functions - 1)
-        requests.append(Request(at, names[k], names[k], options.prompt_tokens, options.output_tokens))
-        at += rng.expovariate(options.rate_per_s)
-    return Workload(tuple(requests), options.duration_s, tuple(names))
+    spec = WorkloadSpec(functions=options.functions, rate_per_s=options.rate_per_s, zipf_s=options.zipf_s,
+                        duration_s=options.duration_s, seed=options.seed)
+    requests = tuple(Request(arrival.at_s, names[arrival.function], names[arrival.function], options.prompt_tokens,
+                             options.output_tokens) for arrival in arrivals(spec))
+    return Workload(requests, options.duration_s, tuple(names))
 
 
 def run_fleet(options: FleetOptions, cluster: ClusterSpec, policy_names: Sequence[str] = FLEET_POLICIES) -> dict:

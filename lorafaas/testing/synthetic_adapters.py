@@ -7,15 +7,14 @@ B is non-zero (unlike a freshly initialised PEFT adapter), so every adapter chan
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
-from typing import NamedTuple
 
 from lorafaas.formats.adapter_files import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.adapter_validation import backbone_linear_layers
 from lorafaas.platform.adapter_limits import DEFAULT_MAX_BACKBONE_FRACTION
 from lorafaas.progress import ProgressSink, SilentProgress
+from lorafaas.testing.fleet_workload import FleetAdapter
 
 
 def write_random_adapter(
@@ -56,36 +55,6 @@ def write_random_adapter(
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
-
-
-# A fleet's mix, as real fleets are: ranks 4 to 64, most of them small, and target modules q/v only, attention, or
-# every linear layer; each drawn with its weight (on smollm2-135m an adapter is 6.5 MB on average, 0.2 to 75 MB).
-FLEET_RANKS = (4, 8, 16, 32, 64)
-FLEET_RANK_WEIGHTS = (0.2, 0.35, 0.3, 0.1, 0.05)
-FLEET_TARGETS = (
-    ("q_proj", "v_proj"),
-    ("q_proj", "k_proj", "v_proj", "o_proj"),
-    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-)
-FLEET_TARGET_WEIGHTS = (0.5, 0.35, 0.15)
-
-
-class FleetAdapter(NamedTuple):
-    name: str
-    rank: int
-    target_modules: tuple[str, ...]
-    seed: int
-
-
-def fleet_plan(count: int, seed: int = 0, prefix: str = "fleet") -> list[FleetAdapter]:
-    """The `count` adapters of a fleet, the same for the same (count, seed): rank and target modules drawn per
-    adapter, each adapter's weights seeded by its own seed."""
-    rng = random.Random(seed)
-    width = max(5, len(str(count - 1)))
-    return [FleetAdapter(name=f"{prefix}-{index:0{width}d}", rank=rng.choices(FLEET_RANKS, FLEET_RANK_WEIGHTS)[0],
-                         target_modules=rng.choices(FLEET_TARGETS, FLEET_TARGET_WEIGHTS)[0],
-                         seed=seed * 1_000_003 + index)
-            for index in range(count)]
 
 
 def write_fleet(out_dir: Path, store: ModelStore, backbone: str, plan: list[FleetAdapter],

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from lorafaas.models.adapter_validation import backbone_linear_layers, validate_adapter
 from lorafaas.platform.adapter_limits import AdapterLimits, check_adapter_size
-from lorafaas.testing.synthetic_adapters import FLEET_RANKS, FLEET_TARGETS, fleet_plan, write_fleet
+from lorafaas.testing.fleet_workload import FLEET_RANKS, FLEET_TARGETS, fleet_plan
+from lorafaas.testing.synthetic_adapters import write_fleet
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""The fleet benchmark's workload (lorafaas/bench/fleet_workload.py): seeded, Poisson in time, Zipf over functions."""
+"""The fleet benchmark's workload (lorafaas/testing/fleet_workload.py): seeded, Poisson in time, Zipf over functions."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from lorafaas.bench.fleet_workload import WorkloadSpec, arrivals, zipf_weights
+from lorafaas.testing.fleet_workload import WorkloadSpec, arrivals, zipf_weights
 
 
 def test_the_same_seed_gives_the_same_sequence_and_another_seed_another() -> None:

@@ -81,3 +81,18 @@ def test_bad_fleet_options_are_refused_with_the_value(capsys) -> None:
         main(["replay", "fleet", "--functions", "5", "--cluster", "local"])
     assert exited.value.code != 0
     assert "backbone 'smollm2-135m' has no widths" in capsys.readouterr().err
+
+
+def test_the_simulated_fleet_is_the_benchmarks_fleet() -> None:
+    """`replay fleet` and `bench fleet` simulate and drive one workload: for a seed, the same adapters (rank, target
+    modules) behind the same names, and the same arrivals to the same functions at the same offsets."""
+    from lorafaas.replay.fleet import fleet_shapes
+    from lorafaas.testing.fleet_workload import WorkloadSpec, arrivals, fleet_plan
+
+    options = FleetOptions(functions=300, rate_per_s=5, duration_s=30, seed=7)
+    plan = fleet_plan(300, seed=7)
+    assert [(s.rank, tuple(s.target_modules)) for s in fleet_shapes(options)] == [(a.rank, a.target_modules)
+                                                                                   for a in plan]
+    bench = arrivals(WorkloadSpec(functions=300, rate_per_s=5, duration_s=30, seed=7))
+    simulated = fleet_workload(options).requests
+    assert [(r.arrival_s, r.function) for r in simulated] == [(a.at_s, plan[a.function].name) for a in bench]

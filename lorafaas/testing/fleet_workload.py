@@ -1,4 +1,6 @@
-"""The fleet benchmark's open-loop workload: Poisson arrivals at a total rate, each to a function drawn by Zipf.
+"""The fleet workload, one definition for the benchmark (`lorafaas bench fleet`) and the simulator (`lorafaas replay
+fleet`): a fleet's adapters of mixed rank and target modules, and open-loop Poisson arrivals at a total rate, each
+to a function drawn by Zipf.
 
 Pure and seeded: the same (seed, rate, zipf, duration, functions) gives the same arrival sequence, so every server of
 one run (and of a later run) gets exactly the same requests at the same offsets. Function k (0-based) is chosen with
@@ -10,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+from typing import NamedTuple
 
 import msgspec
 
@@ -50,3 +53,33 @@ def arrivals(spec: WorkloadSpec) -> list[Arrival]:
         out.append(Arrival(at_s=at, function=function, prompt=rng.randrange(spec.prompts)))
         at += rng.expovariate(spec.rate_per_s)
     return out
+
+
+# A fleet's mix, as real fleets are: ranks 4 to 64, most of them small, and target modules q/v only, attention, or
+# every linear layer; each drawn with its weight (on smollm2-135m an adapter is 6.5 MB on average, 0.2 to 75 MB).
+FLEET_RANKS = (4, 8, 16, 32, 64)
+FLEET_RANK_WEIGHTS = (0.2, 0.35, 0.3, 0.1, 0.05)
+FLEET_TARGETS = (
+    ("q_proj", "v_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
+FLEET_TARGET_WEIGHTS = (0.5, 0.35, 0.15)
+
+
+class FleetAdapter(NamedTuple):
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+    seed: int
+
+
+def fleet_plan(count: int, seed: int = 0, prefix: str = "fleet") -> list[FleetAdapter]:
+    """The `count` adapters of a fleet, the same for the same (count, seed): rank and target modules drawn per
+    adapter, each adapter's weights seeded by its own seed."""
+    rng = random.Random(seed)
+    width = max(5, len(str(count - 1)))
+    return [FleetAdapter(name=f"{prefix}-{index:0{width}d}", rank=rng.choices(FLEET_RANKS, FLEET_RANK_WEIGHTS)[0],
+                         target_modules=rng.choices(FLEET_TARGETS, FLEET_TARGET_WEIGHTS)[0],
+                         seed=seed * 1_000_003 + index)
+            for index in range(count)]
