@@ -63,6 +63,7 @@ class ServerConfig:
     max_batch_size: int = DEFAULT_MAX_BATCH  # AgentConfig.max_batch_size (the fixed-batch policy's B stays 1)
     tenant_adapter_bytes: int = DEFAULT_TENANT_ADAPTER_BYTES  # AdapterLimits.max_tenant_bytes
     host_tier_bytes: int | None = None  # LocalLauncher's host tier (None: host_tier.default_host_tier_bytes)
+    standby_workers: int | None = None  # LocalLauncher's pool processes per backbone (None: DEFAULT_STANDBY_WORKERS)
     upload_timeout_s: float = UPLOAD_TIMEOUT_S  # RequestLimits.upload_timeout_s
     upload_min_rate_bytes_s: float = UPLOAD_MIN_RATE_BYTES_S  # RequestLimits.upload_min_rate_bytes_s
 
@@ -140,7 +141,7 @@ class Platform:
         self.adapter_access = AdapterAccess.from_admin_key(config.admin_key or self.new_admin_key
                                                            or _kept_admin_key(home))
         self.launcher = open_backend(config.backend, home, tuple(d.name for d in devices), self.adapter_access,
-                                     host_tier_bytes=config.host_tier_bytes)
+                                     host_tier_bytes=config.host_tier_bytes, standby_workers=config.standby_workers)
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
             scheduler = replace(scheduler, max_batch_size=config.max_batch_size)

@@ -23,10 +23,11 @@ import msgspec
 from lorafaas.errors import InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import tcp_address
+from lorafaas.function_runtime.standby import STANDBY_FUNCTION
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.agent.config import GATE_LEASE_S, SHARED_BASE_FROM_PER_SLOT, AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState
-from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend
+from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend, StandbyLauncher
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.devices import backbone_device
@@ -127,6 +128,10 @@ class Instances:
             self.daemon_start_s[backbone] = time.perf_counter() - started
         if self.launcher.zygote_pid is not None:
             await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
+        if isinstance(self.launcher, StandbyLauncher):  # its pool processes attach and warm up now, not at a start
+            spec = await asyncio.to_thread(self.launcher.spec, STANDBY_FUNCTION, backbone, None, device=device,
+                                           num_threads=self.config.num_threads)
+            await asyncio.to_thread(self.launcher.fill_standbys, spec)
 
     def _is_worker(self, pid: int) -> bool:
         return any(i.pid == pid for i in self.table.all())
