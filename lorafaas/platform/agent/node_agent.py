@@ -252,6 +252,7 @@ class NodeAgent:
                     if not produced:
                         produced = True
                         meter.first_event_s = instance.last_progress_s
+                        self.instances.record_first_token(instance, event, self.clock() - dispatched)
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         if self._current(state):  # a deleted deployment's requests teach its successor nothing
                             observe_prefill(self.scheduler, state.spec, admitted.batch_size, event,
@@ -434,6 +435,10 @@ class NodeAgent:
             raise FunctionNotFound(f"function {spec.name} was deleted")
         return describe_function(state, self.table, self.scheduler, self.config, self.admission.queued(spec.name),
                                  self.launcher.describe_failures(spec.name, since=spec.created_at))
+
+    def start_stage_totals(self) -> dict[str, tuple[int, float]]:
+        """Every instance start's stages on this node: stage -> (count, seconds summed)."""
+        return self.instances.start_stages.snapshot()
 
     def cold_start_counts(self) -> dict[tuple[str, str], int]:
         """(function, kind) -> cold starts, of the functions deployed now (/metrics reads it from another thread:

@@ -36,7 +36,7 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.errors import DaemonUnavailable, InvalidInput, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
-from lorafaas.function_runtime.messages import WorkerSpec
+from lorafaas.function_runtime.messages import Assigned, WorkerSpec
 from lorafaas.function_runtime.standby import assign
 from lorafaas.function_runtime.zygote import (
     spawn_standby,
@@ -88,6 +88,8 @@ class InstanceHandle:
     pid: int
     log_path: Path
     process: subprocess.Popen | None  # set for fresh workers (our children); zygote children are the zygote's
+    # a pool process given this function: how long its backbone attach and warm-up took, before (off the start)
+    standby_s: float | None = None
     adopted = False  # every launch starts a process (a dead launcher's instances are stopped, not adopted)
 
     async def connect(self) -> WorkerClient:
@@ -478,10 +480,11 @@ class LocalLauncher:
             handle = InstanceHandle(spec, process.pid, log_path, process)
         else:
             self.start_zygote()
-            pid = self._assign_standby(spec, log_path)
-            if pid is None:
-                pid = spawn_worker(self.zygote_socket, spec, log_path)
-            handle = InstanceHandle(spec, pid, log_path, None)
+            assigned = self._assign_standby(spec, log_path)
+            if assigned is None:
+                handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
+            else:
+                handle = InstanceHandle(spec, assigned.pid, log_path, None, standby_s=assigned.seconds)
         with self._lock:
             closing = self._closing.is_set()
             if not closing:
@@ -493,21 +496,20 @@ class LocalLauncher:
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
 
-    def _assign_standby(self, spec: WorkerSpec, log_path: Path) -> int | None:
-        """The pid of a pool process now serving `spec` (and the pool refilled behind it), or None: fork one."""
+    def _assign_standby(self, spec: WorkerSpec, log_path: Path) -> Assigned | None:
+        """A pool process now serving `spec` (and the pool refilled behind it), or None: fork one."""
         standby = self.standbys.take(spec)
         self.standbys.refill(spec)
         if standby is None:
             return None
         try:
-            assign(Path(standby.spec.socket_path), spec, log_path)
+            return assign(Path(standby.spec.socket_path), spec, log_path)
         except (LorafaasError, OSError) as exc:  # never back into the pool: it may have half-taken the spec
             log.warning("%s: pool process %d refused its assignment (%s); forking a worker", spec.function,
                         standby.pid, exc)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(standby.pid, signal.SIGKILL)
             return None
-        return standby.pid
 
     def fill_standbys(self, spec: WorkerSpec) -> None:
         """Start the pool processes for `spec`'s backbone now (a backbone made resident), not at its first start."""
