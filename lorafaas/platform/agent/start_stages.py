@@ -1,15 +1,17 @@
-"""The stages of the instance starts on this node, every function's together: a bounded series per stage for
-`/metrics` (`lorafaas_instance_start_seconds{stage}`: sum and count), whatever the number of functions. Each start's
-own breakdown is in its instance's record (`describe`: `cold_start`) and its function's `last_cold_start`."""
+"""The stages of deployments' registrations and of the instance starts on this node, every function's together: a
+bounded series per stage for `/metrics` (`lorafaas_instance_start_seconds{stage}`: sum and count), whatever the
+number of functions. Each start's own breakdown is in its instance's record (`describe`: `cold_start`), its
+function's `last_cold_start` and `registration`."""
 
 from __future__ import annotations
 
 # prepare: its worker spec (daemon socket, LoRA mode, sizes); spawn: until the process listens (a fork from the
 # zygote, or a pool process given the function); standby_warm: a pool process's backbone attach and warm-up, done
 # before (off the start); libraries, backbone, adapter, warmup: the stages it ran; total: from the start's beginning
-# to ready; first_token: its first request's first token from dispatch; first_prefill: that request's forward pass
-STAGES = ("prepare", "spawn", "standby_warm", "libraries", "backbone", "adapter", "warmup", "total", "first_prefill",
-          "first_token")
+# to ready; first_token: its first request's first token from dispatch; first_prefill: that request's forward pass.
+# A deployment's registration before it (service.deploy): register_check, _adapter, _state, _apply.
+STAGES = ("register_check", "register_adapter", "register_state", "register_apply", "prepare", "spawn", "standby_warm",
+          "libraries", "backbone", "adapter", "warmup", "total", "first_prefill", "first_token")
 
 
 class StartStages:
