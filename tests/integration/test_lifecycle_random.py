@@ -215,7 +215,8 @@ def test_random_lifecycle_operations_under_load_never_mix_up_functions(tmp_path,
             for client in clients.values():
                 client.__exit__(None, None, None)
         assert not failures, failures
-    assert len(calls) >= 40, f"the load made only {len(calls)} calls"
+    # the fleet's calls mostly start an instance (a pool process, or a fork) and its operations are capped in time
+    assert len(calls) >= (10 if fleet else 40), f"the load made only {len(calls)} calls"
     answered = [c for c in calls if c.status == 200 and c.code is None]
     assert answered, "some calls were answered"
     for call in calls:
