@@ -269,10 +269,15 @@ class Instances:
         check()
         instance.cold_start["spawn"] = time.perf_counter() - launched
         standby_s = getattr(instance.handle, "standby_s", None)  # a local pool process: its attach and warm-up
-        if standby_s is not None:
+        preloaded: tuple[m.StageName, ...] = ()
+        if standby_s is not None:  # it loaded these before it listened (standby.py): no round trip to ask again
             instance.cold_start["standby_warm"] = standby_s
+            preloaded = ("libraries", "backbone")
+            instance.loaded.update(preloaded)
         instance.client = await instance.handle.connect()
         for stage in stages:
+            if stage in preloaded:
+                continue
             check()
             done = await instance.client.stage(stage)
             instance.cold_start[stage] = done.seconds
