@@ -8,7 +8,9 @@ A sample makes a new adapter callable under a name never used before, then strea
                VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), then its first request
 
 Per sample: `register_s` (the registration's reply), `ttft_s` (the first request's first token, timed as `bench
-serve` times it) and `total_s`, their sum. The targets alternate sample by sample, each after a pause (`settle_s`)
+serve` times it) and `total_s`, their sum; on lorafaas also `stages`, its instance's start stage by stage as
+`describe` shows it (prepare, spawn, standby_warm, libraries, backbone, adapter, total, first_prefill, first_token).
+The targets alternate sample by sample, each after a pause (`settle_s`)
 in which the other server goes idle, and each sample's adapter is removed afterwards (DELETE /v1/functions/NAME;
 POST /v1/unload_lora_adapter), so every sample is a first load.
 """
@@ -57,6 +59,8 @@ class NewAdapterSample(msgspec.Struct, frozen=True, kw_only=True):
     register_s: float
     ttft_s: float
     total_s: float
+    # lorafaas: its instance's start, stage by stage (describe's `cold_start`: spawn, adapter, first_token, ...)
+    stages: dict[str, float] = {}
 
 
 class NewAdapterSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +68,7 @@ class NewAdapterSummary(msgspec.Struct, frozen=True, kw_only=True):
     median_register_s: float
     median_ttft_s: float
     median_total_s: float
+    median_stages: dict[str, float] = {}  # lorafaas: per stage, over the samples that had it
 
 
 class NewAdapterResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,10 +101,16 @@ async def _run(targets: list[NewAdapterTarget], config: NewAdapterConfig, progre
     summaries = tuple(
         NewAdapterSummary(kind=t.kind, median_register_s=statistics.median(s.register_s for s in mine),
                           median_ttft_s=statistics.median(s.ttft_s for s in mine),
-                          median_total_s=statistics.median(s.total_s for s in mine))
+                          median_total_s=statistics.median(s.total_s for s in mine),
+                          median_stages=_median_stages([s.stages for s in mine]))
         for t in targets if (mine := [s for s in samples if s.kind == t.kind]))
     shown = msgspec.structs.replace(config, api_key=shown_key(config.api_key))
     return NewAdapterResult(config=shown, targets=tuple(targets), samples=tuple(samples), summaries=summaries)
+
+
+def _median_stages(samples: list[dict[str, float]]) -> dict[str, float]:
+    names = dict.fromkeys(stage for stages in samples for stage in stages)  # in the order the first start had them
+    return {name: statistics.median(s[name] for s in samples if name in s) for name in names}
 
 
 async def _sample(http: httpx.AsyncClient, target: NewAdapterTarget, config: NewAdapterConfig, archive: bytes,
@@ -124,10 +135,22 @@ async def _sample(http: httpx.AsyncClient, target: NewAdapterTarget, config: New
         outcome = await one_request(http, Target(label=target.kind, url=target.url), name, prompt, request)
         if not outcome.ok:
             raise RuntimeError(f"{target.kind} at {target.url}: the first request to {name} failed: {outcome.error}")
+        stages = await _start_stages(http, target, name, headers) if target.kind == "lorafaas" else {}
     finally:
         if target.kind == "lorafaas":
             await http.delete(f"{target.url}/v1/functions/{name}", headers=headers)
         else:
             await http.post(f"{target.url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": name})
     return NewAdapterSample(kind=target.kind, name=name, register_s=register_s, ttft_s=outcome.ttft_s,
-                            total_s=register_s + outcome.ttft_s)
+                            total_s=register_s + outcome.ttft_s, stages=stages)
+
+
+async def _start_stages(http: httpx.AsyncClient, target: NewAdapterTarget, name: str, headers: dict[str, str]
+                        ) -> dict[str, float]:
+    """The breakdown of the start that served the function's first request (`describe`); {} if it has none."""
+    reply = await http.get(f"{target.url}/v1/functions/{name}", headers=headers)
+    if reply.status_code != 200:
+        return {}
+    described = reply.json()
+    starts = [i["cold_start"] for i in described.get("instances", []) if i.get("cold_start")]
+    return dict(starts[0]) if starts else dict(described.get("last_cold_start") or {})

@@ -163,6 +163,10 @@ def new_adapter(
         table.add_row(summary.kind, f"{summary.median_register_s:.3f}", f"{summary.median_ttft_s:.3f}",
                       f"{summary.median_total_s:.3f}", totals)
     print_table(table)
+    for summary in result.summaries:
+        if summary.median_stages:
+            stages = ", ".join(f"{stage} {seconds * 1e3:.1f}" for stage, seconds in summary.median_stages.items())
+            console.print(f"{summary.kind} instance start, median ms per stage: {stages}")
     if len(result.summaries) == 2:
         ratio = result.summaries[0].median_total_s / result.summaries[1].median_total_s
         console.print(f"lorafaas / vllm, median total: {ratio:.2f}x")

@@ -170,6 +170,8 @@ def describe(ctx: typer.Context, name: str, url: str | None = URL, as_json: bool
                       _adapter(i.get("adapter")) + (" (shared base pass)" if i.get("shared_base") else ""),
                       _breakdown(i["cold_start"]))
     print_table(table)
+    if info.get("registration"):
+        console.print(f"registration: {_breakdown(info['registration'])}")
     if info.get("last_cold_start"):
         console.print(f"last cold start: {_breakdown(info['last_cold_start'])}")
     if batching := info.get("batching"):

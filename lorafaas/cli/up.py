@@ -57,6 +57,10 @@ def up(
                                           "attention, KV cache, the adapter and sampling stay in each function's "
                                           "process, while enough functions step at once (--shared-base-from; "
                                           "docs/performance.md, \"The shared base pass\")."),
+    standby_workers: int | None = typer.Option(None, "--standby-workers", min=0, max=64,
+                                               help="Pre-forked worker processes kept per backbone, backbone "
+                                                    "attached and warmed up, each given to one new function's first "
+                                                    "instance for its whole life (default 1; 0: none)."),
     shared_base_from: int | None = typer.Option(None, "--shared-base-from", min=2, max=255,
                                                 help="With --shared-base and the step gate: members' steps go to "
                                                      "the shared base pass while at least this many step at once "
@@ -112,6 +116,7 @@ def up(
         idle_budget_bytes=None if idle_budget is None else 0 if idle_budget.strip() == "0" else parse_size(
             idle_budget, "--idle-budget"),
         rank_aware=not rank_blind,
+        standby_workers=standby_workers,
     )
     url = f"http://{_local_address(host)}:{port}"
     # The hints name the home only when it differs from the one a plain `lorafaas` in this shell uses; the URL needs

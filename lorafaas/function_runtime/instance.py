@@ -50,6 +50,7 @@ LIBRARY_MODULES = (
 )
 REQUIRED_STAGES: tuple[StageName, ...] = ("libraries", "backbone", "adapter")
 WARMUP_TOKENS = 8
+PLAIN_WARMUP_TOKENS = 32  # a pool process's dummy prompt: as long as a typical first prompt's prefill
 
 
 def import_libraries() -> None:
@@ -77,6 +78,7 @@ class FunctionInstance:
         # while the backbone's linear layers go to the shared base pass
         self.base_pass: BasePassClient | None = None
         self._lease_id: str | None = None
+        self._segment_tensors: dict[str, torch.Tensor] | None = None  # the attached backbone's, for the base pass
 
     @property
     def ready(self) -> bool:
@@ -149,6 +151,7 @@ class FunctionInstance:
                 from lorafaas.models.cpu_linear import use_onednn_linears
 
                 use_onednn_linears(model)
+            self._segment_tensors = attachment.tensors
             if self.spec.base_pass:
                 self._join_base_pass(model, attachment.tensors, self.spec.base_pass)
         else:
@@ -210,6 +213,26 @@ class FunctionInstance:
         while engine.has_work():
             engine.step()
 
+    def warm_up_plain(self) -> None:
+        """A pool process's warm-up, before it serves any function: one prefill of a dummy prompt and one decode
+        step on the bare backbone, in an engine dropped afterwards (nothing of it stays but created kernels, started
+        thread pools and faulted-in pages)."""
+        from lorafaas.function_runtime.messages import SamplingParams
+
+        engine = self._new_engine()
+        engine.add("warmup", list(range(1, 1 + PLAIN_WARMUP_TOKENS)), SamplingParams(max_tokens=2))
+        while engine.has_work():
+            engine.step()
+
+    def assign(self, spec: WorkerSpec) -> None:
+        """A pool process becomes `spec`'s instance (once: `standby.py`); its adapter is read by the adapter stage.
+        The spec's shared base pass is joined here, as a worker forked for it joins at its backbone stage."""
+        if self.host_adapter is not None or "adapter" in self.loaded:
+            raise InvalidInput("this process holds an adapter already; a process serves one function")
+        self.spec = spec
+        if spec.base_pass and self.model is not None and self._segment_tensors is not None:
+            self._join_base_pass(self.model, self._segment_tensors, spec.base_pass)
+
     def _new_engine(self) -> GenerationEngine:
         from lorafaas.function_runtime.engine import EngineConfig, GenerationEngine
 
@@ -267,7 +290,7 @@ class FunctionInstance:
         if self.base_pass is not None:
             self.base_pass.close()
             self.base_pass = None
-        self.model = self.tokenizer = self.engine = None
+        self.model = self.tokenizer = self.engine = self._segment_tensors = None
         if self._lease_id and self.spec.daemon_socket:
             from lorafaas.protocols.daemon_client import DaemonClient
 

@@ -306,6 +306,27 @@ class Prepared(msgspec.Struct, frozen=True, kw_only=True, tag="prepared"):
     seconds: float
 
 
+class SpawnStandby(msgspec.Struct, frozen=True, kw_only=True, tag="spawn_standby"):
+    """Fork a pool process for no function yet: it attaches the backbone, warms up on a dummy prompt and waits on
+    `spec.socket_path` for one `Assign` (function_runtime/standby.py). `spec` names no function (STANDBY_FUNCTION)."""
+
+    spec: WorkerSpec
+    log_path: str
+
+
+class Assign(msgspec.Struct, frozen=True, kw_only=True, tag="assign"):
+    """To a pool process, once in its life: become the worker of `spec` (its adapter, socket, limits), logging to
+    `log_path`."""
+
+    spec: WorkerSpec
+    log_path: str
+
+
+class Assigned(msgspec.Struct, frozen=True, kw_only=True, tag="assigned"):
+    pid: int
+    seconds: float  # its backbone attach and warm-up, done before the assignment (off the request path)
+
+
 class ZygoteStatusRequest(msgspec.Struct, frozen=True, tag="zygote_status"):
     pass
 
@@ -319,5 +340,7 @@ class ZygoteStatus(msgspec.Struct, frozen=True, kw_only=True, tag="zygote_status
     frozen_objects: int = 0  # objects moved out of the collector's reach before forking (`gc.freeze`)
 
 
-ZygoteRequest = Hello | Spawn | Prepare | ZygoteStatusRequest | Shutdown
+ZygoteRequest = Hello | Spawn | SpawnStandby | Prepare | ZygoteStatusRequest | Shutdown
 ZygoteReply = HelloReply | Spawned | Prepared | ZygoteStatus | ErrorReply
+StandbyRequest = Hello | Assign
+StandbyReply = Assigned | ErrorReply

@@ -57,9 +57,10 @@ class _Route:
 
 
 class WorkerServer:
-    def __init__(self, spec: m.WorkerSpec, tokenizer=None) -> None:
+    def __init__(self, spec: m.WorkerSpec, tokenizer=None, instance: FunctionInstance | None = None) -> None:
+        """`instance`: one loaded already (a pool process given this function), else a new one."""
         self.spec = spec
-        self.instance = FunctionInstance(spec, tokenizer)
+        self.instance = instance or FunctionInstance(spec, tokenizer)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._gate = StepGate(spec.step_gate) if spec.step_gate else None  # used by the compute thread only
         self._routes: dict[str, _Route] = {}

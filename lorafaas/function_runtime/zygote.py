@@ -3,7 +3,8 @@
 A forked worker skips the imports (the `libraries` artifact is pre-loaded) and shares the library pages with the
 zygote copy-on-write. The zygote starts no threads (torch's thread pools start on the first operation, which happens
 only in the children), so forking it is safe. It serves a one-request-per-connection protocol on a Unix socket:
-`Spawn` -> `Spawned(pid)`, `Prepare` -> `Prepared`, `ZygoteStatusRequest` -> `ZygoteStatus`, `Shutdown`.
+`Spawn` -> `Spawned(pid)`, `SpawnStandby` -> `Spawned(pid)` (a pool process for no function yet: standby.py),
+`Prepare` -> `Prepared`, `ZygoteStatusRequest` -> `ZygoteStatus`, `Shutdown`.
 
 The pool also holds each backbone's tokenizer once it has been asked to (`Prepare`, or the first `Spawn` for that
 backbone): host-side parts of the backbone artifact, shared with every worker it forks like the libraries.
@@ -98,7 +99,7 @@ class Zygote:
         except (OSError, ConnectionError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             log.warning("zygote: dropped a malformed request: %s", exc)
             return
-        if isinstance(request, m.Spawn):
+        if isinstance(request, (m.Spawn, m.SpawnStandby)):
             self._prepare(request.spec.model_dir)
             pid = self._fork(request, conn, listener)
             conn.sendall(encode_frame(m.Spawned(pid=pid)))
@@ -122,7 +123,7 @@ class Zygote:
         elif isinstance(request, m.Shutdown):
             self._stop(listener)
 
-    def _fork(self, request: m.Spawn, conn: socket.socket, listener: socket.socket) -> int:
+    def _fork(self, request: m.Spawn | m.SpawnStandby, conn: socket.socket, listener: socket.socket) -> int:
         zygote_pid = os.getpid()
         # Out of the collector's reach: a collection in the worker writes into every object it tracks, which would
         # copy each page of the inherited heap (libraries, tokenizers) into the worker's private memory.
@@ -134,9 +135,15 @@ class Zygote:
                 conn.close()
                 listener.close()
                 _become_worker(request.log_path, zygote_pid)
-                from lorafaas.function_runtime.worker import run_worker
+                tokenizer = self.tokenizers.get(request.spec.model_dir)
+                if isinstance(request, m.SpawnStandby):  # a pool process: a function comes later, once
+                    from lorafaas.function_runtime.standby import run_standby
 
-                code = run_worker(request.spec, self.tokenizers.get(request.spec.model_dir))
+                    code = run_standby(request.spec, tokenizer)
+                else:
+                    from lorafaas.function_runtime.worker import run_worker
+
+                    code = run_worker(request.spec, tokenizer)
             except BaseException:
                 logging.getLogger("lorafaas.worker").exception("worker %d failed", os.getpid())
             finally:
@@ -221,6 +228,14 @@ def spawn_worker(socket_path: Path, spec: m.WorkerSpec, log_path: Path) -> int:
     reply = _call(socket_path, m.Spawn(spec=spec, log_path=str(log_path)))
     if not isinstance(reply, m.Spawned):
         raise ProtocolError(f"zygote answered {reply!r} to spawn")
+    return reply.pid
+
+
+def spawn_standby(socket_path: Path, spec: m.WorkerSpec, log_path: Path) -> int:
+    """Fork a pool process (function_runtime/standby.py); it listens on spec.socket_path once warmed up."""
+    reply = _call(socket_path, m.SpawnStandby(spec=spec, log_path=str(log_path)))
+    if not isinstance(reply, m.Spawned):
+        raise ProtocolError(f"zygote answered {reply!r} to spawn_standby")
     return reply.pid
 
 

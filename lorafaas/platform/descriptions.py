@@ -79,3 +79,4 @@ class FunctionDescription(msgspec.Struct, kw_only=True):
     admission: AdmissionView
     cold_starts: dict[str, int]
     failures: list[FailureView]
+    registration: dict[str, float] | None = None  # its deployment's registration by stage (check, adapter, state)

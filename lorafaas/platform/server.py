@@ -66,6 +66,7 @@ class ServerConfig:
     # AgentConfig.idle_budget_bytes (None: DEFAULT_IDLE_BUDGET_FRACTION of the machine's memory)
     idle_budget_bytes: int | None = None
     rank_aware: bool = True  # SchedulerConfig.rank_aware (`up --rank-blind`: a benchmark's comparison)
+    standby_workers: int | None = None  # LocalLauncher's pool processes per backbone (None: DEFAULT_STANDBY_WORKERS)
     upload_timeout_s: float = UPLOAD_TIMEOUT_S  # RequestLimits.upload_timeout_s
     upload_min_rate_bytes_s: float = UPLOAD_MIN_RATE_BYTES_S  # RequestLimits.upload_min_rate_bytes_s
 
@@ -143,7 +144,7 @@ class Platform:
         self.adapter_access = AdapterAccess.from_admin_key(config.admin_key or self.new_admin_key
                                                            or _kept_admin_key(home))
         self.launcher = open_backend(config.backend, home, tuple(d.name for d in devices), self.adapter_access,
-                                     host_tier_bytes=config.host_tier_bytes)
+                                     host_tier_bytes=config.host_tier_bytes, standby_workers=config.standby_workers)
         scheduler = for_device_kind(scheduler_config(config.policy), "cpu" if device.name == "cpu" else "gpu")
         if scheduler.adaptive_batching:  # the fixed-batch ablation keeps its batch of 1
             scheduler = replace(scheduler, max_batch_size=config.max_batch_size)

@@ -153,7 +153,7 @@ class FunctionService:
         (batch_deploy.py) so the quota costs no store read per function; the new adapter is added to it."""
         name = fields.get("name", "")
         tenant = _tenant_of(caller, fields.get("tenant"))
-        now = time.time()
+        now, started = time.time(), time.perf_counter()
         spec = FunctionSpec(name=name, tenant=tenant, backbone=fields.get("backbone", ""), adapter_digest="0" * 64,
                             uid=secrets.token_hex(8), created_at=now, updated_at=now, **_spec_values(fields)).check()
         self.models.get(spec.backbone)  # BackboneNotFound before any work
@@ -161,19 +161,26 @@ class FunctionService:
         if await self.store_threads.run(self._exists, spec.name):
             raise AlreadyExists(f"function {spec.name!r} already exists; update it with PATCH (`lorafaas deploy "
                                 "--replace`) or delete it first")
+        checked = time.perf_counter()
         digest = await self._store_adapter(adapter_archive, spec.backbone, spec.tenant, held=held)
         spec = msgspec.structs.replace(spec, adapter_digest=digest)
+        stored = time.perf_counter()
         try:
             await self.store_threads.run(self.store.put_function, spec, create=True)
         except BaseException:
             await self._release_adapter(digest)  # a failed deploy leaves no adapter behind
             raise
+        recorded = time.perf_counter()
         # Stored: the function references the adapter now, so there is nothing to collect (a collect lists every
         # function and adapter: a deploy would cost more with each function deployed).
         self.adapters.unpin(digest)
         if held is not None:
             held.add(digest, self.adapters.size_bytes(digest))
         self.agent.apply(spec)
+        # the registration's stages (the upload itself was read before this call): checks, the adapter (unpacked,
+        # digested, checked against the backbone, stored), the function's record, handed to the node agent
+        self.agent.record_registration(spec, {"check": checked - started, "adapter": stored - checked,
+                                              "state": recorded - stored, "apply": time.perf_counter() - recorded})
         log.info("deployed %s (tenant %s, backbone %s, adapter %s)", spec.name, spec.tenant, spec.backbone,
                  digest[:12])
         return spec

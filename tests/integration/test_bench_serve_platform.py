@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from lorafaas.formats.model_store import ModelStore
@@ -63,8 +64,13 @@ def test_bench_new_adapter_deploys_a_new_function_per_sample_and_removes_it(plat
     for sample in samples:
         assert sample["kind"] == "lorafaas" and sample["register_s"] > 0 and sample["ttft_s"] > 0
         assert sample["total_s"] == sample["register_s"] + sample["ttft_s"]
+        # its instance's start, stage by stage, to the first token of its first request
+        assert {"prepare", "spawn", "adapter", "total", "first_prefill", "first_token"} <= set(sample["stages"])
     [summary] = document["summaries"]
     assert summary["median_total_s"] == (samples[0]["total_s"] + samples[1]["total_s"]) / 2
+    assert summary["median_stages"]["first_token"] > 0
+    metrics = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.admin_key}"}).text
+    assert 'lorafaas_instance_start_seconds_count{stage="first_token"}' in metrics  # one series per stage
     with platform.client() as admin:  # each sample's function was deleted after its first token
         assert {f.name for f in admin.list()} == {"alpha", "beta"}
 

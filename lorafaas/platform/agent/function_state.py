@@ -60,6 +60,7 @@ class FunctionState:
     spec: FunctionSpec  # the current version of the deployment
     adapter_bytes: int = 0  # its adapter's weights, read when the deployment (or a new adapter) was applied
     last_cold_start: dict[str, float] | None = None  # the steps of its last instance start, in seconds
+    registration: dict[str, float] | None = None  # the stages of its deployment's registration, in seconds
     last_scale_out_s: float | None = None  # a start beside a running instance: what the next one expects
     cold_starts: dict[str, int] = field(default_factory=dict)  # kind -> count
     restarts: int = 0  # instances replaced after a crash or hang

@@ -23,10 +23,12 @@ import msgspec
 from lorafaas.errors import InstanceUnavailable, LorafaasError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import tcp_address
+from lorafaas.function_runtime.standby import STANDBY_FUNCTION
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
 from lorafaas.platform.agent.config import GATE_LEASE_S, SHARED_BASE_FROM_PER_SLOT, AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState
-from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend
+from lorafaas.platform.agent.start_stages import StartStages
+from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend, StandbyLauncher
 from lorafaas.platform.backends.lora_servers import LoraServers, with_lora_mode
 from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.devices import backbone_device
@@ -78,6 +80,7 @@ class Instances:
         # Called with (instance, idle seconds, bytes) when an idle instance stops: its last keep-alive is charged.
         self.on_keep_alive: Callable[[Instance, float, float], None] | None = None
         self._probes: dict[Instance, asyncio.Task] = {}
+        self.start_stages = StartStages()  # every start's stages, summed per stage (metrics)
 
     @property
     def slots(self) -> int:
@@ -127,6 +130,10 @@ class Instances:
             self.daemon_start_s[backbone] = time.perf_counter() - started
         if self.launcher.zygote_pid is not None:
             await asyncio.to_thread(prepare_backbone, self.launcher.zygote_socket, self.launcher.store.path(backbone))
+        if isinstance(self.launcher, StandbyLauncher):  # its pool processes attach and warm up now, not at a start
+            spec = await asyncio.to_thread(self.launcher.spec, STANDBY_FUNCTION, backbone, None, device=device,
+                                           num_threads=self.config.num_threads)
+            await asyncio.to_thread(self.launcher.fill_standbys, spec)
 
     def _is_worker(self, pid: int) -> bool:
         return any(i.pid == pid for i in self.table.all())
@@ -188,10 +195,27 @@ class Instances:
         state = self._state_of(instance)
         if state is not None and not adopted:
             state.record_cold_start(kind, instance.cold_start, scale_out)
+        if not adopted:
+            self.start_stages.observe(instance.cold_start)
         log.info("%s: instance %s (pid %s) %s in %.0f ms (%s)", spec.name, instance.instance_id, instance.pid,
                  "adopted" if adopted else "started", instance.cold_start["total"] * 1e3, instance.start_kind)
         self._on_ready(instance)
         return instance
+
+    def record_first_token(self, instance: Instance, first: m.Token | m.Finished, seconds: float) -> None:
+        """The last stages of an instance's start: its first request's first token (from dispatch) and forward
+        pass, added to its breakdown, its function's last one and the node's per-stage sums. Once per instance."""
+        if "first_token" in instance.cold_start or not instance.cold_start:
+            return
+        stages = {"first_token": seconds}
+        prefill_s = getattr(first, "prefill_s", None)
+        if prefill_s is not None:
+            stages["first_prefill"] = prefill_s
+        instance.cold_start.update(stages)
+        state = self._state_of(instance)
+        if state is not None and state.last_cold_start is not None:
+            state.last_cold_start.update(stages)
+        self.start_stages.observe(stages)
 
     def abort_start(self, instance: Instance, reason: str) -> None:
         """Stop a start in progress now: its process is killed and its start fails at once (a launch still under
@@ -234,6 +258,8 @@ class Instances:
         instance.backbone_bytes = await asyncio.to_thread(self._backbone_bytes, spec.backbone)
         instance.instance_id = worker_spec.instance_id
         check()
+        launched = time.perf_counter()
+        instance.cold_start["prepare"] = launched - started  # its worker spec: daemon socket, LoRA mode, sizes
         instance.launching.set()
         if isinstance(self.launcher, AsyncLauncher):  # a pod: its readiness is awaited, no thread held meanwhile
             instance.handle = await self.launcher.launch_async(worker_spec)
@@ -241,9 +267,17 @@ class Instances:
             instance.handle = await asyncio.to_thread(self.launcher.launch, worker_spec)
         instance.instance_id = instance.handle.spec.instance_id  # a pod adopted after a restart keeps its id
         check()
-        instance.cold_start["spawn"] = time.perf_counter() - started
+        instance.cold_start["spawn"] = time.perf_counter() - launched
+        standby_s = getattr(instance.handle, "standby_s", None)  # a local pool process: its attach and warm-up
+        preloaded: tuple[m.StageName, ...] = ()
+        if standby_s is not None:  # it loaded these before it listened (standby.py): no round trip to ask again
+            instance.cold_start["standby_warm"] = standby_s
+            preloaded = ("libraries", "backbone")
+            instance.loaded.update(preloaded)
         instance.client = await instance.handle.connect()
         for stage in stages:
+            if stage in preloaded:
+                continue
             check()
             done = await instance.client.stage(stage)
             instance.cold_start[stage] = done.seconds

@@ -204,8 +204,10 @@ class NodeAgent:
     # -- instance events -------------------------------------------------------------------------------------------
 
     def _instance_ready(self, instance: Instance) -> None:
-        if not self.table.transition(instance, "ready") and instance.state == "draining":
-            self._finish_drain(instance)  # deleted or updated while it started: it serves only what waits for it
+        if instance.state == "draining":  # deleted or updated while it started: it serves only what waits for it
+            self._finish_drain(instance)  # (draining -> ready is no transition: it raised, a 500 to its request)
+        else:
+            self.table.transition(instance, "ready")
         self.admission.wake(instance.function)
 
     def _instance_gone(self, instance: Instance, failed: bool) -> None:
@@ -253,6 +255,7 @@ class NodeAgent:
                     if not produced:
                         produced = True
                         meter.first_event_s = instance.last_progress_s
+                        self.instances.record_first_token(instance, event, self.clock() - dispatched)
                         instance.loaded.update(REQUEST_STAGES)  # the worker reloads whatever was offloaded
                         if self._current(state):  # a deleted deployment's requests teach its successor nothing
                             observe_prefill(self.scheduler, state.spec, admitted.batch_size, event,
@@ -438,6 +441,17 @@ class NodeAgent:
             raise FunctionNotFound(f"function {spec.name} was deleted")
         return describe_function(state, self.table, self.scheduler, self.config, self.admission.queued(spec.name),
                                  self.launcher.describe_failures(spec.name, since=spec.created_at))
+
+    def record_registration(self, spec: FunctionSpec, stages: dict[str, float]) -> None:
+        """A deployment's registration, stage by stage: in its record (describe) and the node's per-stage sums."""
+        state = self.functions.get(spec.name)
+        if state is not None and state.owns(spec.uid):
+            state.registration = dict(stages)
+        self.instances.start_stages.observe({f"register_{stage}": seconds for stage, seconds in stages.items()})
+
+    def start_stage_totals(self) -> dict[str, tuple[int, float]]:
+        """Every instance start's stages on this node: stage -> (count, seconds summed)."""
+        return self.instances.start_stages.snapshot()
 
     def cold_start_counts(self) -> dict[tuple[str, str], int]:
         """(function, kind) -> cold starts, of the functions deployed now (/metrics reads it from another thread:

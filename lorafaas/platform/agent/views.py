@@ -22,6 +22,7 @@ def describe_function(state: FunctionState, table: InstanceTable, scheduler: Sch
         function=spec,
         instances=[i.describe() for i in table.of_function(spec.name) if state.owns(i.identity.uid)],
         last_cold_start=state.last_cold_start,
+        registration=state.registration,
         offloaded=[event.describe() for event in state.offloads],
         batching=BatchingView(max_batch_size=min(policy.max_batch_size, config.max_batch_size),
                               prefill_t0_s=round(float(policy.model.t0_s), 4),

@@ -111,3 +111,10 @@ class AsyncLauncher(Protocol):
 @runtime_checkable
 class AsyncKillable(Protocol):
     async def kill_async(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None: ...
+
+
+@runtime_checkable
+class StandbyLauncher(Protocol):
+    """A backend keeping pre-forked processes per backbone (the local one): filled when a backbone becomes resident."""
+
+    def fill_standbys(self, spec: WorkerSpec) -> None: ...

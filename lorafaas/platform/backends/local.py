@@ -36,8 +36,15 @@ from lorafaas.config import LorafaasConfig
 from lorafaas.errors import DaemonUnavailable, InvalidInput, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
-from lorafaas.function_runtime.messages import WorkerSpec
-from lorafaas.function_runtime.zygote import spawn_worker, start_fresh_worker, start_zygote, wait_for_socket
+from lorafaas.function_runtime.messages import Assigned, WorkerSpec
+from lorafaas.function_runtime.standby import assign
+from lorafaas.function_runtime.zygote import (
+    spawn_standby,
+    spawn_worker,
+    start_fresh_worker,
+    start_zygote,
+    wait_for_socket,
+)
 from lorafaas.platform.backends.host_tier import HostTier, default_host_tier_bytes, hand_back, keep_stopping_daemon
 from lorafaas.platform.backends.local_record import (
     LauncherRecord,
@@ -50,6 +57,7 @@ from lorafaas.platform.backends.local_record import (
     terminate_all,
     wait_gone,
 )
+from lorafaas.platform.backends.standby_pool import StandbyPool
 from lorafaas.platform.descriptions import FailureView
 from lorafaas.platform.devices import check_devices
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
@@ -80,6 +88,8 @@ class InstanceHandle:
     pid: int
     log_path: Path
     process: subprocess.Popen | None  # set for fresh workers (our children); zygote children are the zygote's
+    # a pool process given this function: how long its backbone attach and warm-up took, before (off the start)
+    standby_s: float | None = None
     adopted = False  # every launch starts a process (a dead launcher's instances are stopped, not adopted)
 
     async def connect(self) -> WorkerClient:
@@ -164,7 +174,9 @@ class DaemonProcess:
 class LocalLauncher:
     keeps_instances = False  # its workers stop with it (a dead launcher's are stopped by the next, not adopted)
 
-    def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",), host_tier_bytes: int | None = None) -> None:
+    def __init__(self, home: Path, devices: tuple[str, ...] = ("cpu",), host_tier_bytes: int | None = None,
+                 standby_workers: int = 0) -> None:
+        """`standby_workers`: pre-forked pool processes kept per backbone and device (standby_pool.py); 0: none."""
         check_devices(devices)
         self.host_tier = HostTier(default_host_tier_bytes(psutil.virtual_memory().total) if host_tier_bytes is None
                                   else host_tier_bytes)
@@ -184,6 +196,7 @@ class LocalLauncher:
         self._record = RecordFile(self.run_dir)
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self.standbys = StandbyPool(standby_workers, self.run_dir, self._spawn_standby)
 
     def __enter__(self) -> LocalLauncher:
         return self
@@ -467,7 +480,11 @@ class LocalLauncher:
             handle = InstanceHandle(spec, process.pid, log_path, process)
         else:
             self.start_zygote()
-            handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
+            assigned = self._assign_standby(spec, log_path)
+            if assigned is None:
+                handle = InstanceHandle(spec, spawn_worker(self.zygote_socket, spec, log_path), log_path, None)
+            else:
+                handle = InstanceHandle(spec, assigned.pid, log_path, None, standby_s=assigned.seconds)
         with self._lock:
             closing = self._closing.is_set()
             if not closing:
@@ -478,6 +495,34 @@ class LocalLauncher:
         self._write_record()
         wait_for_socket(Path(spec.socket_path), timeout_s, handle.pid)
         return handle
+
+    def _assign_standby(self, spec: WorkerSpec, log_path: Path) -> Assigned | None:
+        """A pool process now serving `spec` (and the pool refilled behind it), or None: fork one."""
+        standby = self.standbys.take(spec)
+        self.standbys.refill(spec)
+        if standby is None:
+            return None
+        try:
+            return assign(Path(standby.spec.socket_path), spec, log_path)
+        except (LorafaasError, OSError) as exc:  # never back into the pool: it may have half-taken the spec
+            log.warning("%s: pool process %d refused its assignment (%s); forking a worker", spec.function,
+                        standby.pid, exc)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(standby.pid, signal.SIGKILL)
+            return None
+
+    def fill_standbys(self, spec: WorkerSpec) -> None:
+        """Start the pool processes for `spec`'s backbone now (a backbone made resident), not at its first start."""
+        with self._lock:
+            self._refuse_if_closing()
+        self.start_zygote()
+        self.standbys.refill(spec, delay_s=0.0)
+
+    def _spawn_standby(self, spec: WorkerSpec) -> int:
+        with self._lock:
+            self._refuse_if_closing()
+        private_dir(self.log_dir)
+        return spawn_standby(self.zygote_socket, spec, self.log_dir / "standby.log")
 
     def describe_failures(self, function: str, since: float = 0.0) -> list[FailureView]:
         return []  # a local worker that fails is seen by the node agent itself (its process exits)
@@ -492,6 +537,7 @@ class LocalLauncher:
         with self._lock:
             self._closing.set()  # nothing starts from now on, nor does the supervisor restart anything
             instances, self.instances = list(self.instances), []
+        self.standbys.close()
         for instance in instances:
             instance.kill()
         if self._zygote is not None:

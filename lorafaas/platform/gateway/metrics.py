@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from lorafaas.function_runtime.memory import read_memory
 from lorafaas.platform.agent import NodeAgent
@@ -115,6 +115,10 @@ class _AgentCollector:
                                  labels=["function", "kind"])
         for (function, kind), count in sorted(self.agent.cold_start_counts().items()):
             cold.add_metric([function, kind], count)
+        stages = SummaryMetricFamily("lorafaas_instance_start_seconds", "The stages of instance starts, every "
+                                     "function's (platform/agent/start_stages.py)", labels=["stage"])
+        for stage, (count, sum_s) in sorted(self.agent.start_stage_totals().items()):
+            stages.add_metric([stage], count, sum_s)
         instances = GaugeMetricFamily("lorafaas_instances", "Function instances by live state (a state with none "
                                       "has no series)", labels=["function", "state"])
         counts = self.agent.count_by_state()
@@ -147,7 +151,7 @@ class _AgentCollector:
                                  "(running a request or starting) since the agent started", labels=["device"])
         for device, count in sorted(dict(self.agent.table.busy_peak).items()):
             peak.add_metric([device], count)
-        families = [cold, instances, failures, memory, slots, busy, budget, peak]
+        families = [cold, stages, instances, failures, memory, slots, busy, budget, peak]
         gate = self.agent.gate
         if gate is not None:
             computing = GaugeMetricFamily("lorafaas_computing_instances_peak", "Most instances running an engine "
