@@ -59,6 +59,11 @@ _hello_decoder = msgspec.msgpack.Decoder(bp.BasePassHello)
 STATS_LOG_INTERVAL_S = 10.0
 
 
+def executor_threads(weights: GroupWeights, threads: int | None) -> int | None:
+    """The threads the executor computes `weights`' products on: one from packed bf16 weights, else `threads`."""
+    return 1 if weights.packed else threads
+
+
 class BasePassExecutor:
     def __init__(self, path: Path, tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...],
                  may_join: Callable[[int], bool], *,
@@ -269,7 +274,7 @@ class BasePassExecutor:
     def _pack_if_bf16(self) -> None:
         """On a bf16 backbone, compute from a packed copy of its weights, on one thread (`group_weights`)."""
         if self.pack_bf16 and self.weights.pack_if_bf16():
-            torch.set_num_threads(1)  # this is the executor's thread (the hello is read on it)
+            torch.set_num_threads(executor_threads(self.weights, self.threads) or 1)  # the executor's thread reads hellos
 
     def _refuse(self, member: Member, why: str) -> None:
         self.stats.refused += 1

@@ -104,6 +104,12 @@ class GroupWeights:
         products = sum(w.shape[0] for w, _ in self._layers[key])
         return products + 2 * tail.o_proj.shape[0] if tail is not None else products
 
+    def weights_of(self, key: int) -> list[torch.Tensor]:
+        """The weights a call of group `key` reads, in the layout computed from now."""
+        down, tail = self._downs[key], self._tails[key]
+        found = [weight for weight, _ in self._layers[key]] + ([] if down is None else [down])
+        return found if tail is None else [tail.o_proj, *tail.mlp, *found]
+
     def num_products(self, key: int) -> int:
         """The products a call of group `key` computes (a tail's o_proj and MLP count four)."""
         return len(self._layers[key]) + (self._downs[key] is not None) + 4 * (self._tails[key] is not None)

@@ -16,6 +16,37 @@ from lorafaas.platform.demo_functions import DEMO_ADAPTERS_DIR, demo_adapter_dir
 app = typer.Typer(help="Benchmarks of the platform's mechanisms.", no_args_is_help=True)
 
 
+@app.command("products")
+def products(
+    ctx: typer.Context,
+    backbone: str = typer.Option("smollm2-135m", "--backbone", help="A backbone in the model store."),
+    rows: str = typer.Option("1,2,4,8,16,32", "--rows", help="Rows of a round (comma-separated)."),
+    dtype: str = typer.Option("float32,bfloat16", "--dtype", help="float32 and/or bfloat16 (converted in memory)."),
+    repeats: int = typer.Option(7, "--repeats", help="Timed rounds of each case (median)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """One round of the shared base pass's products against a streaming read of the same weights."""
+    from lorafaas.bench.products import parse_dtypes, parse_rows, run_products_bench
+
+    config: LorafaasConfig = ctx.obj
+    row_counts, dtypes = parse_rows(rows), parse_dtypes(dtype)
+    with RichProgress() as progress:
+        result = run_products_bench(config.home, backbone, row_counts, dtypes, repeats, progress)
+    if as_json:
+        print_json(msgspec.to_builtins(result))
+        return
+    table = Table("dtype", "rows", "threads", "kernel", "weights", "products", "GB/s", "streaming read", "GB/s",
+                  "products / read", title=f"{backbone}: one round ({result.groups_per_round} calls), median of "
+                  f"{result.repeats}; read: {result.streaming_method}; load {result.load_average[0]:.1f}"
+                  f"-{result.load_average[1]:.1f}")
+    for case in result.cases:
+        table.add_row(case.dtype, str(case.rows), str(case.threads), case.kernel, human_bytes(case.weight_bytes),
+                      f"{case.products_s * 1e3:.1f} ms", f"{case.products_gb_s:.1f}",
+                      f"{case.streaming_s * 1e3:.1f} ms", f"{case.streaming_gb_s:.1f}",
+                      f"{case.ratio_products_over_streaming:.2f}x")
+    print_table(table)
+
+
 @app.command("attach")
 def attach(
     ctx: typer.Context,
