@@ -274,7 +274,8 @@ class BasePassExecutor:
     def _pack_if_bf16(self) -> None:
         """On a bf16 backbone, compute from a packed copy of its weights, on one thread (`group_weights`)."""
         if self.pack_bf16 and self.weights.pack_if_bf16():
-            torch.set_num_threads(executor_threads(self.weights, self.threads) or 1)  # the executor's thread reads hellos
+            # on the executor's thread: it reads the hellos
+            torch.set_num_threads(executor_threads(self.weights, self.threads) or 1)
 
     def _refuse(self, member: Member, why: str) -> None:
         self.stats.refused += 1
