@@ -38,6 +38,7 @@ from lorafaas.models.binding import bind_backbone
 from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.protocols import base_pass as bp
+from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, check_cpu_linear
 
 DTYPES = ("float32", "bfloat16")
 MAX_REPEATS = 100
@@ -193,8 +194,11 @@ def _timed(work: Callable[[], None], threads: int) -> float:
 
 
 def _executor_weights(tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...]) -> GroupWeights:
-    """The weights and kernel the daemon's executor computes with (`Daemon._start_base_pass`), unpacked."""
-    kernel = choose_cpu_linear("auto", list(tensors.values())).kernel
+    """The weights and kernel the daemon's executor computes with (`Daemon._start_base_pass`: its float32 choice,
+    `$LORAFAAS_CPU_LINEAR` or measured), unpacked."""
+    setting = os.environ.get(CPU_LINEAR_ENV) or "auto"
+    check_cpu_linear(setting, f"${CPU_LINEAR_ENV}")
+    kernel = choose_cpu_linear(setting, list(tensors.values())).kernel
     return GroupWeights(tensors, groups, LINEAR_KERNELS[kernel])
 
 
