@@ -78,6 +78,11 @@ class CoreGrants(Generic[H]):
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def in_pass(self) -> int:
+        """Holders of a SHARED_PASS grant now."""
+        return len(self._sharing)
+
     def join(self, holder: H) -> None:
         """`holder` is a member of the device's base pass: its steps may be granted as SHARED_PASS."""
         self._members.setdefault(holder, -math.inf)
