@@ -15,12 +15,13 @@ cores with it as the operating system shares them, no worse than without the gat
 
 The shared base pass. Members of the device's base pass (`join`) can run a step's backbone products in the
 executor's batched pass instead of on cores of their own: their N reads of the weights become one. Whether the k
-members that asked for a step within the last `shared_window_s` go to it is decided from measured step times
-(`choice`, `lorafaas.scheduler.pass_choice`), or, with a fixed `shared_from`, whenever k >= shared_from. A shared
-grant (`SHARED_PASS`: no cores of its own; the executor computes its backbone products on the device's cores, its own
-remainder runs on one thread) goes to every waiting member at once. Otherwise members get cores like anyone else and
-compute their own pass. The two kinds of grant never overlap: a shared grant waits until the cores' holders are done,
-a cores grant until the shared steps are done, first come first served, so neither starves the other.
+members stepping (waiting, in a step, or asking within the last `shared_window_s`) go to it is decided from measured
+step times (`choice`, `lorafaas.scheduler.pass_choice`), or, with a fixed `shared_from`, whenever k >= shared_from.
+A shared grant (`SHARED_PASS`: no cores of its own; the executor computes its backbone products on the device's
+cores, its own remainder runs on one thread) goes to every waiting member at once. Otherwise members get cores like
+anyone else and compute their own pass. The two kinds of grant never overlap: a shared grant waits until the cores'
+holders are done, a cores grant until the shared steps are done, first come first served, so neither starves the
+other.
 
 A busy host (`host_load`): a lone step gets only the cores other processes on the machine leave free (never fewer
 than `base_threads`): a step on two threads with one of them preempted waits for it at every product.
@@ -93,8 +94,11 @@ class CoreGrants(Generic[H]):
         return self._grant(now_s)
 
     def stepping(self, now_s: float) -> int:
-        """Members that asked for a step within the window."""
-        return sum(1 for asked_s in self._members.values() if now_s - asked_s <= self.shared_window_s)
+        """Members stepping: waiting or in a step now, or done with one within the window. One waiting counts
+        however long ago it asked: members taking turns on the cores may wait longer than the window."""
+        return sum(1 for member, asked_s in self._members.items()
+                   if now_s - asked_s <= self.shared_window_s or member in self._waiting
+                   or member in self._holding or member in self._sharing)
 
     def sharing(self, now_s: float) -> bool:
         """Whether members' steps go to the shared base pass now (with `choice`: deciding may start a try)."""

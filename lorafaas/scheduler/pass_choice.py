@@ -3,8 +3,9 @@
 The step gate sees every step from grant to done. This keeps two estimates per device (moving averages): an own
 step's time by the threads it was granted, and a shared step's time by how many members were stepping when it was
 granted (k). For k members to make one step each, own steps take `ceil(k / slots)` turns of an own step at the base
-threads (no more than `slots` compute at once); the pass takes one shared step, all k together. The pass is chosen
-when its estimate is the lower. A lone member (k = 1) always steps on its own: it has nobody to share a read with.
+threads (no more than `slots` compute at once); the pass takes one shared step, all k together. The mode whose
+estimate is the lower is chosen, by `margin` to switch (a switch waits for the other kind's steps to end). A lone
+member (k = 1) always steps on its own: it has nobody to share a read with.
 
 Exploration, bounded: a mode never measured at k (the pass) or at the base threads (own steps), or measured longer
 than `explore_s` ago, is tried once per `explore_s` for that k; a try lasts until that mode's next measurement (at
@@ -41,6 +42,8 @@ class PassChoice:
         self.pooled: dict[int, Estimate] = {}  # members stepping (k) -> a shared step's time
         self._tried: dict[tuple[bool, int], float] = {}  # (mode, k) -> when it was last tried
         self._trying: tuple[bool, float] | None = None  # the mode being tried and since when
+        self._last = OWN  # the mode chosen last from the estimates
+        self.margin = 0.1  # the other mode's estimate must be this much lower to switch to it
         self.num_tries = 0
 
     def shared(self, k: int, now_s: float) -> bool:
@@ -62,7 +65,13 @@ class PassChoice:
                 return mode
         if pooled is None or own is None:
             return pooled is not None  # the one measured; neither: own steps, as without the pass
-        return pooled.seconds < math.ceil(k / self.slots) * own.seconds
+        own_s = math.ceil(k / self.slots) * own.seconds
+        # a switch drains the other kind's steps first: only for a clear gain, not on noise near the tie
+        if self._last == SHARED:
+            self._last = own_s >= (1 - self.margin) * pooled.seconds
+        else:
+            self._last = pooled.seconds < (1 - self.margin) * own_s
+        return self._last
 
     def own_step(self, threads: int, seconds: float, now_s: float) -> None:
         """An own step granted `threads` took `seconds` from grant to done."""

@@ -15,14 +15,14 @@ OWN_STEP_S = {2: 0.07, 1: 0.1}  # an own step, by threads granted (a lone one is
 
 
 def run(grants: CoreGrants[str], members: str, shared_step_s: Callable[[float], float], until_s: float,
-        count_from_s: float = 0.0) -> dict[str, int]:
+        count_from_s: float = 0.0, own_step_s: dict[int, float] = OWN_STEP_S) -> dict[str, int]:
     """Steps granted from `count_from_s` on, by kind, until `until_s`."""
     counts = {"shared": 0, "own": 0}
     ends: list[tuple[float, str]] = []
 
     def start(given: list[tuple[str, int]], now_s: float) -> None:
         for who, threads in given:
-            step_s = shared_step_s(now_s) if threads == SHARED_PASS else OWN_STEP_S[threads]
+            step_s = shared_step_s(now_s) if threads == SHARED_PASS else own_step_s[threads]
             heapq.heappush(ends, (now_s + step_s, who))
             if now_s >= count_from_s:
                 counts["shared" if threads == SHARED_PASS else "own"] += 1
@@ -55,6 +55,13 @@ def test_four_members_step_on_their_own_when_the_pass_is_slower_and_it_is_only_t
     # bounded: a try per mode and k at first, then the losing mode once per 30 s
     assert grants.choice is not None and grants.choice.num_tries <= 300 / 30 + 4, grants.choice.num_tries
     assert counts["shared"] <= 4 * (300 / 30 + 4), counts
+
+
+def test_members_waiting_their_turn_longer_than_the_window_still_count_as_stepping() -> None:
+    # eight members on two cores, own steps of 0.6 s (a loaded host): each waits 1.8 s for its turn, beyond the 1 s
+    # window, and all eight still count: a 1.5 s round beats four 0.6 s turns
+    counts = run(measured(), "abcdefgh", lambda now_s: 1.5, until_s=120.0, own_step_s={2: 0.5, 1: 0.6})
+    assert counts["shared"] > 0.9 * sum(counts.values()), counts
 
 
 def test_a_bad_first_measurement_of_the_pass_is_corrected_by_a_later_try() -> None:
