@@ -55,10 +55,11 @@ def up(
                                             help="Local CPU workers may send the backbone's linear layers to the "
                                                  "backbone daemon's shared base pass, batched with other functions' "
                                                  "rows (attention, KV cache, adapter and sampling stay in each "
-                                                 "function's process). Default: on with the step gate, which sends "
-                                                 "the functions stepping at once to the pass while it measures "
-                                                 "faster than their own steps (docs/performance.md, \"The shared "
-                                                 "base pass\"); with --no-step-gate, --shared-base sends every step."),
+                                                 "function's process). Default: on with the step gate (local "
+                                                 "workers), which sends the functions stepping at once to the pass "
+                                                 "while it measures faster than their own steps (docs/performance."
+                                                 "md, \"The shared base pass\"); with --no-step-gate, --shared-base "
+                                                 "sends every step."),
     shared_base_from: int | None = typer.Option(None, "--shared-base-from", min=2, max=255,
                                                 help="A fixed override of the measured choice: members' steps go to "
                                                      "the shared base pass while at least this many step at once; "
@@ -93,8 +94,8 @@ def up(
     if shared_base_from is not None and (shared_base is False or not step_gate):
         raise typer.BadParameter("needs the shared base pass and the step gate (without the gate every member's step "
                                  "goes to the shared base pass)", param_hint="--shared-base-from")
-    if shared_base is None:  # the measured choice needs the gate's step times
-        shared_base = step_gate
+    if shared_base is None:  # the measured choice needs the gate's step times: local workers (pods run ungated)
+        shared_base = step_gate and backend == "local"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,

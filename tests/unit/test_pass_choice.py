@@ -114,3 +114,16 @@ def test_a_lone_step_takes_every_core_again_once_the_host_is_quiet() -> None:
     grants.host_load(11.0)
     assert grants.want("b") == []
     assert grants.done("a", again=True) == [("b", 1), ("a", 1)]
+
+
+def test_near_a_tie_the_choice_keeps_its_mode_and_switches_for_a_clear_gain() -> None:
+    choice = PassChoice(slots=2, weight=1.0)  # each measurement replaces the estimate
+    choice.own_step(1, 0.1, now_s=0.0)  # four members: two turns, 0.2 s
+    choice.shared_step(4, 0.19, now_s=0.0)  # 5% faster: not worth draining the cores' steps for
+    assert choice.shared(4, now_s=1.0) is False
+    choice.shared_step(4, 0.17, now_s=1.0)  # 15% faster: switch
+    assert choice.shared(4, now_s=2.0) is True
+    choice.shared_step(4, 0.21, now_s=2.0)  # 5% slower: stay
+    assert choice.shared(4, now_s=3.0) is True
+    choice.shared_step(4, 0.25, now_s=3.0)
+    assert choice.shared(4, now_s=4.0) is False
