@@ -73,7 +73,7 @@ def deploy(
     ),
     shared_base: bool | None = typer.Option(
         None, "--shared-base/--no-shared-base", help="Whether its steps may join the node's shared base pass (the "
-        "default, where the node runs one: `up --shared-base`); --no-shared-base keeps every backbone product in "
+        "default; a CPU node runs one unless `up --no-shared-base`); --no-shared-base keeps every backbone product in "
         "its own process."
     ),
     tenant: str | None = typer.Option(None, "--tenant", help="Deploy for this tenant (admin key only)."),

@@ -51,20 +51,23 @@ def up(
     lone_threads: int | None = typer.Option(None, "--lone-threads", min=1, max=256,
                                             help="Torch threads of an instance computing alone under the step "
                                                  "gate (default: every core)."),
-    shared_base: bool = typer.Option(False, "--shared-base/--no-shared-base",
-                                     help="Local CPU workers send the backbone's linear layers to the backbone "
-                                          "daemon's shared base pass, batched with other functions' rows, while "
-                                          "attention, KV cache, the adapter and sampling stay in each function's "
-                                          "process, while enough functions step at once (--shared-base-from; "
-                                          "docs/performance.md, \"The shared base pass\")."),
+    shared_base: bool | None = typer.Option(None, "--shared-base/--no-shared-base",
+                                            help="Local CPU workers may send the backbone's linear layers to the "
+                                                 "backbone daemon's shared base pass, batched with other functions' "
+                                                 "rows (attention, KV cache, adapter and sampling stay in each "
+                                                 "function's process). Default: on with the step gate (local "
+                                                 "workers), which sends the functions stepping at once to the pass "
+                                                 "while it measures faster than their own steps (docs/performance."
+                                                 "md, \"The shared base pass\"); with --no-step-gate, --shared-base "
+                                                 "sends every step."),
     standby_workers: int | None = typer.Option(None, "--standby-workers", min=0, max=64,
                                                help="Pre-forked worker processes kept per backbone, backbone "
                                                     "attached and warmed up, each given to one new function's first "
                                                     "instance for its whole life (default 1; 0: none)."),
     shared_base_from: int | None = typer.Option(None, "--shared-base-from", min=2, max=255,
-                                                help="With --shared-base and the step gate: members' steps go to "
-                                                     "the shared base pass while at least this many step at once "
-                                                     "(default: 3 per compute slot); below, each computes its own."),
+                                                help="A fixed override of the measured choice: members' steps go to "
+                                                     "the shared base pass while at least this many step at once; "
+                                                     "below, each computes its own."),
     max_batch: int = typer.Option(32, "--max-batch", min=1, max=256,
                                   help="Requests one function instance batches at most (its worker's capacity); "
                                        "requests beyond every instance's capacity wait for a place."),
@@ -98,9 +101,11 @@ def up(
     from lorafaas.platform.server import ServerConfig, parse_devices, parse_size, run_server
 
     config: LorafaasConfig = ctx.obj
-    if shared_base_from is not None and not (shared_base and step_gate):
-        raise typer.BadParameter("needs --shared-base and the step gate (without the gate every member's step goes "
-                                 "to the shared base pass)", param_hint="--shared-base-from")
+    if shared_base_from is not None and (shared_base is False or not step_gate):
+        raise typer.BadParameter("needs the shared base pass and the step gate (without the gate every member's step "
+                                 "goes to the shared base pass)", param_hint="--shared-base-from")
+    if shared_base is None:  # the measured choice needs the gate's step times: local workers (pods run ungated)
+        shared_base = step_gate and backend == "local"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = ServerConfig(
         home=config.home, host=host, port=port, devices=parse_devices(devices), state_url=state_url,

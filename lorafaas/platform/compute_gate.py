@@ -5,7 +5,8 @@ One Unix socket per device, owner-only. A connection is accepted only from a liv
 names the peer's pid, `SO_PEERCRED`), one per worker: a worker cannot hold more than one step's cores, and a process
 that is no worker of ours cannot take any. A worker that dies or hangs up gives its cores back. A worker may say it is
 a member of the device's shared base pass (`CoreGrants.join`); only a worker the agent started in it
-(`is_member`) is heard. Protocol: `lorafaas.function_runtime.step_gate`.
+(`is_member`) is heard. Each ask and each step's end first tell the policy the host's load besides our steps
+(`HostLoad`, read at most every half second). Protocol: `lorafaas.function_runtime.step_gate`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lorafaas.platform.host_load import HostLoad
 from lorafaas.protocols.leases import socket_peer_pid
 from lorafaas.protocols.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
@@ -26,11 +28,12 @@ log = logging.getLogger(__name__)
 
 class ComputeGate:
     def __init__(self, path: Path, grants: CoreGrants[int], is_worker: Callable[[int], bool],
-                 is_member: Callable[[int], bool] = lambda pid: False) -> None:
+                 is_member: Callable[[int], bool] = lambda pid: False, host_load: HostLoad | None = None) -> None:
         self.path = path
         self.grants = grants
         self.is_worker = is_worker  # pid -> whether it is a live worker of this agent
         self.is_member = is_member  # pid -> whether the agent started it in the shared base pass
+        self.host_load = host_load or HostLoad()
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
         self._server: asyncio.AbstractServer | None = None
         self._expiry: asyncio.Task | None = None
@@ -62,6 +65,7 @@ class ComputeGate:
         self._writers[pid] = writer
         try:
             while byte := await reader.read(1):
+                self._sample_host_load()
                 if byte == WANT:
                     self._send(self.grants.want(pid, time.monotonic()))
                 elif byte in (DONE, NEXT):
@@ -82,6 +86,14 @@ class ComputeGate:
             del self._writers[pid]
             writer.close()
             self._send(self.grants.gone(pid, time.monotonic()))
+
+    def _sample_host_load(self) -> None:
+        grants = self.grants
+        # ours: this process, the grants' threads, and while members share, the executor on every core
+        ours = 1 + grants.cores - grants.free + (grants.cores + grants.in_pass if grants.in_pass else 0)
+        others = self.host_load.sample(ours, time.monotonic())
+        if others is not None:
+            grants.host_load(others)
 
     async def _expire_forever(self) -> None:
         """A worker stuck in its step loses its grant after the lease (`CoreGrants.expire`)."""

@@ -56,7 +56,7 @@ class ServerConfig:
     strict_compute: bool = False  # AgentConfig.strict_compute
     step_gate: bool = True  # AgentConfig.step_gate
     lone_threads: int | None = None  # AgentConfig.lone_threads
-    shared_base: bool = False  # AgentConfig.shared_base
+    shared_base: bool = True  # AgentConfig.shared_base
     shared_base_from: int | None = None  # AgentConfig.shared_base_from
     hang_timeout_s: float = 10.0  # AgentConfig.hang_timeout_s
     start_timeout_s: float = 120.0  # AgentConfig.start_timeout_s

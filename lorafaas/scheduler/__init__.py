@@ -46,6 +46,7 @@ from lorafaas.scheduler.messages import (
     WorkerSlot,
 )
 from lorafaas.scheduler.offload import OffloadDecision, batch_memory_bytes, plan_offload
+from lorafaas.scheduler.pass_choice import PassChoice
 from lorafaas.scheduler.placement import PlacementDecision, PlacementPolicy, may_scale_out, start_beats_joining
 from lorafaas.scheduler.preload import PreloadPlan, PreloadPlanner, plan_difference
 from lorafaas.scheduler.rates import RateTracker
@@ -81,6 +82,7 @@ __all__ = [
     "KeepAlivePolicy",
     "Offload",
     "OffloadDecision",
+    "PassChoice",
     "PlacementDecision",
     "PlacementPolicy",
     "Plan",

@@ -13,14 +13,18 @@ A grant is a lease of `lease_s`: a holder still in its step after that (stuck, o
 no longer counts (`expire`), so one function's stuck worker cannot stall the others' steps; they then share the
 cores with it as the operating system shares them, no worse than without the gate.
 
-The shared base pass (`shared_from`). Members of the device's base pass (`join`) can run a step's backbone products
-in the executor's batched pass instead of on cores of their own. That pays only when many functions step at once:
-their N reads of the weights become one. When at least `shared_from` members asked for a step within the last
-`shared_window_s`, a member's step is granted as `SHARED_PASS` (no cores of its own: the executor computes its
-backbone products on the device's cores, and its own remainder runs on one thread), every waiting member at once.
-Below that, members get cores like anyone else and compute their own pass. The two kinds of grant never overlap: a
-shared grant waits until the cores' holders are done, a cores grant until the shared steps are done, first come
-first served, so neither starves the other.
+The shared base pass. Members of the device's base pass (`join`) can run a step's backbone products in the
+executor's batched pass instead of on cores of their own: their N reads of the weights become one. Whether the k
+members stepping (waiting, in a step, or asking within the last `shared_window_s`) go to it is decided from measured
+step times (`choice`, `lorafaas.scheduler.pass_choice`), or, with a fixed `shared_from`, whenever k >= shared_from.
+A shared grant (`SHARED_PASS`: no cores of its own; the executor computes its backbone products on the device's
+cores, its own remainder runs on one thread) goes to every waiting member at once. Otherwise members get cores like
+anyone else and compute their own pass. The two kinds of grant never overlap: a shared grant waits until the cores'
+holders are done, a cores grant until the shared steps are done, first come first served, so neither starves the
+other.
+
+A busy host (`host_load`): a lone step gets only the cores other processes on the machine leave free (never fewer
+than `base_threads`): a step on two threads with one of them preempted waits for it at every product.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ import math
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
+from lorafaas.scheduler.pass_choice import PassChoice
+
 SHARED_PASS = 0  # a grant of no cores of its own: the step's backbone products go to the device's shared base pass
 H = TypeVar("H", bound=Hashable)  # what identifies a holder (the step gate: a worker's pid)
 
 
 class CoreGrants(Generic[H]):
     def __init__(self, cores: int, base_threads: int = 1, max_threads: int | None = None,
-                 lease_s: float = math.inf, shared_from: int | None = None, shared_window_s: float = 1.0) -> None:
+                 lease_s: float = math.inf, shared_from: int | None = None, shared_window_s: float = 1.0,
+                 choice: PassChoice | None = None) -> None:
         if cores < 1 or base_threads < 1:
             raise ValueError(f"cores ({cores}) and base_threads ({base_threads}) must be >= 1")
         if shared_from is not None and shared_from < 2:
@@ -46,8 +53,10 @@ class CoreGrants(Generic[H]):
         self.lease_s = lease_s
         self.shared_from = shared_from
         self.shared_window_s = shared_window_s
+        self.choice = choice  # the measured choice; a fixed `shared_from` overrides it
+        self.others_load = 0.0  # runnable tasks on the host that are not this gate's steps (`host_load`)
         self._members: dict[H, float] = {}  # members of the base pass -> when each last asked for a step
-        self._sharing: dict[H, None] = {}  # holders of a SHARED_PASS grant
+        self._sharing: dict[H, int] = {}  # holders of a SHARED_PASS grant -> members stepping when it was given
         self._holding: dict[H, int] = {}  # holder -> threads granted
         self._granted_s: dict[H, float] = {}  # holder -> when its grant was given
         self._waiting: dict[H, None] = {}  # in the order they asked
@@ -70,6 +79,11 @@ class CoreGrants(Generic[H]):
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def in_pass(self) -> int:
+        """Holders of a SHARED_PASS grant now."""
+        return len(self._sharing)
+
     def join(self, holder: H) -> None:
         """`holder` is a member of the device's base pass: its steps may be granted as SHARED_PASS."""
         self._members.setdefault(holder, -math.inf)
@@ -79,12 +93,22 @@ class CoreGrants(Generic[H]):
         self._members.pop(holder, None)
         return self._grant(now_s)
 
+    def stepping(self, now_s: float) -> int:
+        """Members stepping: waiting or in a step now, or done with one within the window. One waiting counts
+        however long ago it asked: members taking turns on the cores may wait longer than the window."""
+        return sum(1 for member, asked_s in self._members.items()
+                   if now_s - asked_s <= self.shared_window_s or member in self._waiting
+                   or member in self._holding or member in self._sharing)
+
     def sharing(self, now_s: float) -> bool:
-        """Whether members' steps go to the shared base pass now: enough of them are stepping."""
-        if self.shared_from is None:
-            return False
-        recent = sum(1 for asked_s in self._members.values() if now_s - asked_s <= self.shared_window_s)
-        return recent >= self.shared_from
+        """Whether members' steps go to the shared base pass now (with `choice`: deciding may start a try)."""
+        if self.shared_from is not None:
+            return self.stepping(now_s) >= self.shared_from
+        return self.choice is not None and self.choice.shared(self.stepping(now_s), now_s)
+
+    def host_load(self, others: float) -> None:
+        """Runnable tasks on the host besides this gate's steps (measured by the caller)."""
+        self.others_load = max(0.0, others)
 
     def want(self, holder: H, now_s: float = 0.0) -> list[tuple[H, int]]:
         """`holder` asks for a step; returns the grants to send now: (holder, threads or SHARED_PASS)."""
@@ -95,6 +119,7 @@ class CoreGrants(Generic[H]):
 
     def done(self, holder: H, again: bool = False, now_s: float = 0.0) -> list[tuple[H, int]]:
         """`holder`'s step ended (`again`: it asks for the next one, behind those already waiting)."""
+        self._measure(holder, now_s)
         self._release(holder)
         if again:
             self._waiting.setdefault(holder, None)
@@ -119,6 +144,15 @@ class CoreGrants(Generic[H]):
         if holder in self._members:
             self._members[holder] = now_s
 
+    def _measure(self, holder: H, now_s: float) -> None:
+        granted_s = self._granted_s.get(holder)
+        if self.choice is None or granted_s is None:
+            return
+        if holder in self._sharing:
+            self.choice.shared_step(self._sharing[holder], now_s - granted_s, now_s)
+        elif holder in self._holding and holder in self._members:
+            self.choice.own_step(self._holding[holder], now_s - granted_s, now_s)
+
     def _release(self, holder: H) -> None:
         self._holding.pop(holder, None)
         self._sharing.pop(holder, None)
@@ -126,14 +160,16 @@ class CoreGrants(Generic[H]):
 
     def _grant(self, now_s: float, asker: H | None = None) -> list[tuple[H, int]]:
         grants = []
-        shared = self.sharing(now_s)
+        # decided only when a member waits: a decision may start a try of the pass (`PassChoice`)
+        shared = any(h in self._members for h in self._waiting) and self.sharing(now_s)
+        stepping = self.stepping(now_s) if shared else 0
         while self._waiting:
             holder = next(iter(self._waiting))
             if shared and holder in self._members:
                 if self._holding:  # the cores' holders finish their steps first
                     break
                 del self._waiting[holder]
-                self._sharing[holder] = None
+                self._sharing[holder] = stepping
                 self._granted_s[holder] = now_s
                 grants.append((holder, SHARED_PASS))
                 self.num_granted += 1
@@ -145,7 +181,10 @@ class CoreGrants(Generic[H]):
             del self._waiting[holder]
             # alone: nobody else computes, nor will before this step ends (members wait for the shared pass)
             alone = not self._holding and not any(not shared or h not in self._members for h in self._waiting)
-            threads = min(self.max_threads, self.free) if alone else self.base_threads
+            # alone, it takes the free cores other processes on the host leave free
+            threads = self.base_threads
+            if alone:
+                threads = max(threads, min(self.max_threads, self.free, self.cores - math.floor(self.others_load)))
             self._holding[holder] = threads
             self._granted_s[holder] = now_s
             grants.append((holder, threads))

@@ -1,8 +1,8 @@
-"""`lorafaas up --shared-base` as a user runs it: three functions on one backbone, a burst of greedy requests to all of
-them at once. With the pass taken from two functions stepping at once (`--shared-base-from 2`), the workers send the
+"""The shared base pass as a user runs it: three functions on one backbone, a burst of greedy requests to all of them
+at once. With the pass taken from two functions stepping at once (`--shared-base-from 2`), the workers send the
 backbone's linear layers to the backbone daemon's base pass, which computes rows of several functions together; with
-the default (three per compute slot), three functions on two slots are too few and each computes its own pass. Every
-reply equals the one the same platform without the shared base pass gives."""
+the default `lorafaas up` (no flags), the step gate tries the pass as soon as several members step at once and keeps
+whichever measures faster. Every reply equals the one the same platform without the pass (`--no-shared-base`) gives."""
 
 from __future__ import annotations
 
@@ -70,16 +70,17 @@ def test_a_burst_over_three_functions_through_the_shared_base_pass_gives_their_o
     shared, platform, shared_seen = burst_replies(tmp_path / "shared", tiny_dense_dir, adapters,
                                                   (*slots, "--shared-base", "--shared-base-from", "2"),
                                                   own_pass=("gamma",))
-    too_few, _, too_few_seen = burst_replies(tmp_path / "too-few", tiny_dense_dir, adapters, (*slots, "--shared-base"))
-    alone, _, alone_seen = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, slots)
-    assert shared == alone and too_few == alone
+    default, _, default_seen = burst_replies(tmp_path / "default", tiny_dense_dir, adapters, slots)
+    alone, _, alone_seen = burst_replies(tmp_path / "alone", tiny_dense_dir, adapters, (*slots, "--no-shared-base"))
+    assert shared == alone and default == alone
     assert len({shared[(name, PROMPTS[0])] for name in FUNCTIONS}) == 3  # each function's own adapter answered
-    # the step gate switched the members: into the pass from two stepping at once, never with three under six
+    # the step gate sent the members into the pass: from two stepping at once, and by default, to measure it
     assert shared_seen["steps"]["shared"] > 0
-    assert too_few_seen["steps"]["shared"] == 0 and too_few_seen["steps"]["granted"] > 0
+    assert default_seen["steps"]["shared"] > 0 and default_seen["steps"]["granted"] > default_seen["steps"]["shared"]
+    assert alone_seen["steps"]["shared"] == 0
     # a function deployed with shared_base false is never a member; the others are, where the node runs the pass
     assert shared_seen["members"] == {"alpha": {True}, "beta": {True}, "gamma": {False}}
-    assert too_few_seen["members"] == {name: {True} for name in FUNCTIONS}
+    assert default_seen["members"] == {name: {True} for name in FUNCTIONS}
     assert alone_seen["members"] == {name: {False} for name in FUNCTIONS}
     # a prefill in the pass took the round's time, not its function's: the batching model did not learn from it
     in_pass = ("alpha", "beta")

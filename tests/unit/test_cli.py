@@ -51,13 +51,14 @@ def test_unknown_builtin_backbone_is_refused(tmp_path: Path, cli) -> None:
     assert "not a built-in backbone" in result.stderr and "smollm2-135m" in result.stderr
 
 
-@pytest.mark.parametrize("flags", [("--shared-base-from", "4"), ("--shared-base", "--no-step-gate",
-                                                                   "--shared-base-from", "4")])
+@pytest.mark.parametrize("flags", [("--no-shared-base", "--shared-base-from", "4"),
+                                   ("--no-step-gate", "--shared-base-from", "4"),
+                                   ("--shared-base", "--no-step-gate", "--shared-base-from", "4")])
 def test_a_shared_base_threshold_that_would_do_nothing_is_refused(tmp_path: Path, cli, flags) -> None:
     result = cli("--home", str(tmp_path), "up", "--port", "1", *flags)
     assert result.returncode == 2
     message = " ".join(result.stderr.split())
-    assert "--shared-base-from" in message and "needs --shared-base and the step gate" in message, message
+    assert "--shared-base-from" in message and "needs the shared base pass and the step gate" in message, message
 
 
 def test_empty_store_lists_nothing(tmp_path: Path, cli) -> None:

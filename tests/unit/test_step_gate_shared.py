@@ -1,6 +1,7 @@
 """The step gate's wire for the shared base pass, over a real Unix socket: a worker the agent started in the pass says
 so and is granted steps in it once enough members step; a worker that says so and is not is hung up on (shared grants
-to it would take cores nobody accounts for), and then computes ungated, never in the pass."""
+to it would take cores nobody accounts for), and then computes ungated, never in the pass. The host's load is read
+from a file written here (quiet unless a test says otherwise): this machine's own load is not the test's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from lorafaas.function_runtime.step_gate import StepGate
 from lorafaas.platform.compute_gate import ComputeGate
+from lorafaas.platform.host_load import HostLoad
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
 
@@ -27,9 +29,11 @@ def gate_server(tmp_path: Path):
     async def call(fn):
         return fn()
 
-    def start(is_member: bool, grants: CoreGrants) -> ComputeGate:
+    def start(is_member: bool, grants: CoreGrants, runnable: int = 1) -> ComputeGate:
+        loadavg = tmp_path / f"loadavg-{len(started)}"
+        loadavg.write_text(f"0.00 0.00 0.00 {runnable}/100 1\n")  # the format of /proc/loadavg
         gate = ComputeGate(tmp_path / f"gate-{len(started)}.sock", grants, lambda pid: pid == os.getpid(),
-                           lambda pid: is_member and pid == os.getpid())
+                           lambda pid: is_member and pid == os.getpid(), HostLoad(loadavg, weight=1.0))
         asyncio.run_coroutine_threadsafe(gate.start(), loop).result(timeout=10)
         started.append(gate)
         return gate
@@ -98,3 +102,13 @@ def test_a_member_whose_pass_broke_leaves_it_and_is_granted_cores(gate_server) -
     worker.acquire()
     assert not worker.shared and worker.threads == 2  # cores of its own, not a SHARED grant
     worker.release(again=False)
+
+
+def test_on_a_busy_host_a_lone_worker_is_granted_one_thread(gate_server) -> None:
+    gate_of, _ = gate_server
+    gate = gate_of(False, CoreGrants(cores=2), runnable=12)  # eleven runnable tasks besides the gate's process
+    worker = StepGate(str(gate.path))
+    worker.acquire()
+    assert (worker.shared, worker.threads) == (False, 1)
+    worker.release(again=False)
+    worker.close()

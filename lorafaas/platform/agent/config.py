@@ -13,9 +13,6 @@ from lorafaas.scheduler import SchedulerConfig
 # holding other functions' steps back; a real step here takes well under a second (a padded prefill of 8 x 128 tokens:
 # about 1.6 s on this 2-core machine)
 GATE_LEASE_S = 5.0
-# The shared base pass pays from this many members stepping at once per compute slot (docs/performance.md, "The
-# shared base pass": three functions on two cores lost to each computing its own pass, eight gained)
-SHARED_BASE_FROM_PER_SLOT = 3
 REQUEST_STAGES: tuple[m.StageName, ...] = ("libraries", "backbone", "adapter")
 WORKER_FIELDS = ("backbone", "adapter_digest", "lora_mode", "shared_base")  # what an instance was started with
 
@@ -45,10 +42,10 @@ class AgentConfig:
     step_gate: bool = True
     lone_threads: int | None = None
     # local CPU workers join the daemon's shared base pass (docs/performance.md, "The shared base pass"). Under the
-    # step gate a member's step goes to it, its backbone products batched with other functions' rows, only while
-    # at least `shared_base_from` members step at once (None: SHARED_BASE_FROM_PER_SLOT x compute slots); below
-    # that members compute their own pass on granted cores. Without the gate members always go to the pass.
-    shared_base: bool = False
+    # step gate the members stepping at once go to it, their backbone products batched together, while its measured
+    # step times beat their own steps' (`PassChoice`), or with a fixed `shared_base_from`, while at least that many
+    # step at once; otherwise members compute their own pass on granted cores. Without the gate they always go to it.
+    shared_base: bool = True
     shared_base_from: int | None = None
     reconcile_interval_s: float = 0.5
     plan_interval_s: float = 5.0

@@ -25,7 +25,7 @@ from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.standby import STANDBY_FUNCTION
 from lorafaas.function_runtime.zygote import prepare_backbone, zygote_status
-from lorafaas.platform.agent.config import GATE_LEASE_S, SHARED_BASE_FROM_PER_SLOT, AgentConfig
+from lorafaas.platform.agent.config import GATE_LEASE_S, AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState
 from lorafaas.platform.agent.start_stages import StartStages
 from lorafaas.platform.backends.base import AsyncKillable, AsyncLauncher, Backend, StandbyLauncher
@@ -36,7 +36,7 @@ from lorafaas.platform.instance_table import Identity, Instance, InstanceTable
 from lorafaas.platform.metering import idle_bytes, idle_s
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.protocols.daemon_config import base_pass_socket
-from lorafaas.scheduler import CoreGrants
+from lorafaas.scheduler import CoreGrants, PassChoice
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +97,13 @@ class Instances:
         self.library_import_s = status.import_s
         if self.config.step_gate and self.config.cpu:  # local workers, on this machine's cores
             threads = max(1, self.config.num_threads)
-            shared_from = None
-            if self.config.shared_base:
-                shared_from = self.config.shared_base_from or max(2, SHARED_BASE_FROM_PER_SLOT * self.slots)
+            # members' steps go to the shared pass where it measures faster, or from a fixed count stepping at once
+            shared_from = self.config.shared_base_from if self.config.shared_base else None
+            choice = PassChoice(self.slots, threads) if self.config.shared_base else None
             self.gate = ComputeGate(self.launcher.zygote_socket.parent / "step-gate-cpu.sock",
                                     CoreGrants(self.slots * threads, threads, self.config.lone_threads,
-                                               lease_s=GATE_LEASE_S, shared_from=shared_from),
+                                               lease_s=GATE_LEASE_S, shared_from=shared_from,
+                                               choice=choice),
                                     self._is_worker, self._is_base_pass_member)
             await self.gate.start()
 

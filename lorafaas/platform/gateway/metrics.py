@@ -22,6 +22,7 @@ from lorafaas.function_runtime.memory import read_memory
 from lorafaas.platform.agent import NodeAgent
 from lorafaas.platform.instance_table import INSTANCE_STATES
 from lorafaas.platform.usage import UsageRecorder
+from lorafaas.scheduler import PassChoice
 
 LIVE_STATES = [s for s in INSTANCE_STATES if s not in ("stopped", "crashed")]
 
@@ -169,7 +170,23 @@ class _AgentCollector:
             steps.add_metric(["cpu", "lapsed"], gate.grants.num_lapsed)
             steps.add_metric(["cpu", "shared"], gate.grants.num_shared)  # in the shared base pass
             families += [computing, now, steps]
+            if gate.grants.choice is not None:
+                families.append(_pass_choice_estimates(gate.grants.choice, gate.grants.others_load))
         return families
+
+
+def _pass_choice_estimates(choice: PassChoice, others_load: float) -> GaugeMetricFamily:
+    """What the step gate decides the shared base pass by: its step-time estimates, and the host's other load."""
+    family = GaugeMetricFamily("lorafaas_step_estimate_seconds", "The step gate's moving average of a step's time: "
+                               "own steps by threads granted, shared-pass steps by members stepping; and (kind "
+                               "host_load) the host's runnable tasks besides the gate's steps",
+                               labels=["device", "kind", "n"])
+    for threads, estimate in sorted(choice.own.items()):
+        family.add_metric(["cpu", "own", str(threads)], estimate.seconds)
+    for members, estimate in sorted(choice.pooled.items()):
+        family.add_metric(["cpu", "shared", str(members)], estimate.seconds)
+    family.add_metric(["cpu", "host_load", "0"], others_load)
+    return family
 
 
 class UsageCollector:

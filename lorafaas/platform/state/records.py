@@ -69,7 +69,7 @@ class FunctionSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Expert adapters on MoE backbones: "remote" (the node's LoRA server runs the experts' LoRA) or "local" (each
     # instance holds them); None: remote. Refused on dense backbones at deploy.
     lora_mode: str | None = None
-    # Whether its steps may go to the node's shared base pass (`up --shared-base`): false keeps every product of
+    # Whether its steps may go to the node's shared base pass (a CPU node's default): false keeps every product of
     # its backbone in its own process, whatever the load (its activations never leave it)
     shared_base: bool = True
     version: int = 1  # bumped by each update

@@ -72,11 +72,12 @@ class PriceSheet:
 
 @dataclass(frozen=True)
 class SharedBaseSpec:
-    """The shared base pass on a CPU device (`up --shared-base`): once `from_members` instances decode at once, the
-    backbone daemon computes their base products in one pass a round, and each of them one step a round. A round
-    over n members and R rows takes round_s + per_member_s x n + per_row_s x R (calibrated by `bench serve`)."""
+    """The shared base pass on a CPU device (a CPU node's default): while a round is shorter than the decoding
+    instances' own steps (the step gate's measured choice), or with a fixed `from_members` once that many decode at
+    once, the backbone daemon computes their base products in one pass a round, and each of them one step a round. A
+    round over n members and R rows takes round_s + per_member_s x n + per_row_s x R (calibrated by `bench serve`)."""
 
-    from_members: int  # the step gate's threshold (`up --shared-base-from`; 3 per compute slot by default)
+    from_members: int | None  # a fixed threshold (`up --shared-base-from`); None: the faster of the two modes
     round_s: float
     per_member_s: float  # each member's own part (attention, norms, LoRA, sampling, its calls) on the shared cores
     per_row_s: float
@@ -321,7 +322,7 @@ def _backbone_shape(b: _Fields) -> BackboneShape:
 
 def _shared_base(fields: _Fields) -> SharedBaseSpec:
     spec = SharedBaseSpec(
-        fields.integer("from_members", low=2, high=100_000),
+        fields.integer("from_members", low=2, high=100_000) if fields.has("from_members") else None,
         fields.number("round_ms", low=1e-3) / 1e3,
         fields.number("per_member_ms") / 1e3,
         fields.number("per_row_ms") / 1e3,

@@ -1,6 +1,6 @@
-"""The simulator's model of the shared base pass (`up --shared-base`, `ClusterSpec.shared_base`): from the step gate's
-threshold of instances decoding on a CPU device, each makes one step per round of the pass, and a round's time
-follows the members and rows in it; below the threshold nothing changes."""
+"""The simulator's model of the shared base pass (`ClusterSpec.shared_base`): while a round is shorter than the
+decoding instances' own steps (the step gate's rule), or from a fixed threshold of them on a CPU device, each makes
+one step per round of the pass, and a round's time follows the members and rows in it; otherwise nothing changes."""
 
 from dataclasses import replace
 
@@ -62,9 +62,26 @@ def test_the_pass_is_refused_on_a_cluster_without_its_model_and_left_out_of_all(
     assert resolve_policies(["lorafaas-shared"]) == [POLICIES["lorafaas-shared"]]
 
 
-def test_the_shipped_cpu_cluster_models_the_pass_at_the_agents_threshold() -> None:
+def test_without_a_threshold_the_pass_is_taken_when_a_round_beats_the_instances_own_steps() -> None:
+    own_step_s = COSTS.decode_step_s(SMOL, 1)  # two instances on two cores: each its own core, no slowdown
+    slower = replace(LOCAL, shared_base=replace(PASS, from_members=None))  # a 74 ms round against a 62.6 ms step
+    assert COSTS.shared_round_s(members=2, rows=2) > own_step_s
+    shared, _ = simulate(TWO_AT_ONCE, slower, POLICIES["lorafaas-shared"])
+    plain, _ = simulate(TWO_AT_ONCE, slower, POLICIES["lorafaas"])
+    assert [(r.ttft_s, r.e2e_s) for r in shared.results] == [(r.ttft_s, r.e2e_s) for r in plain.results]
+    faster_pass = replace(PASS, from_members=None, round_s=0.020)
+    faster = replace(LOCAL, shared_base=faster_pass)
+    round_s = CostModel(faster).shared_round_s(members=2, rows=2)
+    assert round_s < own_step_s
+    out, _ = simulate(TWO_AT_ONCE, faster, POLICIES["lorafaas-shared"])
+    pass_s = COSTS.prefill_pass_s(SMOL, [10]) * COSTS.contention(2)
+    for res in out.results[2:]:
+        assert res.e2e_s == pytest.approx(pass_s + 40 * round_s + LOCAL.request_overhead_s)
+
+
+def test_the_shipped_cpu_cluster_models_the_pass_with_the_step_gates_measured_choice() -> None:
     spec = load_cluster("local").shared_base
-    assert spec is not None and spec.from_members == 6  # SHARED_BASE_FROM_PER_SLOT (3) x 2 compute slots
+    assert spec is not None and spec.from_members is None  # no fixed threshold: the faster mode, as `up` by default
     assert load_cluster("paper").shared_base is None
 
 
