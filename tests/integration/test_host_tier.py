@@ -39,7 +39,7 @@ def test_a_stopped_daemons_segment_is_adopted_by_the_backbones_next_daemon(home:
     with LocalLauncher(home, host_tier_bytes=1 << 30) as launcher:
         launcher.daemon_socket("tiny-dense")
         inode, _ = _inode_and_adopter(config)
-        first_pid = launcher._daemons[("tiny-dense", "cpu")].ref.pid
+        first_pid = launcher.daemons.processes[("tiny-dense", "cpu")].ref.pid
         assert launcher.stop_daemon("tiny-dense")
         assert launcher.host_tier.keys() == [("tiny-dense", "cpu")]
         launcher.daemon_socket("tiny-dense")

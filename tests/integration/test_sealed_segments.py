@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-import lorafaas.platform.backends.local as launcher_module
+import lorafaas.platform.backends.local_daemons as launcher_module
 from lorafaas.cuda_ipc.memfd import available_memory_bytes
 from lorafaas.cuda_ipc.shm import list_segments
 from lorafaas.errors import InsufficientMemory

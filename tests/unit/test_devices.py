@@ -7,7 +7,8 @@ import pytest
 
 from lorafaas.errors import InvalidInput
 from lorafaas.platform.agent import AgentConfig
-from lorafaas.platform.backends.local import LocalLauncher, daemon_log_name
+from lorafaas.platform.backends.local import LocalLauncher
+from lorafaas.platform.backends.local_daemons import daemon_log_name
 from lorafaas.platform.backends.local_record import daemon_key, parse_daemon_key
 from lorafaas.platform.devices import Device, backbone_device
 from lorafaas.platform.server import parse_devices

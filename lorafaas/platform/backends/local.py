@@ -1,14 +1,9 @@
-"""Starting function workers as local processes: the backbone daemons, the zygote and the workers themselves.
-
-`LocalLauncher` owns every process it starts and stops them all on `close()`; the node agent, the benchmarks and
-the tests drive function instances through it. It holds a duplicate of each CPU daemon's sealed segment descriptor
-(kept in the host tier, host_tier.py, when the daemon is stopped), and a supervisor thread restarts a daemon that
-dies, handing it that descriptor (the new one adopts the segment and its leases: attached instances notice nothing,
-and nothing is loaded twice). On a GPU the instances bound to a dead
-daemon are stopped instead (the node agent starts new ones) and the daemon loads again. A daemon that fails to
-start (e.g. InsufficientMemory) is not started again for that backbone before a backoff has passed. A launcher may
+"""Starting function workers as local processes: the backbone daemons (local_daemons.py: started on first use,
+restarted when one dies, a stopped one's segment kept in the host tier), the zygote, its pool processes
+(standby_pool.py) and the workers themselves. `LocalLauncher` owns every process it starts and stops them all on
+`close()`; the node agent, the benchmarks and the tests drive function instances through it. A launcher may
 drive several devices (the GPUs of a node): one daemon per (backbone, device), and each worker binds the daemon on
-its own device. What it started is recorded in `$HOME/run` (launcher_record.py), so that the next launcher of a
+its own device. What it started is recorded in `$HOME/run` (local_record.py), so that the next launcher of a
 platform killed with SIGKILL stops its zygote and instances and adopts its daemons (`recover_predecessors`).
 
     with LocalLauncher(home) as launcher:
@@ -33,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from lorafaas.config import LorafaasConfig
-from lorafaas.errors import DaemonUnavailable, InvalidInput, LorafaasError, PlatformUnavailable
+from lorafaas.errors import InvalidInput, LorafaasError, PlatformUnavailable
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.client import WorkerClient
 from lorafaas.function_runtime.messages import Assigned, WorkerSpec
@@ -45,7 +40,8 @@ from lorafaas.function_runtime.zygote import (
     start_zygote,
     wait_for_socket,
 )
-from lorafaas.platform.backends.host_tier import HostTier, default_host_tier_bytes, hand_back, keep_stopping_daemon
+from lorafaas.platform.backends.host_tier import HostTier, default_host_tier_bytes
+from lorafaas.platform.backends.local_daemons import DaemonProcess, LocalDaemons, private_dir
 from lorafaas.platform.backends.local_record import (
     LauncherRecord,
     ProcessRef,
@@ -55,22 +51,13 @@ from lorafaas.platform.backends.local_record import (
     parse_daemon_key,
     terminate,
     terminate_all,
-    wait_gone,
 )
 from lorafaas.platform.backends.standby_pool import StandbyPool
 from lorafaas.platform.descriptions import FailureView
 from lorafaas.platform.devices import check_devices
-from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon, wait_until_ready
 from lorafaas.protocols.daemon_config import DaemonConfig
 
 log = logging.getLogger(__name__)
-SUPERVISE_INTERVAL_S = 0.25  # how soon a dead daemon is noticed
-MAX_DAEMON_RESTARTS = 5  # per backbone within RESTART_WINDOW_S; then the supervisor gives up (a crash loop)
-RESTART_WINDOW_S = 60.0
-START_BACKOFF_S = (30.0, 600.0)  # after a failed start: first wait, doubling up to the second
-DaemonKey = tuple[str, str]  # (backbone, device)
-
-
 def process_alive(process: subprocess.Popen | None, pid: int) -> bool:
     """Whether a process runs: polled if we started it (which also reaps it), else probed by pid."""
     if process is not None:
@@ -111,66 +98,6 @@ class InstanceHandle:
             self.process.wait()
 
 
-def private_dir(path: Path) -> Path:
-    """A directory only the platform's user can enter: sockets, logs (prompts at DEBUG) and lock files live there."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.chmod(0o700)  # also one made before this rule, or under a permissive umask
-    return path
-
-
-@dataclass
-class DaemonProcess:
-    """A backbone daemon this launcher stops on close: started by it (`process`), or adopted from a dead launcher."""
-
-    config: DaemonConfig
-    ref: ProcessRef
-    process: subprocess.Popen | None  # None when adopted: not our child
-    segment_fd: int | None = None  # a duplicate of its sealed segment, for a successor (cpu)
-
-    def hold_segment(self) -> None:
-        """Keep a duplicate of the daemon's sealed segment descriptor (cpu), to hand to a successor."""
-        if self.config.device != "cpu" or self.segment_fd is not None:
-            return
-        try:
-            with DaemonClient.connect(self.config.paths.socket) as client:
-                _manifest, self.segment_fd = client.hold_segment()
-        except LorafaasError as exc:
-            log.warning("cannot hold the segment of backbone daemon %d (%s); a restart will load it again",
-                        self.ref.pid, exc.message)
-
-    def release_segment(self) -> None:
-        if self.segment_fd is not None:
-            os.close(self.segment_fd)
-            self.segment_fd = None
-
-    def alive(self) -> bool:
-        return self.process.poll() is None if self.process is not None else self.ref.alive()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Shut it down (forced: its leases go with it) and wait; kill it if it does not answer or stop."""
-        self.release_segment()
-        socket_path = self.config.paths.socket
-        if self.process is not None:
-            try:
-                stop_daemon(self.process, socket_path, force=True, timeout_s=timeout_s)
-            except (LorafaasError, OSError):  # stopping must not fail the caller: kill it
-                log.warning("backbone daemon %d did not stop cleanly; killing it", self.process.pid, exc_info=True)
-                self.process.kill()
-                self.process.wait()
-            return
-        if not self.ref.alive():
-            return
-        try:
-            with DaemonClient.connect(socket_path) as client:
-                client.shutdown(force=True)
-        except LorafaasError as exc:
-            log.warning(
-                "adopted backbone daemon %d did not accept a shutdown (%s); terminating it", self.ref.pid, exc.message
-            )
-        if not wait_gone(self.ref, timeout_s):
-            terminate(self.ref, f"backbone daemon of {self.config.backbone}")
-
-
 class LocalLauncher:
     keeps_instances = False  # its workers stop with it (a dead launcher's are stopped by the next, not adopted)
 
@@ -178,24 +105,20 @@ class LocalLauncher:
                  standby_workers: int = 0) -> None:
         """`standby_workers`: pre-forked pool processes kept per backbone and device (standby_pool.py); 0: none."""
         check_devices(devices)
-        self.host_tier = HostTier(default_host_tier_bytes(psutil.virtual_memory().total) if host_tier_bytes is None
-                                  else host_tier_bytes)
+        host_tier = HostTier(default_host_tier_bytes(psutil.virtual_memory().total) if host_tier_bytes is None
+                             else host_tier_bytes)
         self.home = Path(home)
         self.devices = tuple(devices)
         self.store = ModelStore(LorafaasConfig(home=self.home).models_dir)
         self.run_dir = self.home / "run"
         self.log_dir = self.home / "logs"
-        self._daemons: dict[DaemonKey, DaemonProcess] = {}  # started (or adopted) and stopped by us
-        self._borrowed: set[DaemonKey] = set()  # daemons someone else runs (`lorafaas backbone serve`)
         self._lock = threading.RLock()
         self._zygote: subprocess.Popen | None = None
         self.instances: list[InstanceHandle] = []
-        self.num_daemon_restarts: dict[DaemonKey, int] = {}
-        self._restarted_at: dict[DaemonKey, list[float]] = {}
-        self._start_failures: dict[DaemonKey, tuple[int, float, LorafaasError]] = {}  # -> (count, retry at, error)
         self._record = RecordFile(self.run_dir)
         self._closing = threading.Event()
-        self._supervisor: threading.Thread | None = None
+        self.daemons = LocalDaemons(self.store, self.log_dir, host_tier, self._lock, self._closing,
+                                    on_change=self._write_record, on_gpu_daemon_death=self._stop_bound_instances)
         self.standbys = StandbyPool(standby_workers, self.run_dir, self._spawn_standby)
 
     def __enter__(self) -> LocalLauncher:
@@ -203,6 +126,15 @@ class LocalLauncher:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def host_tier(self) -> HostTier:
+        """Stopped CPU daemons' segments kept for the backbone's next daemon (the daemons' own)."""
+        return self.daemons.host_tier
+
+    @host_tier.setter
+    def host_tier(self, tier: HostTier) -> None:
+        self.daemons.host_tier = tier
 
     @property
     def device(self) -> str:
@@ -228,99 +160,7 @@ class LocalLauncher:
         """The socket of the backbone's daemon on `device` (None: the first), starting the daemon if needed."""
         config = DaemonConfig(home=self.home, backbone=backbone, device=self._device(device))
         with self._lock:  # callers on several threads must not start two daemons for one backbone
-            return self._ensure_daemon(config)
-
-    def _ensure_daemon(self, config: DaemonConfig) -> Path:
-        key = (config.backbone, config.device)
-        daemon = self._daemons.get(key)
-        if daemon is not None:
-            if not daemon.alive():  # died a moment ago; the supervisor has not seen it yet
-                self._restart_daemon(key, daemon)
-            if key not in self._daemons:
-                raise DaemonUnavailable(f"the backbone daemon of {config.backbone} on {config.device} keeps dying; "
-                                        "see its log")
-            return config.paths.socket
-        if key in self._borrowed:  # someone else's daemon: it may have stopped since
-            try:
-                wait_until_ready(config.paths.socket, timeout_s=0.2)
-                return config.paths.socket
-            except DaemonUnavailable:
-                self._borrowed.discard(key)
-        try:  # a daemon someone else started (`lorafaas backbone serve`) is used, and left running
-            wait_until_ready(config.paths.socket, timeout_s=0.2)
-            self._borrowed.add(key)
-        except DaemonUnavailable:
-            needed = self.store.get(config.backbone).bytes if self.store.exists(config.backbone) else 0
-            kept_fd = hand_back(self.host_tier, config, needed)
-            try:
-                self._daemons[key] = self._spawn_daemon(config, adopt_fd=kept_fd)
-            finally:
-                if kept_fd is not None:
-                    os.close(kept_fd)  # the daemon adopted its own (or refused it and loaded the store's)
-            self._write_record()
-            self._ensure_supervisor()
-        return config.paths.socket
-
-    def _spawn_daemon(self, config: DaemonConfig, adopt_fd: int | None = None) -> DaemonProcess:
-        """Start a daemon (handing it a predecessor's segment if given) and hold its segment. A failed start is
-        raised as the daemon reported it, once: the same error is raised again without starting anything until the
-        backoff has passed (a node without the memory for a backbone is not asked again every few seconds)."""
-        backbone, key = config.backbone, (config.backbone, config.device)
-        failure = self._start_failures.get(key)
-        if failure is not None and time.monotonic() < failure[1]:
-            count, retry_at, error = failure
-            raise type(error)(f"{error.message} (failed {count} time(s); next try in "
-                              f"{retry_at - time.monotonic():.0f} s)")
-        private_dir(self.log_dir)
-        try:
-            with open(self.log_dir / daemon_log_name(backbone, config.device), "ab") as log_file:
-                process = spawn_daemon(config, stderr=log_file, adopt_fd=adopt_fd)
-        except LorafaasError as exc:
-            count = failure[0] + 1 if failure is not None else 1
-            backoff_s = min(START_BACKOFF_S[0] * 2 ** (count - 1), START_BACKOFF_S[1])
-            self._start_failures[key] = (count, time.monotonic() + backoff_s, exc)
-            log.error("the backbone daemon of %s on %s failed to start (%s); not trying again for %.0f s",
-                      backbone, config.device, exc.message, backoff_s)
-            raise
-        self._start_failures.pop(key, None)
-        daemon = DaemonProcess(config, ProcessRef.of(process.pid), process)
-        daemon.hold_segment()
-        return daemon
-
-    def _restart_daemon(self, key: DaemonKey, daemon: DaemonProcess) -> None:
-        """Replace a daemon that died (the new one adopts its segment and leases); give up on a crash loop."""
-        backbone = key[0]
-        code = daemon.process.wait() if daemon.process is not None else None
-        now = time.monotonic()
-        recent = [t for t in self._restarted_at.get(key, []) if now - t < RESTART_WINDOW_S]
-        if len(recent) >= MAX_DAEMON_RESTARTS:
-            log.error(
-                "backbone daemon of %s died %d times within %.0f s; not restarting it again",
-                backbone,
-                len(recent) + 1,
-                RESTART_WINDOW_S,
-            )
-            daemon.release_segment()
-            del self._daemons[key]
-            self._write_record()
-            return
-        self._restarted_at[key] = [*recent, now]
-        log.warning(
-            "backbone daemon %d of %s exited unexpectedly (code %s); restarting it", daemon.ref.pid, backbone, code
-        )
-        if daemon.config.device != "cpu":
-            self._stop_bound_instances(daemon.config)
-        try:
-            self._daemons[key] = self._spawn_daemon(daemon.config, adopt_fd=daemon.segment_fd)
-        except (LorafaasError, OSError) as exc:
-            log.error("restarting the backbone daemon of %s failed: %s", backbone, exc)
-            del self._daemons[key]
-        else:
-            self.num_daemon_restarts[key] = self.num_daemon_restarts.get(key, 0) + 1
-            log.info("backbone daemon of %s restarted as pid %d", backbone, self._daemons[key].ref.pid)
-        finally:
-            daemon.release_segment()  # the successor has its own duplicate (or loaded anew)
-        self._write_record()
+            return self.daemons.ensure(config)
 
     def _stop_bound_instances(self, config: DaemonConfig) -> None:
         """A GPU daemon's death is not survived by the instances bound to its memory: stop them (SIGKILL, they may
@@ -332,40 +172,16 @@ class LocalLauncher:
             instance.kill(signal.SIGKILL, timeout_s=5.0)
             self.instances.remove(instance)
 
-    def _ensure_supervisor(self) -> None:
-        if self._supervisor is None or not self._supervisor.is_alive():
-            self._supervisor = threading.Thread(target=self._supervise, name="daemon-supervisor", daemon=True)
-            self._supervisor.start()
-
-    def _supervise(self) -> None:
-        """Notice a daemon's death within SUPERVISE_INTERVAL_S and start it again."""
-        while not self._closing.wait(SUPERVISE_INTERVAL_S):
-            with self._lock:
-                if self._closing.is_set():
-                    return
-                for key, daemon in list(self._daemons.items()):
-                    if not daemon.alive():
-                        self._restart_daemon(key, daemon)
-
     def running_backbones(self, device: str | None = None) -> list[str]:
         """Backbones whose daemon runs on `device` (None: the first; started here or found running)."""
-        device = self._device(device)
-        return ([b for (b, d), daemon in self._daemons.items() if d == device and daemon.alive()]
-                + sorted(b for b, d in self._borrowed if d == device))
+        return self.daemons.running(self._device(device))
 
     def stop_daemon(self, backbone: str, device: str | None = None) -> bool:
         """Stop the backbone's daemon on `device` (None: the first) if this launcher started it (a CPU segment is kept
         in the host tier, within its budget; otherwise it goes with the daemon); False otherwise. Holds the lock until
         it is gone, so that nobody attaches to a daemon that is stopping."""
         with self._lock:
-            daemon = self._daemons.pop((backbone, self._device(device)), None)
-            if daemon is None:
-                return False
-            if keep_stopping_daemon(self.host_tier, daemon.config, daemon.segment_fd):
-                daemon.segment_fd = None  # the host tier's now
-            daemon.stop()
-            self._write_record()
-        return True
+            return self.daemons.stop((backbone, self._device(device)))
 
     def recover_predecessors(self) -> None:
         """Clean up after launchers of this home that died without closing (a platform killed with SIGKILL): stop
@@ -387,29 +203,28 @@ class LocalLauncher:
                         continue  # the next daemon started for it adopts its segment
                     key = parse_daemon_key(name, record.device)
                     daemon = DaemonProcess(DaemonConfig(home=self.home, backbone=key[0], device=key[1]), ref, None)
-                    if key[1] not in self.devices or key in self._daemons:
+                    if key[1] not in self.devices or key in self.daemons.processes:
                         daemon.stop()
                         num_stopped += 1
                         continue
-                    self._daemons[key] = daemon
-                    daemon.hold_segment()
+                    self.daemons.adopt(key, daemon)
                     log.info("adopted the backbone daemon %d of %s on %s", ref.pid, key[0], key[1])
                 log.info(
                     "launcher %d: stopped %d process(es) it left; %d daemon(s) adopted",
                     record.launcher_pid,
                     num_stopped,
-                    len(self._daemons),
+                    len(self.daemons.processes),
                 )
             if records:
                 self._write_record()
-                if self._daemons:
-                    self._ensure_supervisor()
+                if self.daemons.processes:
+                    self.daemons.supervise()
 
     def _write_record(self) -> None:
         with self._lock:
             zygote = ProcessRef.of(self._zygote.pid) if self._zygote is not None else None
             instances = tuple(ref for i in list(self.instances) if (ref := ProcessRef.of(i.pid)).start_ticks)
-            daemons = {daemon_key(*key): d.ref for key, d in self._daemons.items()}
+            daemons = {daemon_key(*key): d.ref for key, d in self.daemons.processes.items()}
             if zygote is None and not instances and not daemons and not self._record.path.exists():
                 return  # nothing started yet: no file
             private_dir(self.run_dir)
@@ -549,8 +364,7 @@ class LocalLauncher:
                 self._zygote.wait()
             self._zygote = None
         with self._lock:
-            daemons = list(self._daemons.values())
-            self._daemons.clear()
+            daemons = self.daemons.take_all()
         for daemon in daemons:  # a daemon that will not answer is killed; close() must not leave processes behind
             daemon.stop()
         self.host_tier.clear()
@@ -559,11 +373,6 @@ class LocalLauncher:
 
 
 DEPLOYMENT_LOGS_DIR = "functions"
-
-
-def daemon_log_name(backbone: str, device: str) -> str:
-    """`daemon-<backbone>.log` on the CPU, `daemon-<backbone>@cuda-N.log` on a GPU (one daemon per GPU)."""
-    return f"daemon-{backbone}.log" if device == "cpu" else f"daemon-{backbone}@{device.replace(':', '-')}.log"
 
 
 def deployment_log_dir(log_dir: Path, deployment: str) -> Path:
