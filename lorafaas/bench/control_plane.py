@@ -81,19 +81,19 @@ def run_control_plane_bench(functions: int = 1000, batch_size: int = 100, sample
             progress.stage("timing list, describe and /metrics")
             headers = {"Authorization": f"Bearer {platform.admin_key}"}
             with httpx.Client(base_url=platform.url, headers=headers, timeout=120) as http:
-                list_ms = _median_s(lambda: http.get("/v1/functions").raise_for_status(), repeats) * 1e3
-                describe_ms = _median_s(lambda: http.get("/v1/functions/fn-00000").raise_for_status(), repeats) * 1e3
+                list_ms = median_s(lambda: http.get("/v1/functions").raise_for_status(), repeats) * 1e3
+                describe_ms = median_s(lambda: http.get("/v1/functions/fn-00000").raise_for_status(), repeats) * 1e3
                 before = len(http.get("/metrics").content)
                 for name in [a.name for a in adapters[:invoked]]:
                     reply = http.post(f"/v1/functions/{name}/invoke", json={"prompt": "hi", "max_tokens": 2})
                     failed += reply.status_code != 200
                 metrics_bytes = len(http.get("/metrics").content)
-                scrape_ms = _median_s(lambda: http.get("/metrics").raise_for_status(), repeats) * 1e3
+                scrape_ms = median_s(lambda: http.get("/metrics").raise_for_status(), repeats) * 1e3
             env = {**os.environ, "LORAFAAS_URL": platform.url}
             cli = [sys.executable, "-m", "lorafaas", "--home", str(platform.home)]
-            list_cli_s = _median_s(lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, check=True),
+            list_cli_s = median_s(lambda: subprocess.run([*cli, "list"], env=env, capture_output=True, check=True),
                                    repeats)
-            help_cli_s = _median_s(lambda: subprocess.run([*cli, "--help"], env=env, capture_output=True, check=True),
+            help_cli_s = median_s(lambda: subprocess.run([*cli, "--help"], env=env, capture_output=True, check=True),
                                    repeats)
     per_invoked = (metrics_bytes - before) / invoked if invoked else 0.0
     return ControlPlaneResult(
@@ -130,7 +130,8 @@ def _deploy_one_by_one(client: ApiClient, adapters: list[Path], progress: Progre
     return (time.perf_counter() - started) / max(1, len(adapters))
 
 
-def _median_s(call: Callable[[], object], repeats: int) -> float:
+def median_s(call: Callable[[], object], repeats: int = 3) -> float:
+    """The median wall time of `repeats` calls."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 import msgspec
 
-from lorafaas.bench.control_plane import deploy_batches
+from lorafaas.bench.control_plane import deploy_batches, median_s
 from lorafaas.bench.serve import ServeBenchConfig, Target, one_request, shown_key
 from lorafaas.bench.serve_stats import MachineLoad, RequestOutcome
 from lorafaas.platform.api_client import ApiClient
@@ -202,15 +201,6 @@ def cold_starts_by_kind(metrics_text: str, functions: set[str]) -> dict[str, int
             if sample.labels.get("function") in functions:
                 counts[sample.labels.get("kind", "")] += int(sample.value)
     return dict(counts)
-
-
-def median_s(call: Callable[[], object], repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def list_cli_s(url: str, api_key: str, home: Path) -> float:

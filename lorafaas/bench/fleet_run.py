@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from lorafaas.bench.control_plane import median_s
 from lorafaas.bench.fleet import (
     FleetConfig,
     FleetResult,
@@ -20,7 +21,6 @@ from lorafaas.bench.fleet import (
     drive,
     list_cli_s,
     listening_pid,
-    median_s,
     names_of,
     shown_config,
     summarize_server,
