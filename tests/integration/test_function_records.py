@@ -145,7 +145,9 @@ def test_deleting_a_function_stops_its_start_at_once(home, adapters) -> None:
 
 
 def test_a_start_past_the_start_budget_is_killed_and_counted_a_failed_start(home, adapters) -> None:
-    with PlatformProcess(home, extra_args=("--start-timeout", "3")) as platform, platform.client() as admin:
+    # no pool: a start forks a worker that waits for its backbone (a pool process has attached it already)
+    no_pool = ("--standby-workers", "0")
+    with PlatformProcess(home, extra_args=("--start-timeout", "3", *no_pool)) as platform, platform.client() as admin:
         admin.deploy({"name": "warm", "backbone": "tiny-dense"}, adapters["a"])
         admin.invoke("warm", BODY)
         daemon = daemon_pid(home)

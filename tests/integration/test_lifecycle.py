@@ -63,6 +63,11 @@ def instances_in_metrics(platform: PlatformProcess, function: str) -> int:
     return int(sum(float(v) for v in pattern.findall(text)))
 
 
+# These tests count a platform's worker processes: without the pool, whose not-yet-assigned processes would count
+# (a pool process serves one function for life: tests/integration/test_standby_pool.py)
+NO_POOL = ("--standby-workers", "0")
+
+
 def worker_pids(platform: PlatformProcess) -> set[int]:
     """Function worker processes of this platform: forked from its library pool (the zygote's children, which carry
     its command line) or started fresh."""
@@ -93,7 +98,7 @@ def test_a_deleted_function_never_answers_again_not_even_for_whoever_deploys_its
     long = body(max_tokens=48)
     # A long hang timeout: the worker is paused below while the delete lands, which is not a hang.
     # a worker capacity of 8, so that of 24 requests 16 are queued when the delete lands
-    with PlatformProcess(home, extra_args=("--hang-timeout", "120", "--max-batch", "8")) as platform, \
+    with PlatformProcess(home, extra_args=("--hang-timeout", "120", "--max-batch", "8", *NO_POOL)) as platform, \
             platform.client() as admin:
         key_a, key_b = admin.create_key("team-a")["key"], admin.create_key("team-b")["key"]
         expected = {name: reference(admin, adapters[name], long) for name in ("alpha", "beta", "gamma")}
@@ -148,7 +153,7 @@ def test_a_deleted_function_never_answers_again_not_even_for_whoever_deploys_its
 
 
 def test_a_settings_only_update_during_a_cold_start_neither_hangs_nor_restarts(home, adapters) -> None:
-    with PlatformProcess(home) as platform, platform.client() as admin:
+    with PlatformProcess(home, extra_args=NO_POOL) as platform, platform.client() as admin:
         deploy(admin, "cold", adapters["alpha"], max_instances=1)
         expected = reference(admin, adapters["alpha"], body())
 
@@ -182,7 +187,7 @@ async def _starting_instance(http: httpx.AsyncClient, name: str) -> None:
 
 def test_an_adapter_update_under_load_answers_what_was_accepted_and_leaks_no_old_instance(home, adapters) -> None:
     # A long hang timeout: the version-1 worker is paused below while the update lands, which is not a hang.
-    with PlatformProcess(home, extra_args=("--hang-timeout", "120")) as platform, platform.client() as admin:
+    with PlatformProcess(home, extra_args=("--hang-timeout", "120", *NO_POOL)) as platform, platform.client() as admin:
         deploy(admin, "busy", adapters["alpha"], max_instances=1)
         before = reference(admin, adapters["alpha"], body(32))
         after = reference(admin, adapters["beta"], body(32))
@@ -242,7 +247,7 @@ def _archive(adapter: Path) -> bytes:
 
 
 def test_a_hung_instance_is_declared_hung_killed_and_replaced(home, adapters) -> None:
-    with PlatformProcess(home, extra_args=("--hang-timeout", "2")) as platform, platform.client() as admin:
+    with PlatformProcess(home, extra_args=("--hang-timeout", "2", *NO_POOL)) as platform, platform.client() as admin:
         deploy(admin, "stuck", adapters["alpha"], max_request_s=120)
         expected = admin.invoke("stuck", body())["text"]
         [instance] = admin.describe("stuck")["instances"]
@@ -269,7 +274,7 @@ def test_a_hung_instance_is_declared_hung_killed_and_replaced(home, adapters) ->
 
 
 def test_sampling_parameters_that_cannot_form_a_distribution_fail_no_batch_mate(home, adapters) -> None:
-    with PlatformProcess(home) as platform, platform.client() as admin:
+    with PlatformProcess(home, extra_args=NO_POOL) as platform, platform.client() as admin:
         deploy(admin, "mates", adapters["alpha"], max_instances=1)
         greedy = admin.invoke("mates", body(16))["text"]
 
@@ -291,7 +296,7 @@ def test_sampling_parameters_that_cannot_form_a_distribution_fail_no_batch_mate(
 
 
 def test_out_of_range_seeds_are_refused_and_every_accepted_async_invocation_ends(home, adapters) -> None:
-    with PlatformProcess(home) as platform, platform.client() as admin:
+    with PlatformProcess(home, extra_args=NO_POOL) as platform, platform.client() as admin:
         deploy(admin, "seeded", adapters["alpha"])
         headers = {"Authorization": f"Bearer {platform.admin_key}"}
         url = f"{platform.url}/v1/functions/seeded/invoke"
