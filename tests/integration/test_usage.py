@@ -162,7 +162,7 @@ def test_usage_sums_isolation_reports_cli_and_restart(platform: PlatformProcess,
     assert len(native_ids["sea"]) == 4 and native_ids["sea"] <= {r[0] for r in reports}  # the ids the replies named
     assert sum(int(r[1]) for r in reports) == expected["sea"]["prompt_tokens"]
     assert sum(int(r[2]) for r in reports) == expected["sea"]["completion_tokens"]
-    assert sum(r[3] != "warm" for r in reports) == 1 and reports[0][3].startswith("libraries_preloaded (spawn ")
+    assert sum(r[3] != "warm" for r in reports) == 1 and reports[0][3].startswith("libraries_preloaded (prepare ")
     assert all(float(r[4]) > 0 for r in reports)
     assert len(REPORT.findall(platform.client(keys["globex"]).logs("sky"))) == 9
 
