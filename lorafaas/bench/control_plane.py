@@ -31,6 +31,7 @@ import msgspec
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.api_client import ApiClient
+from lorafaas.platform.batch_client import deploy_in_batches
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.synthetic_adapters import write_random_adapter
@@ -107,17 +108,12 @@ def run_control_plane_bench(functions: int = 1000, batch_size: int = 100, sample
 def deploy_batches(client: ApiClient, adapters: list[Path], fields: dict, batch_size: int, progress: ProgressSink
                    ) -> tuple[list[dict], float]:
     """(the entries refused, seconds) of deploying one function per adapter (named by its directory, with `fields`),
-    `batch_size` a request."""
+    `batch_size` a request, as `lorafaas deploy -f` does."""
     progress.stage(f"deploying {len(adapters)} functions, {batch_size} a request", total=len(adapters))
-    refused: list[dict] = []
     started = time.perf_counter()
-    for start in range(0, len(adapters), batch_size):
-        batch = adapters[start:start + batch_size]
-        result = client.deploy_many([{"name": a.name, **fields} for a in batch],
-                                    [client.pack(a) for a in batch])
-        refused += result["refused"]
-        progress.advance(len(batch))
-    return refused, time.perf_counter() - started
+    outcome = deploy_in_batches(client, [{"name": a.name, "adapter": a, **fields} for a in adapters], batch_size,
+                                progress)
+    return outcome.refused, time.perf_counter() - started
 
 
 def _deploy_one_by_one(client: ApiClient, adapters: list[Path], progress: ProgressSink) -> float:

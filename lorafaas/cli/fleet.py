@@ -8,9 +8,9 @@ from rich.markup import escape
 
 from lorafaas.cli.function_file import read_adapter_dirs, read_fleet_file
 from lorafaas.cli.output import RichProgress, err_console, print_json
-from lorafaas.errors import InvalidInput, LorafaasError
+from lorafaas.errors import InvalidInput
 from lorafaas.platform.api_client import ApiClient
-from lorafaas.platform.batches import MAX_BATCH_FUNCTIONS
+from lorafaas.platform.batch_client import deploy_in_batches
 
 
 def read_fleet(path: Path, flags: dict) -> list[dict]:
@@ -25,32 +25,10 @@ def read_fleet(path: Path, flags: dict) -> list[dict]:
 def deploy_fleet(client: ApiClient, specs: list[dict], batch_size: int, as_json: bool) -> bool:
     """Deploy `specs` in batches of `batch_size` (one request each), progress on stderr; prints what was deployed
     and refused (the index of an entry is its place in the whole fleet). Returns whether every entry was deployed."""
-    if not 1 <= batch_size <= MAX_BATCH_FUNCTIONS:
-        raise InvalidInput(f"--batch-size is {batch_size}; it must be 1 to {MAX_BATCH_FUNCTIONS}")
-    deployed: list[dict] = []
-    refused: list[dict] = []
     with RichProgress() as progress:
         progress.stage(f"deploying {len(specs)} functions", total=len(specs))
-        for start in range(0, len(specs), batch_size):
-            batch = specs[start:start + batch_size]
-            sendable, archives = [], []
-            for offset, spec in enumerate(batch):
-                fields = {k: v for k, v in spec.items() if k != "adapter"}
-                try:
-                    if spec.get("adapter") is None:
-                        raise InvalidInput("the entry has no `adapter:` directory")
-                    archives.append(client.pack(Path(spec["adapter"])))
-                except LorafaasError as exc:  # this entry alone: its adapter cannot be read here
-                    refused.append({"index": start + offset, "name": str(spec.get("name", "")), "field": "adapter",
-                                    "code": exc.code, "message": exc.message})
-                    continue
-                sendable.append((start + offset, fields))
-            if sendable:
-                result = client.deploy_many([fields for _, fields in sendable], archives)
-                deployed += result["deployed"]
-                refused += [entry | {"index": sendable[entry["index"]][0]} for entry in result["refused"]]
-            progress.advance(len(batch))
-    refused.sort(key=lambda entry: entry["index"])
+        outcome = deploy_in_batches(client, specs, batch_size, progress)
+    deployed, refused = outcome.deployed, outcome.refused
     if as_json:
         print_json({"deployed": deployed, "refused": refused})
     else:

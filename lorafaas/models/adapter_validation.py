@@ -135,6 +135,7 @@ def _check_finite(info: AdapterInfo) -> None:
 
     path = info.path / WEIGHTS_FILE
     header = read_safetensors_header(path)
+    file_bytes = None  # one map of the file for all its tensors (an all-linear adapter has hundreds)
     for name, tensor in header.tensors.items():
         if tensor.dtype not in _NON_FINITE_MASKS and tensor.dtype != "F64":
             continue
@@ -142,7 +143,10 @@ def _check_finite(info: AdapterInfo) -> None:
         if count == 0:
             continue
         kind, mask = _NON_FINITE_MASKS.get(tensor.dtype, ("<f8", 0))
-        values = np.memmap(path, dtype=kind, mode="r", offset=header.data_offset + tensor.begin, shape=(count,))
+        if file_bytes is None:
+            file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
+        begin = header.data_offset + tensor.begin
+        values = file_bytes[begin:begin + count * DTYPE_SIZES[tensor.dtype]].view(kind)
         for start in range(0, count, _CHUNK_ELEMENTS):
             chunk = values[start:start + _CHUNK_ELEMENTS]
             if tensor.dtype == "F64":
@@ -152,7 +156,7 @@ def _check_finite(info: AdapterInfo) -> None:
                     raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} holds values float32 cannot hold")
             elif ((chunk & mask) == mask).any():
                 raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {name} contains NaN or infinite values")
-        del values
+    del file_bytes
 
 
 def validate_expert_adapter(path: Path, store, backbone: str) -> ExpertAdapterInfo:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from lorafaas.errors import AdapterNotFound, ServerError
@@ -33,11 +34,12 @@ from lorafaas.platform.state.records import DIGEST_PATTERN, check_digest
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # hashed and copied in this order
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # hashed in this order
 COPY_CHUNK_BYTES = 8 * 1024 * 1024
 STAGING_PREFIX = ".incoming-"
 DELETING_PREFIX = ".deleting-"
 STALE_STAGING_S = 3600.0  # a staging directory this old belongs to a put that was killed
+STALE_SWEEP_EVERY_S = 60.0
 
 
 class AdapterStore:
@@ -45,6 +47,7 @@ class AdapterStore:
         self.root = Path(root)
         self._lock = threading.Lock()  # orders pins against collect (puts run in worker threads)
         self._pins: Counter[str] = Counter()
+        self._swept_at = -STALE_SWEEP_EVERY_S
 
     def path(self, digest: str) -> Path:
         """The entry's directory; AdapterNotFound if there is none."""
@@ -95,25 +98,46 @@ class AdapterStore:
         """
         adapter_dir = Path(adapter_dir).expanduser()
         validate_adapter(adapter_dir, store, backbone)
+        with self.staging() as staged:
+            try:
+                for name in ADAPTER_FILES:
+                    copy_file(adapter_dir / name, staged / name)
+            except OSError as exc:  # disk full, source gone: nothing was stored
+                raise storage_error(exc, "cannot copy the adapter into the adapter store") from exc
+            return self._commit(staged)
+
+    def put_staged(self, staged: Path, store: ModelStore, backbone: str) -> str:
+        """`put` for files already written into a `staging()` directory (an upload unpacked there): validated,
+        then moved into place, never copied."""
+        validate_adapter(staged, store, backbone)
+        return self._commit(staged)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A new staging directory in the store (the entries' file system: the move into place is a rename); what is
+        left in it is removed after."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root.chmod(0o700)  # a store made by an older version was world-readable
         self._remove_stale_staging()
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
+        staged = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
         try:
-            hasher = hashlib.sha256()
-            try:
-                for name in ADAPTER_FILES:
-                    copy_hashing(adapter_dir / name, staging / name, hasher)
-            except OSError as exc:  # disk full, source gone: nothing was stored
-                raise storage_error(exc, "cannot copy the adapter into the adapter store") from exc
-            digest = hasher.hexdigest()
-            with self._lock:
-                self._move_into_place(staging, digest)
-                self._pins[digest] += 1
-            logger.info("stored adapter %s from %s", digest[:12], adapter_dir)
-            return digest
+            yield staged
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def _commit(self, staged: Path) -> str:
+        hasher = hashlib.sha256()
+        try:
+            for name in ADAPTER_FILES:
+                hash_and_sync(staged / name, hasher)
+        except OSError as exc:
+            raise storage_error(exc, "cannot write the adapter into the adapter store") from exc
+        digest = hasher.hexdigest()
+        with self._lock:
+            self._move_into_place(staged, digest)
+            self._pins[digest] += 1
+        logger.info("stored adapter %s", digest[:12])
+        return digest
 
     def _move_into_place(self, staging: Path, digest: str) -> None:
         if self.exists(digest):
@@ -146,6 +170,10 @@ class AdapterStore:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove_stale_staging(self) -> None:
+        # at most once a minute: a listing of the store's thousands of entries is not paid on every put
+        if time.monotonic() - self._swept_at < STALE_SWEEP_EVERY_S:
+            return
+        self._swept_at = time.monotonic()
         cutoff = time.time() - STALE_STAGING_S
         for path in self.root.iterdir():
             if path.name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
@@ -156,14 +184,17 @@ class AdapterStore:
                     pass
 
 
-def copy_hashing(src: Path, dst: Path, hasher: hashlib._Hash) -> None:
-    """Copy `src` to `dst` feeding every byte to `hasher`; `dst` is on disk (fsynced) when this returns."""
-    with src.open("rb") as fin, dst.open("wb") as fout:
-        while chunk := fin.read(COPY_CHUNK_BYTES):
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst`; `_commit` hashes and fsyncs it."""
+    shutil.copyfile(src, dst)
+
+
+def hash_and_sync(path: Path, hasher: hashlib._Hash) -> None:
+    """Feed the file's bytes to `hasher` and fsync it: on disk when this returns."""
+    with path.open("rb") as file:
+        while chunk := file.read(COPY_CHUNK_BYTES):
             hasher.update(chunk)
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
+        os.fsync(file.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

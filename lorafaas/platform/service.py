@@ -15,7 +15,6 @@ import builtins
 import contextlib
 import logging
 import secrets
-import tempfile
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -281,14 +280,16 @@ class FunctionService:
         """Unpack, check against the limits and the tenant's quota, validate and store; returns the digest, pinned
         until `_release_adapter`. `held`: the tenant's adapters, if the caller has them (see deploy)."""
         def unpack_and_store() -> str:
-            with tempfile.TemporaryDirectory(prefix="lorafaas-upload-") as scratch:
+            # unpacked straight into the store's staging: validated there, hashed and renamed into place, not copied
+            with self.adapters.staging() as staged:
+                scratch = str(staged)
                 try:
-                    adapter_dir = unpack_adapter(archive, Path(scratch))
+                    adapter_dir = unpack_adapter(archive, staged)
                     manifest = self.models.get(backbone)
                     new_bytes = check_adapter_size(adapter_dir, backbone, manifest.num_parameters, self.limits)
                     used = held if held is not None else self.tenant_adapters(tenant, replacing)
                     check_tenant_quota(tenant, used.num_bytes, new_bytes, self.limits)
-                    return self.adapters.put(adapter_dir, self.models, backbone)
+                    return self.adapters.put_staged(adapter_dir, self.models, backbone)
                 except LorafaasError as exc:  # name files as they are in the archive, not where this server put them
                     exc.message = exc.message.replace(f"{scratch}/", "").replace(scratch, "the archive")
                     exc.args = (exc.message,)

@@ -112,21 +112,21 @@ def test_refused_adapters_leave_nothing(adapters: AdapterStore, adapter_copy: Pa
 def test_a_copy_failing_midway_leaves_nothing_visible(
     adapters: AdapterStore, adapter_copy: Path, tiny_store: ModelStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_copy = adapter_store_module.copy_hashing
+    real_copy = adapter_store_module.copy_file
     seen_while_copying: list[list[str]] = []
 
-    def copy_then_fail(src: Path, dst: Path, hasher) -> None:
+    def copy_then_fail(src: Path, dst: Path) -> None:
         if src.name == WEIGHTS_FILE:
             seen_while_copying.append([n for n in root_entries(adapters) if not n.startswith(".")])
             raise OSError(28, "No space left on device")
-        real_copy(src, dst, hasher)
+        real_copy(src, dst)
 
-    monkeypatch.setattr(adapter_store_module, "copy_hashing", copy_then_fail)
+    monkeypatch.setattr(adapter_store_module, "copy_file", copy_then_fail)
     with pytest.raises(ServerError, match="No space left on device"):
         adapters.put(adapter_copy, tiny_store, "tiny-dense")
     assert seen_while_copying == [[]], "the config file was visible before the weights were copied"
     assert root_entries(adapters) == []
-    monkeypatch.setattr(adapter_store_module, "copy_hashing", real_copy)
+    monkeypatch.setattr(adapter_store_module, "copy_file", real_copy)
     digest = adapters.put(adapter_copy, tiny_store, "tiny-dense")  # and a retry works
     assert adapters.list_digests() == [digest]
 
@@ -195,3 +195,28 @@ def test_missing_adapter_messages_name_no_server_path(adapters: AdapterStore) ->
     with pytest.raises(AdapterNotFound) as err:
         adapters.path("0" * 64)
     assert str(adapters.root) not in err.value.message
+
+
+def test_an_upload_unpacked_into_staging_is_moved_into_place_not_copied(
+    adapters: AdapterStore, adapter_copy: Path, tiny_store: ModelStore
+) -> None:
+    with adapters.staging() as staged:
+        assert staged.parent == adapters.root and staged.name.startswith(".")  # never listed as an entry
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            shutil.copyfile(adapter_copy / name, staged / name)
+        inode = (staged / WEIGHTS_FILE).stat().st_ino
+        digest = adapters.put_staged(staged, tiny_store, "tiny-dense")
+    assert digest == expected_digest(adapter_copy)
+    assert (adapters.path(digest) / WEIGHTS_FILE).stat().st_ino == inode, "the staged file was copied"
+    assert root_entries(adapters) == [digest]
+
+
+def test_a_staged_adapter_refused_leaves_nothing(
+    adapters: AdapterStore, adapter_copy: Path, tiny_store: ModelStore
+) -> None:
+    with adapters.staging() as staged:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            shutil.copyfile(adapter_copy / name, staged / name)
+        with pytest.raises(AdapterIncompatible):  # made for tiny-dense
+            adapters.put_staged(staged, tiny_store, "tiny-moe")
+    assert root_entries(adapters) == []
