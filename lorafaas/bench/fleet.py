@@ -138,33 +138,31 @@ async def drive(http: httpx.AsyncClient, target: Target, models: Sequence[str], 
 
 
 class HealthzPoller:
-    """GET /healthz every `interval_s` on its own connection while the run goes; latencies in seconds."""
+    """GET /healthz every `interval_s` while the run goes, from a process of its own (healthz_probe.py);
+    latencies in seconds."""
 
     def __init__(self, url: str, interval_s: float) -> None:
         self.url, self.interval_s = url, interval_s
         self.latencies_s: list[float] = []
         self.failed = 0
-        self._task: asyncio.Task | None = None
+        self._process: asyncio.subprocess.Process | None = None
 
-    async def _poll(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10.0) as http:
-            while True:
-                started = time.perf_counter()
-                try:
-                    reply = await http.get("/healthz")
-                    self.failed += reply.status_code != 200
-                except httpx.HTTPError:
-                    self.failed += 1
-                self.latencies_s.append(time.perf_counter() - started)
-                await asyncio.sleep(max(0.0, self.interval_s - (time.perf_counter() - started)))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._poll())
+    async def start(self) -> None:
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "lorafaas.bench.healthz_probe", self.url, str(self.interval_s),
+            stdout=asyncio.subprocess.PIPE)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._process is None:
+            return
+        self._process.terminate()
+        out, _ = await self._process.communicate()
+        try:
+            polled = msgspec.json.decode(out)
+        except msgspec.DecodeError:  # the probe died: every poll it would have made is unknown
+            self.failed += 1
+            return
+        self.latencies_s, self.failed = polled["latencies_s"], polled["failed"]
 
 
 def summarize_server(server: str, url: str, functions: int, deploy: tuple[list[str], float],

@@ -71,7 +71,7 @@ async def _drive_measured(server: ServerSpec, label: str, models: list[str], sch
     async with httpx.AsyncClient(timeout=timeout, limits=_client_limits(config)) as http:
         probe.start()
         if poller is not None:
-            poller.start()
+            await poller.start()
         try:
             outcomes, wall_s, lag_s = await drive(http, Target(label=label, url=server.url, server_pid=pid),
                                                   models, schedule, prompts, config, progress)
