@@ -47,6 +47,7 @@ from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
 from lorafaas.protocols.fdpass import send_with_fds
 from lorafaas.protocols.leases import LeaseTable, process_alive, socket_peer_pid
+from lorafaas.protocols.priority import take_data_plane_niceness
 from lorafaas.protocols.process_guard import forbid_dumping, is_dumpable
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame, frame_length
 
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 def serve(config: DaemonConfig, on_ready: Callable[[DaemonPaths], None] | None = None) -> None:
     """Run a daemon in the foreground until it is shut down or signalled; always cleans up what it created."""
     forbid_dumping()  # its base pass maps every member's buffer: no /proc/PID/fd or ptrace way in (process_guard)
+    take_data_plane_niceness()  # its base pass is model compute: below the control plane (protocols/priority.py)
     daemon = BackboneDaemon(config)
     if threading.current_thread() is threading.main_thread():  # SIGTERM while loading: clean up too
         signal.signal(signal.SIGTERM, _exit_on_signal)

@@ -30,6 +30,7 @@ from lorafaas.function_runtime.client import tcp_address
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.function_runtime.memory import read_memory
 from lorafaas.function_runtime.step_gate import StepGate
+from lorafaas.protocols.priority import take_data_plane_niceness
 from lorafaas.protocols.process_guard import forbid_dumping, is_dumpable
 from lorafaas.wire import encode_frame, read_message
 
@@ -270,6 +271,7 @@ class WorkerServer:
 
 def run_worker(spec: m.WorkerSpec, tokenizer=None) -> int:
     forbid_dumping()  # its adapter, KV cache and base-pass buffer: no /proc/PID/fd or ptrace way in (process_guard)
+    take_data_plane_niceness()  # a fresh worker (a forked one has the zygote's already)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{spec.function}/{spec.instance_id}] %(name)s: %(message)s",

@@ -132,6 +132,8 @@ class Instance:
 class InstanceTable:
     def __init__(self) -> None:
         self._instances: list[Instance] = []
+        # function -> its instances: a fleet's thousand functions are looked up each tick, never scanned
+        self._by_function: dict[str, list[Instance]] = {}
         # device -> the most instances ever busy on it at once (running a request or starting): the scheduling
         # issue's check that a device never runs more busy instances than it has compute for
         self.busy_peak: dict[str, int] = {}
@@ -140,6 +142,7 @@ class InstanceTable:
         if instance.state != "starting":
             raise InvalidTransition(f"an instance enters the table starting, not {instance.state}")
         self._instances.append(instance)
+        self._by_function.setdefault(instance.function, []).append(instance)
         self.record_busy(instance.device)
         return instance
 
@@ -164,6 +167,10 @@ class InstanceTable:
             instance.reason = reason
         if state in ("stopped", "crashed"):
             self._instances.remove(instance)
+            same_function = self._by_function[instance.function]
+            same_function.remove(instance)
+            if not same_function:
+                del self._by_function[instance.function]
         if state != "starting":
             instance.ready_event.set()  # whoever awaits a start learns how it ended
         return True
@@ -174,10 +181,11 @@ class InstanceTable:
         return list(self._instances)
 
     def of_function(self, name: str) -> list[Instance]:
-        return [i for i in self._instances if i.function == name]
+        return list(self._by_function.get(name, ()))
 
     def of_identity(self, identity: Identity, states: frozenset[str] | None = None) -> list[Instance]:
-        return [i for i in self._instances if i.identity == identity and (states is None or i.state in states)]
+        return [i for i in self._by_function.get(identity.function, ())
+                if i.identity == identity and (states is None or i.state in states)]
 
     def current(self, spec: FunctionSpec) -> list[Instance]:
         """Instances starting or ready for exactly this spec: those `max_instances` and keep-alive count."""
@@ -201,7 +209,7 @@ class InstanceTable:
         if (old.tenant, old.function, old.uid, old.adapter_digest) != (
                 new.tenant, new.function, new.uid, new.adapter_digest):
             raise InvalidTransition(f"{old} -> {new} changes what an instance serves; it is a roll, not a relabel")
-        moved = [i for i in self._instances if i.identity == old and i.state in ("starting", "ready")]
+        moved = self.of_identity(old, frozenset({"starting", "ready"}))
         for instance in moved:
             instance.identity = new
         return len(moved)

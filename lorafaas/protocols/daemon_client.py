@@ -26,6 +26,7 @@ from lorafaas.errors import DaemonUnavailable, ProtocolError, SegmentError
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.protocols.fdpass import close_fds, recv_with_fds
+from lorafaas.protocols.priority import child_env
 from lorafaas.wire import encode_frame, error_class
 
 T = TypeVar("T")
@@ -185,7 +186,8 @@ def spawn_daemon(
         pass_fds.append(adopt_fd)
     try:
         process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=pass_fds
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=pass_fds,
+            env=child_env(),
         )
     finally:
         os.close(status_write)

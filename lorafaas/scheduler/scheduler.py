@@ -60,10 +60,15 @@ class Scheduler:
     def plan(self, view: ClusterView, now_s: float) -> Plan:
         """Pre-load actions from `view.resident` to the knapsack's target (rates: the online estimates where a
         function has had arrivals, the profile's otherwise)."""
-        rated = self.rates.apply(view, now_s)
+        rated = self.rated(view, now_s)
         preload = self.preloader.plan(rated, now_s)
         self.rates.mark_planned(now_s)
         return Plan(offloads=preload.offloads, preloads=preload.preloads, target=preload.target)
+
+    def rated(self, view: ClusterView, now_s: float) -> ClusterView:
+        """`view` with the online rate estimates, as `plan` plans it: its first step. The rest (`preloader.plan`,
+        pure and stateless, then `rates.mark_planned`) a caller may run apart, e.g. the knapsack in a thread."""
+        return self.rates.apply(view, now_s)
 
     def should_replan(self, now_s: float) -> bool:
         return self.rates.changed_since_plan(now_s)

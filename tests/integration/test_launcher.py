@@ -81,3 +81,21 @@ def test_nothing_starts_once_the_launcher_is_closing(tmp_path, tiny_dense_dir) -
     while any(process_alive(pid, ticks) for pid, ticks in started.items()):
         assert time.monotonic() < deadline, "the zygote or its worker outlived close() by 30 s"
         time.sleep(0.05)
+
+
+def test_the_data_plane_runs_below_the_control_planes_priority(tmp_path, tiny_dense_dir) -> None:
+    """The zygote, the workers it forks and the backbone daemon take DATA_PLANE_NICENESS more than the process that
+    started them (`lorafaas up`), so that model compute never queues the gateway's work behind it; the starter's own
+    priority is left as it was."""
+    from lorafaas.protocols.priority import DATA_PLANE_NICENESS
+
+    ModelStore(tmp_path / "models").import_dir("tiny-dense", tiny_dense_dir)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    with LocalLauncher(tmp_path) as launcher:
+        worker = launcher.launch(launcher.spec("fn-0", "tiny-dense", None))
+        [daemon] = launcher.daemons.processes.values()
+        niceness = {kind: os.getpriority(os.PRIO_PROCESS, pid)
+                    for kind, pid in (("zygote", launcher.zygote_pid), ("worker", worker.pid),
+                                      ("daemon", daemon.ref.pid))}
+    assert niceness == dict.fromkeys(niceness, min(19, own + DATA_PLANE_NICENESS))
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own

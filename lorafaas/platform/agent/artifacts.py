@@ -107,6 +107,8 @@ class ArtifactPlanner:
 
     def view(self) -> ClusterView:
         names = self.config.device_names
+        device_ids = {d: DeviceId(d) for d in names}
+        libraries_held = self.launcher.zygote_pid is not None  # the zygote holds them for every function's start
         functions: dict[FunctionName, FunctionProfile] = {}
         slots: list[WorkerSlot] = []
         resident: list[Residency] = []
@@ -134,11 +136,11 @@ class ArtifactPlanner:
                     resident.append(Residency(name, "warmup", "device", device, slot))
             if not pool:
                 slots.append(WorkerSlot(fn_slots[0], POOL_SLOT_BYTES, function=name))
-                if self.launcher.zygote_pid is not None:
+                if libraries_held:
                     resident.append(Residency(name, "libraries", "host", slot=fn_slots[0]))
             for device_name in names:
                 if spec.backbone in running_backbones[device_name]:
-                    resident.append(Residency(name, "backbone", "device", DeviceId(device_name), fn_slots[0]))
+                    resident.append(Residency(name, "backbone", "device", device_ids[device_name], fn_slots[0]))
         compute_slots = device_slots(self.config)  # placement avoids a device other functions keep busy
         devices = tuple(DeviceView(DeviceId(d.name), d.budget_bytes, used[d.name], compute_slots)
                         for d in self.config.devices)
@@ -218,7 +220,11 @@ class ArtifactPlanner:
         """The periodic pre-load plan's pre-loads, in loading order. Its offloads are not applied: an artifact
         leaves the device only when a batch needs its memory (`make_room`) or its instance's keep-alive ends, so idle
         memory is never emptied for nothing."""
-        plan = self.scheduler.plan(self.view(), now_s)
+        rated = self.scheduler.rated(self.view(), now_s)
+        await asyncio.sleep(0)
+        # the knapsack is pure and keeps no state: a fleet's (tens of ms) runs beside the event loop, not in it
+        plan = await asyncio.to_thread(self.scheduler.preloader.plan, rated, now_s)
+        self.scheduler.rates.mark_planned(now_s)
         for action in plan.preloads:
             await self.apply_preload(action)
 

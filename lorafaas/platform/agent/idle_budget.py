@@ -30,11 +30,14 @@ def budget_retirements(functions: dict[str, FunctionState], table: InstanceTable
     priced: list[IdleInstance] = []
     for state in functions.values():
         spec = state.spec
-        idle = sorted((i for i in table.current(spec) if i.state == "ready" and i.in_flight == 0),
+        current = table.current(spec)
+        if not current:  # most of a fleet: nothing held, nothing to retire
+            continue
+        idle = sorted((i for i in current if i.state == "ready" and i.in_flight == 0),
                       key=lambda i: i.last_used_s, reverse=True)
         adapter_bytes, adapter_s = price(state)
         private = INSTANCE_OVERHEAD_BYTES + adapter_bytes
-        held = max(0, min(len(idle), spec.min_instances - (len(table.current(spec)) - len(idle))))
+        held = max(0, min(len(idle), spec.min_instances - (len(current) - len(idle))))
         budget -= held * private  # the function's floor stays, and takes its share first
         rate = scheduler.rates.rate(FunctionName(spec.name), now) or config.scheduler.rate_floor_per_s
         window_s = keep_alive_s(spec, scheduler, config)

@@ -49,6 +49,7 @@ from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import AdmissionView, ComputeTurns, FunctionName, InstanceId, Scheduler, decide_admission
 
 log = logging.getLogger(__name__)
+RECONCILE_YIELD_EVERY = 100  # functions reconciled between two turns of the event loop
 
 
 class NodeAgent:
@@ -380,7 +381,9 @@ class NodeAgent:
             for instance in self.table.all():
                 if instance.state == "draining":
                     self._finish_drain(instance)
-            for name in list(self.functions):
+            for index, name in enumerate(list(self.functions)):
+                if index % RECONCILE_YIELD_EVERY == RECONCILE_YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # a thousand functions' round does not hold requests (and /healthz) up
                 try:
                     await self._reconcile(name)
                 except LorafaasError as exc:
@@ -388,6 +391,7 @@ class NodeAgent:
             for instance, why in budget_retirements(self.functions, self.table, self.scheduler, self.config,
                                                     self.clock()):
                 await self.instances.stop(instance, why)
+            await asyncio.sleep(0)
             try:
                 await self.planner.tick(self.clock())
             except LorafaasError as exc:
@@ -400,6 +404,8 @@ class NodeAgent:
             return
         spec = state.spec
         current = self.table.current(spec)
+        if not current and spec.min_instances == 0:
+            return  # most of a fleet, most of the time: nothing to start or retire
         for _ in range(spec.min_instances - len(current)):
             if self.functions.get(name) is not state or state.spec != spec:
                 return  # changed while an instance started: the next round reconciles the new spec
