@@ -7,6 +7,7 @@ for blocking sockets, and maps error codes sent over a socket back to the Lorafa
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import TypeVar
 
@@ -70,3 +71,17 @@ def error_class(code: str) -> type[errors.LorafaasError]:
             return cls
         pending.extend(cls.__subclasses__())
     return errors.ServerError
+
+
+def call_unix(socket_path: str | os.PathLike, messages: list[msgspec.Struct],
+              decoder: msgspec.msgpack.Decoder[T] | None, peer: str, timeout_s: float) -> T | None:
+    """One request on a fresh connection to a Unix socket: send `messages` (a hello, then the request), read one
+    reply (none when `decoder` is None). InstanceUnavailable names `peer` when nothing listens there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(os.fspath(socket_path))
+        except OSError as exc:
+            raise errors.InstanceUnavailable(f"no {peer} is listening at {socket_path} ({exc})") from exc
+        sock.sendall(b"".join(encode_frame(message) for message in messages))
+        return None if decoder is None else recv_message(sock, decoder)

@@ -40,7 +40,10 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_fleet_bench(config: FleetConfig, home: Path, prefix: str, lorafaas: ServerSpec | None,
-                    vllm: ServerSpec | None, progress: ProgressSink | None = None) -> FleetResult:
+                    vllm: ServerSpec | None, progress: ProgressSink | None = None,
+                    rank_blind: ServerSpec | None = None) -> FleetResult:
+    """`rank_blind`: a second platform (`lorafaas up --rank-blind`, the same admin key) run as `lorafaas` is, after
+    it, as the server "lorafaas-rank-blind"."""
     progress = progress or SilentProgress()
     spec = config.workload
     adapters = write_fleet(Path(config.adapters_dir), ModelStore(home / "models"), config.backbone,
@@ -50,6 +53,9 @@ def run_fleet_bench(config: FleetConfig, home: Path, prefix: str, lorafaas: Serv
     servers = []
     if lorafaas is not None:
         servers.append(_run_lorafaas(lorafaas, adapters, schedule, prompts, config, home, progress))
+    if rank_blind is not None:
+        servers.append(_run_lorafaas(rank_blind, adapters, schedule, prompts, config, home, progress,
+                                     label="lorafaas-rank-blind"))
     if vllm is not None:
         servers.append(_run_vllm(vllm, adapters, schedule, prompts, config, progress))
     return FleetResult(config=shown_config(config), arrivals=len(schedule),
@@ -83,7 +89,7 @@ async def _drive_measured(server: ServerSpec, label: str, models: list[str], sch
 
 
 def _run_lorafaas(server: ServerSpec, adapters: list[Path], schedule, prompts, config: FleetConfig, home: Path,
-                  progress: ProgressSink) -> ServerFigures:
+                  progress: ProgressSink, label: str = "lorafaas") -> ServerFigures:
     from lorafaas.stats import percentile
 
     key = config.api_key or ""
@@ -92,8 +98,8 @@ def _run_lorafaas(server: ServerSpec, adapters: list[Path], schedule, prompts, c
         deploy = deploy_lorafaas(client, adapters, config, progress)
         try:
             outcomes, wall_s, lag_s, load, poller = asyncio.run(_drive_measured(
-                server, "lorafaas", names, schedule, prompts, config, progress, healthz=True))
-            progress.stage("lorafaas: timing `lorafaas list` and /metrics")
+                server, label, names, schedule, prompts, config, progress, healthz=True))
+            progress.stage(f"{label}: timing `lorafaas list` and /metrics")
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
                 text = http.get("/metrics").raise_for_status().text
                 scrape_s = median_s(lambda: http.get("/metrics").raise_for_status())
@@ -107,7 +113,7 @@ def _run_lorafaas(server: ServerSpec, adapters: list[Path], schedule, prompts, c
         healthz_p99_ms=percentile(healthz_ms, 99, 0.0), healthz_max_ms=max(healthz_ms, default=0.0),
         healthz_polls=len(healthz_ms), healthz_failed=poller.failed, healthz_interval_s=config.healthz_interval_s,
         cold_starts=cold_starts_by_kind(text, set(names)))
-    return summarize_server("lorafaas", server.url, len(adapters), deploy, outcomes, wall_s, lag_s, load, config,
+    return summarize_server(label, server.url, len(adapters), deploy, outcomes, wall_s, lag_s, load, config,
                             figures)
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from lorafaas.cli.output import RichProgress, console, print_json, print_table
 from lorafaas.config import LorafaasConfig
 from lorafaas.errors import LorafaasError
+from lorafaas.platform.batches import MAX_BATCH_FUNCTIONS
 
 
 def fleet(
@@ -19,6 +20,11 @@ def fleet(
                             "to [default: the platform the CLI talks to: the local `lorafaas up`]."),
     vllm_url: str = typer.Option(None, "--vllm", help="A vLLM server to run the same workload against "
                                  "(scripts/vllm-cpu.sh --fleet; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."),
+    rank_blind_url: str = typer.Option(None, "--rank-blind-url", help="A second platform, started with `lorafaas up "
+                                       "--rank-blind` and the same admin key (LORAFAAS_ADMIN_KEY), run after --url "
+                                       "as `lorafaas-rank-blind`: rank-aware against rank-blind in one run."),
+    rank_blind_pid: int = typer.Option(None, "--rank-blind-pid", min=1, help="Its root process [default: the "
+                                       "process listening on --rank-blind-url's port]."),
     functions: int = typer.Option(1000, "--functions", min=1, max=10_000, help="Adapters, one function each."),
     duration_s: float = typer.Option(600.0, "--duration", min=1.0, max=86_400.0, help="Seconds of arrivals."),
     rate: float = typer.Option(2.0, "--rate", min=0.01, max=10_000.0, help="Total arrivals per second (Poisson)."),
@@ -31,7 +37,8 @@ def fleet(
     adapters_dir: Path = typer.Option(None, "--adapters-dir", help="Where the fleet's adapters are written "
                                       "[default: HOME/bench-fleet/BACKBONE]; vLLM reads them there by path."),
     prefix: str = typer.Option("fleet", "--prefix", help="Function and adapter names: PREFIX-00000, ..."),
-    batch_size: int = typer.Option(100, "--batch-size", min=1, max=1000, help="Functions per deploy request."),
+    batch_size: int = typer.Option(100, "--batch-size", min=1, max=MAX_BATCH_FUNCTIONS,
+                                    help="Functions per deploy request."),
     drain_s: float = typer.Option(120.0, "--drain", min=0.0, max=3600.0, help="Seconds requests still running at "
                                   "the end are awaited before they count as failed."),
     lorafaas_pid: int = typer.Option(None, "--lorafaas-pid", min=1, help="lorafaas's root process, whose tree's "
@@ -40,7 +47,8 @@ def fleet(
                                  "listening on --vllm's port]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """N functions (mixed ranks and modules) under Poisson arrivals and Zipf popularity; lorafaas, then vLLM."""
+    """N functions (mixed ranks and modules) under Poisson arrivals and Zipf popularity; lorafaas (then a rank-blind
+    lorafaas), then vLLM."""
     from lorafaas.bench.fleet_run import ServerSpec, run_fleet_bench
     from lorafaas.bench.serve import parse_target
     from lorafaas.formats.model_store import ModelStore
@@ -49,7 +57,8 @@ def fleet(
 
     config: LorafaasConfig = ctx.obj
     bases = {}
-    for option, given in (("--url", resolve_url(config, url)), ("--vllm", vllm_url)):
+    for option, given in (("--url", resolve_url(config, url)), ("--vllm", vllm_url),
+                          ("--rank-blind-url", rank_blind_url)):
         if given:
             try:
                 bases[option] = parse_target(given, 0).url
@@ -72,10 +81,12 @@ def fleet(
         output_len=output_len, prompt_len=prompt_len, slo_ttft_s=slo_ttft_s, batch_size=batch_size,
         drain_s=drain_s, api_key=resolve_key(config))
     vllm = ServerSpec(url=bases["--vllm"], pid=vllm_pid) if "--vllm" in bases else None
+    rank_blind = (ServerSpec(url=bases["--rank-blind-url"], pid=rank_blind_pid) if "--rank-blind-url" in bases
+                  else None)
     with RichProgress() as progress:
         try:
             result = run_fleet_bench(bench_config, config.home, prefix, ServerSpec(url=bases["--url"],
-                                     pid=lorafaas_pid), vllm, progress)
+                                     pid=lorafaas_pid), vllm, progress, rank_blind)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(1) from None

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import msgspec
 
-from lorafaas.errors import InstanceUnavailable, ProtocolError
+from lorafaas.errors import ProtocolError
 from lorafaas.function_runtime import messages as m
 from lorafaas.function_runtime.instance import FunctionInstance
 from lorafaas.protocols.process_guard import forbid_dumping
-from lorafaas.wire import encode_frame, error_class, recv_message
+from lorafaas.wire import call_unix, encode_frame, error_class, recv_message
 
 log = logging.getLogger(__name__)
 STANDBY_FUNCTION = "(standby)"  # the lease's function while it serves none: not a valid function name
@@ -118,15 +118,8 @@ def _become_function_worker(assignment: m.Assign) -> None:
 
 def assign(socket_path: Path, spec: m.WorkerSpec, log_path: Path, timeout_s: float = 10.0) -> m.Assigned:
     """Give the pool process listening at `socket_path` its function (the launcher's side)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(str(socket_path))
-        except OSError as exc:
-            raise InstanceUnavailable(f"no pool process is listening at {socket_path} ({exc})") from exc
-        sock.sendall(encode_frame(m.Hello(version=m.PROTOCOL_VERSION))
-                     + encode_frame(m.Assign(spec=spec, log_path=str(log_path))))
-        reply = recv_message(sock, reply_decoder)
+    reply = call_unix(socket_path, [m.Hello(version=m.PROTOCOL_VERSION), m.Assign(spec=spec, log_path=str(log_path))],
+                      reply_decoder, "pool process", timeout_s)
     if isinstance(reply, m.ErrorReply):
         raise error_class(reply.code)(reply.message)
     if not isinstance(reply, m.Assigned):

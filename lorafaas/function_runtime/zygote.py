@@ -35,7 +35,7 @@ from lorafaas.errors import InstanceUnavailable, ProtocolError
 from lorafaas.function_runtime import messages as m
 from lorafaas.protocols.priority import child_env, take_data_plane_niceness
 from lorafaas.protocols.process_guard import forbid_dumping
-from lorafaas.wire import encode_frame, error_class, recv_message
+from lorafaas.wire import call_unix, encode_frame, error_class, recv_message
 
 log = logging.getLogger(__name__)
 request_decoder = msgspec.msgpack.Decoder(m.ZygoteRequest)
@@ -209,16 +209,8 @@ def _become_worker(log_path: str, zygote_pid: int) -> None:
 
 
 def _call(socket_path: Path, request: msgspec.Struct, timeout_s: float = 30.0):
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(str(socket_path))
-        except OSError as exc:
-            raise InstanceUnavailable(f"no zygote is listening at {socket_path} ({exc})") from exc
-        sock.sendall(encode_frame(m.Hello(version=m.PROTOCOL_VERSION)) + encode_frame(request))
-        if isinstance(request, m.Shutdown):
-            return None
-        reply = recv_message(sock, reply_decoder)
+    decoder = None if isinstance(request, m.Shutdown) else reply_decoder  # the zygote exits without a reply
+    reply = call_unix(socket_path, [m.Hello(version=m.PROTOCOL_VERSION), request], decoder, "zygote", timeout_s)
     if isinstance(reply, m.ErrorReply):
         raise error_class(reply.code)(reply.message)
     return reply

@@ -19,14 +19,25 @@ def platform(tmp_path_factory, tiny_dense_dir):
         yield running
 
 
-def test_bench_fleet_deploys_drives_and_measures_twenty_functions(platform, cli, tmp_path) -> None:
-    result = cli("--home", str(platform.home), "bench", "fleet", "--url", platform.url, "--functions", "20",
-                 "--duration", "10", "--rate", "2", "--drain", "60", "--output-len", "4", "--prompt-len", "8",
-                 "--backbone", "tiny-dense", "--adapters-dir", str(tmp_path / "fleet"), "--lorafaas-pid",
-                 str(platform.process.pid), "--json", env={"LORAFAAS_API_KEY": platform.admin_key}, timeout=300)
+def test_bench_fleet_deploys_drives_and_measures_twenty_functions(platform, cli, tmp_path, tiny_dense_dir) -> None:
+    """...on the platform and, in the same run, on a second one started `--rank-blind` with the same admin key."""
+    blind_home = tmp_path / "rank-blind-home"
+    ModelStore(blind_home / "models").import_dir("tiny-dense", tiny_dense_dir)
+    with PlatformProcess(blind_home, extra_args=("--rank-blind",),
+                         env={"LORAFAAS_ADMIN_KEY": platform.admin_key}) as blind:
+        result = cli("--home", str(platform.home), "bench", "fleet", "--url", platform.url, "--functions", "20",
+                     "--duration", "10", "--rate", "2", "--drain", "60", "--output-len", "4", "--prompt-len", "8",
+                     "--backbone", "tiny-dense", "--adapters-dir", str(tmp_path / "fleet"), "--lorafaas-pid",
+                     str(platform.process.pid), "--rank-blind-url", blind.url, "--json",
+                     env={"LORAFAAS_API_KEY": platform.admin_key}, timeout=400)
+        with blind.client() as admin:
+            assert admin.list() == []  # its fleet is deleted at the end too
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(result.stdout)
-    [server] = document["servers"]
+    server, rank_blind = document["servers"]
+    assert rank_blind["server"] == "lorafaas-rank-blind" and rank_blind["url"] == blind.url
+    assert rank_blind["failed"] == 0 and rank_blind["requests"] == server["requests"]  # the same arrivals
+    assert rank_blind["lorafaas"]["healthz_polls"] > 10
     assert server["server"] == "lorafaas" and server["functions"] == 20
     assert server["failed"] == 0 and server["deploy_refused"] == 0, server["failures"]
     assert server["deploy_s"] > 0 and server["requests"] == document["arrivals"] > 0
@@ -50,6 +61,8 @@ def test_bench_fleet_deploys_drives_and_measures_twenty_functions(platform, cli,
     (["--rate", "-1"], "--rate"),
     (["--duration", "0"], "--duration"),
     (["--vllm", "localhost:8100"], "expected http(s)://"),
+    (["--rank-blind-url", "localhost:8101"], "expected http(s)://"),
+    (["--batch-size", "501"], "--batch-size"),
     (["--backbone", "no-such-backbone"], "no backbone 'no-such-backbone'"),
     (["--prefix", "9 bad"], "--prefix"),
 ])

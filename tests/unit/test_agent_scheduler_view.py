@@ -21,7 +21,7 @@ import pytest
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.platform.adapter_store import AdapterStore
 from lorafaas.platform.agent import AgentConfig, NodeAgent
-from lorafaas.platform.agent.artifacts import ArtifactPlanner
+from lorafaas.platform.agent.artifacts import DEFAULT_LOAD_S, ArtifactPlanner
 from lorafaas.platform.agent.catalogue import ArtifactCatalogue
 from lorafaas.platform.instance_table import InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
@@ -113,3 +113,27 @@ def test_kv_bytes_per_token_follow_the_backbones_dtype(tiny_store: ModelStore, a
     bf16 = planner.kv_bytes_per_token(msgspec.structs.replace(_spec("x"), backbone="tiny-dense-bf16-kv"))
     assert float32 == per_layer_token * config["num_hidden_layers"] * 4
     assert bf16 == float32 // 2
+
+
+def test_an_idle_functions_view_is_made_again_when_what_it_reads_changes(tiny_store: ModelStore,
+                                                                        adapters: AdapterStore) -> None:
+    """A function without a ready instance keeps its part of the view between views (a fleet's thousand are most of
+    a view's cost), but never a stale one: a measured load, a changed spec and a removal each show at once."""
+    agent = _agent(tiny_store, adapters)
+
+    def backbone_load_s() -> float:
+        return agent.planner.view().functions[FunctionName("f")].costs.backbone_device.load_s
+
+    async def scenario() -> None:
+        agent.apply(_spec("0" * 64))
+        before = backbone_load_s()
+        assert agent.planner.view().functions[FunctionName("f")] is agent.planner.view().functions[FunctionName("f")]
+        agent.functions["f"].load_s["backbone"] = 7.0  # a start measured it
+        assert backbone_load_s() == pytest.approx(before - DEFAULT_LOAD_S["backbone"] + 7.0)
+        agent.apply(msgspec.structs.replace(_spec("0" * 64, version=2), slo_ttft_ms=123))
+        assert agent.planner.view().functions[FunctionName("f")].slo_ttft_s == pytest.approx(0.123)
+        await agent.remove("f")
+        assert agent.planner.view().functions == {} and agent.planner._idle_cache == {}
+        await agent.stop()
+
+    asyncio.run(scenario())

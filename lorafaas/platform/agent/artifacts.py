@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from lorafaas.errors import LorafaasError
 from lorafaas.function_runtime import messages as m
@@ -29,7 +30,7 @@ from lorafaas.platform.agent.config import AgentConfig
 from lorafaas.platform.agent.function_state import FunctionState, OffloadEvent
 from lorafaas.platform.agent.instances import Instances, device_slots
 from lorafaas.platform.backends.base import Backend
-from lorafaas.platform.instance_table import InstanceTable
+from lorafaas.platform.instance_table import Instance, InstanceTable
 from lorafaas.platform.state.records import FunctionSpec
 from lorafaas.scheduler import (
     ArtifactCost,
@@ -73,6 +74,12 @@ def adapter_prices(states: Iterable[FunctionState], rank_aware: bool) -> Adapter
     return lambda state: mean
 
 
+class _IdleParts(NamedTuple):
+    profile: FunctionProfile
+    slot: WorkerSlot
+    resident: tuple[Residency, ...]
+
+
 class ArtifactPlanner:
     """The node's artifacts as the scheduler sees them (`view`) and its plans carried out on the instances: pre-loads
     on the periodic plan, offloads when a batch needs room. Used on the node agent's event loop."""
@@ -87,6 +94,7 @@ class ArtifactPlanner:
         self.catalogue = catalogue  # the artifacts' sizes, read once (no file is read building a view)
         self.instances = instances
         self._deciding = asyncio.Lock()  # one offloading decision (and its actions) at a time
+        self._idle_cache: dict[str, tuple[tuple, _IdleParts]] = {}  # function -> (what its parts read, the parts)
         self._last_plan_s = -1e9
 
     async def tick(self, now: float) -> None:
@@ -107,7 +115,6 @@ class ArtifactPlanner:
 
     def view(self) -> ClusterView:
         names = self.config.device_names
-        device_ids = {d: DeviceId(d) for d in names}
         libraries_held = self.launcher.zygote_pid is not None  # the zygote holds them for every function's start
         functions: dict[FunctionName, FunctionProfile] = {}
         slots: list[WorkerSlot] = []
@@ -122,8 +129,14 @@ class ArtifactPlanner:
         for state in self.functions.values():
             spec, name = state.spec, FunctionName(state.name)
             pool = [i for i in self.table.current(spec) if i.state == "ready"]
-            functions[name] = self.profile(state, with_instance=bool(pool), price=price)
-            fn_slots = [SlotId(i.instance_id) for i in pool] or [SlotId(f"pool:{name}")]
+            backbone_on = tuple(d for d in names if spec.backbone in running_backbones[d])
+            if not pool:  # most of a fleet: its parts change only with what they are made of
+                idle = self._idle_parts(state, price, libraries_held, backbone_on)
+                functions[name] = idle.profile
+                slots.append(idle.slot)
+                resident.extend(idle.resident)
+                continue
+            functions[name] = self.profile(state, with_instance=True, price=price)
             for instance in pool:
                 slot, device = SlotId(instance.instance_id), DeviceId(instance.device)
                 slots.append(WorkerSlot(slot, POOL_SLOT_BYTES, function=name))
@@ -134,25 +147,49 @@ class ArtifactPlanner:
                     resident.append(Residency(name, "adapter", "device", device, slot))
                 if "warmup" in loaded:
                     resident.append(Residency(name, "warmup", "device", device, slot))
-            if not pool:
-                slots.append(WorkerSlot(fn_slots[0], POOL_SLOT_BYTES, function=name))
-                if libraries_held:
-                    resident.append(Residency(name, "libraries", "host", slot=fn_slots[0]))
-            for device_name in names:
-                if spec.backbone in running_backbones[device_name]:
-                    resident.append(Residency(name, "backbone", "device", device_ids[device_name], fn_slots[0]))
+            resident.extend(Residency(name, "backbone", "device", DeviceId(d), SlotId(pool[0].instance_id))
+                            for d in backbone_on)
+        if len(self._idle_cache) > len(self.functions):  # deleted functions' entries
+            for gone in set(self._idle_cache) - set(self.functions):
+                del self._idle_cache[gone]
         compute_slots = device_slots(self.config)  # placement avoids a device other functions keep busy
         devices = tuple(DeviceView(DeviceId(d.name), d.budget_bytes, used[d.name], compute_slots)
                         for d in self.config.devices)
         return ClusterView(functions=functions, devices=devices, slots=tuple(slots), resident=tuple(resident),
                            invoked=invoked, instances=instances)
 
+    def _idle_parts(self, state: FunctionState, price: AdapterPrice, libraries_held: bool,
+                    backbone_on: tuple[str, ...]) -> _IdleParts:
+        """A function's parts of the view while it has no ready instance: made again only when what they are made
+        of changed (its spec, adapter price, measured loads, the backbone's daemon start, the libraries' import)."""
+        key = (state.spec, price(state), tuple(state.load_s.items()),
+               self.instances.daemon_start_s.get(state.spec.backbone), self.instances.library_import_s,
+               libraries_held, backbone_on)
+        cached = self._idle_cache.get(state.name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        name = FunctionName(state.name)
+        slot = SlotId(f"pool:{name}")
+        resident = [Residency(name, "libraries", "host", slot=slot)] if libraries_held else []
+        resident += [Residency(name, "backbone", "device", DeviceId(d), slot) for d in backbone_on]
+        parts = _IdleParts(self.profile(state, with_instance=False, price=price),
+                           WorkerSlot(slot, POOL_SLOT_BYTES, function=name), tuple(resident))
+        self._idle_cache[state.name] = (key, parts)
+        return parts
+
     def _kv_bytes_by_device(self) -> dict[str, int]:
         """The KV bytes of the requests running, on the devices of the instances that hold them (a function's
         estimate split by their requests)."""
         kv = dict.fromkeys(self.config.device_names, 0)
-        for name, state in self.functions.items():
-            holders = [i for i in self.table.of_function(name) if i.in_flight and state.owns(i.identity.uid)]
+        holding: dict[str, list[Instance]] = {}
+        for instance in self.table.all():
+            if instance.in_flight:
+                holding.setdefault(instance.function, []).append(instance)
+        for name, instances in holding.items():
+            state = self.functions.get(name)
+            if state is None:
+                continue
+            holders = [i for i in instances if state.owns(i.identity.uid)]
             total = sum(i.in_flight for i in holders)
             for instance in holders:
                 share = state.in_flight_tokens * instance.in_flight // total
