@@ -30,7 +30,7 @@ def test_bench_fleet_deploys_drives_and_measures_twenty_functions(platform, cli,
                      "--backbone", "tiny-dense", "--adapters-dir", str(tmp_path / "fleet"), "--lorafaas-pid",
                      str(platform.process.pid), "--rank-blind-url", blind.url, "--json",
                      env={"LORAFAAS_API_KEY": platform.admin_key}, timeout=400)
-        with blind.client() as admin:
+        with blind.client(platform.admin_key) as admin:  # its admin key came from the environment
             assert admin.list() == []  # its fleet is deleted at the end too
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(result.stdout)

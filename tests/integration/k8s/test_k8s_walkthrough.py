@@ -104,8 +104,14 @@ class Watcher(threading.Thread):
         while not self.done.wait(0.5):
             for pid in marked_processes(self.marker, self.work_dir):
                 now = look(pid)
-                if now is not None:
-                    before = self.seen.setdefault(pid, now)
+                if now is None:
+                    continue
+                before = self.seen.get(pid)
+                if before is None or (now.memfds and not before.memfds):
+                    # first seen, or first seen mapping a segment: as it is then (a look can come before the
+                    # container's exec into its uid, and a pid can be reused)
+                    self.seen[pid] = now
+                else:
                     before.memfds |= now.memfds
 
 
