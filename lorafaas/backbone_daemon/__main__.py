@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--adopt-fd", type=int, default=None, help="a predecessor's sealed segment (supervisor's)")
     parser.add_argument("--cpu-linear", default=None,
-                        help="kernel of float32 products on a CPU: auto (measured at load), torch or onednn "
+                        help="kernel of linear products on a CPU: auto (weights packed for oneDNN where torch can, "
+                             "else measured at load), packed, torch or onednn "
                              "(default: $LORAFAAS_CPU_LINEAR, else auto)")
     parser.add_argument("--status-fd", type=int, default=None, help="report a start-up error here (msgpack)")
     args = parser.parse_args(argv)

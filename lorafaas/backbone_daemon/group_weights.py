@@ -150,7 +150,7 @@ class GroupWeights:
 
     def pack_if_bf16(self) -> bool:
         """On a bf16 backbone, compute from a packed copy of its weights (module docstring); whether it did."""
-        if self.dtype != torch.bfloat16:
+        if self.dtype != torch.bfloat16 or self._layers[0][0][0].is_mkldnn:  # (packed in the segment already)
             return False
         started = time.monotonic()
         packed: dict[int, torch.Tensor] = {}  # by the segment's address: a weight in two groups is packed once

@@ -10,7 +10,9 @@ matrices into one fused tensor, e.g. Mixtral's `w1`/`w3` -> `experts.gate_up_pro
 target tensor. A conversion that computes (transpose, permute, split) is left to transformers: the model is loaded
 privately once and its tensors copied into the segment.
 
-The bytes are read by segment_fill.py: few large vectored reads straight into the segment, on a few threads.
+The bytes are read by segment_fill.py: few large vectored reads straight into the segment, on a few threads. On a
+CPU the linear weights can then be rewritten in oneDNN's blocked layout before the seal (`pack_linears`,
+lorafaas/models/packed_weights.py); a backbone loaded through transformers keeps the plain layout.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon.segment_fill import Placement, SpanRead, default_threads, fill, plan_reads
 from lorafaas.cuda_ipc.layout import SAFETENSORS_DTYPES, TensorSpec, dtype_name
 from lorafaas.errors import MalformedModel
 from lorafaas.formats.weights import read_safetensors_header
 from lorafaas.models.binding import build_empty_model, tied_weight_keys
+from lorafaas.models.packed_weights import linear_weight_names, pack_in_place
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class Piece:
 class LoadPlan:
     specs: tuple[TensorSpec, ...]
     pieces: tuple[Piece, ...]
+    linear_weights: frozenset[str] = frozenset()  # read by a plain linear layer only: may be packed for oneDNN
 
 
 class NotPlaceable(Exception):
@@ -65,8 +71,10 @@ class _Grouped:
     nbytes: int
 
 
-def load_into_segment(model_dir: Path, weight_files: tuple[str, ...], device: str, name: str) -> cuda_ipc.Export:
-    """A sealed segment holding the backbone at `model_dir`; reads straight from the files where it can."""
+def load_into_segment(model_dir: Path, weight_files: tuple[str, ...], device: str, name: str,
+                      pack_linears: bool = False) -> cuda_ipc.Export:
+    """A sealed segment holding the backbone at `model_dir`; reads straight from the files where it can. With
+    `pack_linears`, a CPU segment holds its linear weights in oneDNN's blocked layout (module docstring)."""
     started = time.perf_counter()
     paths = [Path(model_dir) / f for f in weight_files]
     try:
@@ -79,7 +87,7 @@ def load_into_segment(model_dir: Path, weight_files: tuple[str, ...], device: st
                  len(segment.manifest.tensors), device, (time.perf_counter() - started) * 1e3)
         return segment
     planned = time.perf_counter()
-    segment = execute_plan(plan, device, name)
+    segment = execute_plan(plan, device, name, pack_linears)
     read_s = time.perf_counter() - planned
     size = segment.manifest.size
     log.info("planned %d tensors in %.0f ms; read %d bytes from the store into the segment on %s in %.0f ms "
@@ -129,7 +137,9 @@ def plan_direct_load(model_dir: Path, weight_files: list[Path]) -> LoadPlan:
         raise MalformedModel(f"{model_dir}: the checkpoint has no weights for {len(missing)} tensor(s) of the model, "
                              f"e.g. {missing[:3]}")
     specs = tuple(TensorSpec(n, dtypes[n], tuple(meta[n].shape)) for n in expected)
-    return LoadPlan(specs=specs, pieces=tuple(pieces))
+    tied_names = set(tied) | set(tied.values())
+    return LoadPlan(specs=specs, pieces=tuple(pieces),
+                    linear_weights=frozenset(linear_weight_names(model, tied_names) & set(expected)))
 
 
 def plan_file_load(weight_files: list[Path]) -> LoadPlan:
@@ -211,8 +221,9 @@ def _place_group(target: str, target_shape: tuple[int, ...], converter, members:
             for m in members]
 
 
-def execute_plan(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
-    """A new sealed segment on `device` filled by the plan's reads."""
+def execute_plan(plan: LoadPlan, device: str, name: str, pack_linears: bool = False) -> cuda_ipc.Export:
+    """A new sealed segment on `device` filled by the plan's reads (its linear weights packed for oneDNN with
+    `pack_linears`, on a CPU)."""
     segment = cuda_ipc.create(plan.specs, device, name=name)
     fds: dict[Path, int] = {}
     try:
@@ -221,6 +232,11 @@ def execute_plan(plan: LoadPlan, device: str, name: str) -> cuda_ipc.Export:
             fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window from a disk
         fill(segment, reads, fds, default_threads(device))
+        if pack_linears:
+            started = time.perf_counter()
+            packed = pack_in_place(segment, plan.linear_weights)
+            log.info("packed %d of %d linear weights for oneDNN in %.0f ms", packed, len(plan.linear_weights),
+                     (time.perf_counter() - started) * 1e3)
         segment.seal()
     except BaseException:
         segment.destroy()
@@ -247,14 +263,20 @@ def copy_reads(source: cuda_ipc.SegmentManifest, target: cuda_ipc.SegmentManifes
 def copy_segment(manifest: cuda_ipc.SegmentManifest, fd: int, device: str, name: str,
                  num_threads: int | None = None) -> cuda_ipc.Export:
     """A new sealed segment on `device` holding the tensors of the sealed CPU segment `fd` (described by `manifest`,
-    e.g. one the host tier kept): the same placed reads as a load from the store, from memory instead of a file."""
+    e.g. one the host tier kept): the same placed reads as a load from the store, from memory instead of a file.
+    Weights packed for oneDNN stay packed, on a CPU only."""
     if not isinstance(manifest.location, cuda_ipc.MemfdLocation):
         raise MalformedModel(f"a {manifest.transport} segment cannot be read as a file; only a CPU segment can")
+    packed = {e.name: e.onednn_md for e in manifest.tensors if e.onednn_md is not None}
+    if packed and device != "cpu":
+        raise MalformedModel(f"the segment's weights are packed for oneDNN on a CPU; they cannot be copied to {device}")
     specs = [cuda_ipc.TensorSpec(e.name, e.dtype, e.shape) for e in manifest.tensors]
     segment = cuda_ipc.create(specs, device, name=name)
     try:
         reads = copy_reads(manifest, segment.manifest)
         fill(segment, reads, {0: fd}, default_threads(device) if num_threads is None else num_threads)
+        segment.manifest = msgspec.structs.replace(segment.manifest, tensors=tuple(
+            msgspec.structs.replace(e, onednn_md=packed.get(e.name)) for e in segment.manifest.tensors))
         segment.seal()
     except BaseException:
         segment.destroy()

@@ -43,8 +43,15 @@ from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.base_pass_groups import backbone_groups
 from lorafaas.models.binding import bind_backbone
 from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
+from lorafaas.models.packed_weights import packed_views
 from lorafaas.protocols import daemon_messages as m
-from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, DaemonConfig, DaemonPaths, check_cpu_linear
+from lorafaas.protocols.daemon_config import (
+    CPU_LINEAR_ENV,
+    PACKING_SETTINGS,
+    DaemonConfig,
+    DaemonPaths,
+    check_cpu_linear,
+)
 from lorafaas.protocols.fdpass import send_with_fds
 from lorafaas.protocols.leases import LeaseTable, process_alive, socket_peer_pid
 from lorafaas.protocols.priority import take_data_plane_niceness
@@ -110,7 +117,8 @@ class BackboneDaemon:
                 self.config.device,
             )
             self.segment = load_into_segment(
-                self.store.path(manifest.name), manifest.weight_files, self.config.device, name
+                self.store.path(manifest.name), manifest.weight_files, self.config.device, name,
+                pack_linears=self.config.device == "cpu" and cpu_linear in PACKING_SETTINGS,
             )
         self.info = m.BackboneInfo(
             name=manifest.name,
@@ -128,12 +136,15 @@ class BackboneDaemon:
         if self.config.device != "cpu":
             return "torch"
         attachment = cuda_ipc.attach(self._segment().manifest, self._segment_fd())  # read-only views, no copy
-        try:
-            choice = choose_cpu_linear(setting, list(attachment.tensors.values()))
+        packed = {e.name for e in attachment.manifest.tensors if e.onednn_md is not None}
+        try:  # the weights left plain (a tied LM head) go to the kernel measured faster here
+            plain = [t for name, t in attachment.tensors.items() if name not in packed]
+            choice = choose_cpu_linear("auto" if setting == "packed" else setting, plain)
         finally:
             attachment.close()
-        log.info("daemon %d: float32 products by %s (%s: %s)", os.getpid(), choice.kernel, setting, choice.reason)
-        return choice.kernel
+        log.info("daemon %d: %d linear weights packed for oneDNN in the segment; other float32 products by %s "
+                 "(%s: %s)", os.getpid(), len(packed), choice.kernel, setting, choice.reason)
+        return "onednn" if packed else choice.kernel
 
     def _adopt(self, manifest) -> None:
         """Take over the sealed segment a killed predecessor recorded and the supervisor handed over (`adopt_fd`), if
@@ -219,7 +230,8 @@ class BackboneDaemon:
 
         # the groups are the backbone's, derived here from the model bound to the segment: no member decides them
         groups = backbone_groups(bind_backbone(attachment, Path(self._backbone().model_dir)), attachment.tensors)
-        self.base_pass = BasePassExecutor(self.paths.base_pass, attachment.tensors, groups, may_join,
+        tensors = {**attachment.tensors, **packed_views(attachment)}  # products from the packed layout, if any
+        self.base_pass = BasePassExecutor(self.paths.base_pass, tensors, groups, may_join,
                                           threads=os.cpu_count(), linear=LINEAR_KERNELS[self._backbone().cpu_linear])
         self.base_pass.start()
         self._base_pass_attachment = attachment  # the executor's views live as long as their mapping

@@ -4,14 +4,16 @@ weights, per dtype and row count.
 The round is what the daemon's executor computes for a decode step (`lorafaas.backbone_daemon.base_pass`): the first
 group (layer 0's q/k/v) and every layer tail (o_proj, the MLP, the norms and the next layer's q/k/v, the LM head
 last), through the executor's own `GroupWeights` (`lorafaas.backbone_daemon.group_weights`) on the executor's
-threads and kernel (the daemon's float32 choice, `choose_cpu_linear`; a bf16 backbone's packed weights where oneDNN
-computes bf16). A backbone without layer tails goes group by group. The rows are seeded random values.
+threads and kernel, from the weights as the daemon lays them out by default: packed for oneDNN in the segment where
+this torch can (`lorafaas.models.packed_weights`), else the plain layout with the daemon's measured float32 kernel
+(`choose_cpu_linear`; `$LORAFAAS_CPU_LINEAR=torch|onednn` keeps it plain). A backbone without layer tails goes group by
+group. The rows are seeded random values.
 
 The bound: a read-only pass over the same tensors on every core (`streaming_read`: an integer max over each weight
 viewed as integers of its element size, which reads each byte once and does one operation per element), in the
 same run. Each repeat times the read, then the round, back to back; the ratio is the median of the repeats'
-ratios, so a load that changes during the run cancels out of it as far as it can. bfloat16 on a float32 backbone
-is converted in memory into a segment of its own (as `lorafaas backbone convert --dtype bfloat16` would store it).
+ratios, so a load that changes during the run cancels out of it as far as it can. Each dtype gets a segment of its own,
+converted in memory where the backbone's dtype differs (as `lorafaas backbone convert --dtype bfloat16` would store it).
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ import torch
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon.base_pass import executor_threads
 from lorafaas.backbone_daemon.group_weights import GroupWeights, packs_bf16
-from lorafaas.backbone_daemon.loader import load_into_segment
+from lorafaas.backbone_daemon.loader import execute_plan, plan_direct_load
 from lorafaas.config import LorafaasConfig
+from lorafaas.cuda_ipc.layout import dtype_name
 from lorafaas.errors import InvalidInput
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.models.base_pass_groups import backbone_groups
 from lorafaas.models.binding import bind_backbone
 from lorafaas.models.cpu_linear import LINEAR_KERNELS, choose_cpu_linear
+from lorafaas.models.packed_weights import pack_in_place, packed_views
 from lorafaas.progress import ProgressSink, SilentProgress
 from lorafaas.protocols import base_pass as bp
-from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, check_cpu_linear
+from lorafaas.protocols.daemon_config import CPU_LINEAR_ENV, PACKING_SETTINGS, check_cpu_linear
 
 DTYPES = ("float32", "bfloat16")
 MAX_REPEATS = 100
@@ -50,7 +54,7 @@ class ProductsCase(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str
     rows: int
     threads: int  # the executor's, for this dtype
-    kernel: str  # "torch" or "onednn" (the daemon's float32 choice), or "onednn-packed-bf16"
+    kernel: str  # "packed" (in the segment), "torch" or "onednn" (plain), or "onednn-packed-bf16" (a private copy)
     weight_bytes: int  # of the round's weights, each read once
     products_s: float  # median of the repeats
     streaming_s: float  # median of the repeats, on every core
@@ -103,7 +107,8 @@ def round_weights(weights: GroupWeights, keys: list[int]) -> list[torch.Tensor]:
     found: dict[int, torch.Tensor] = {}
     for key in keys:
         for weight in weights.weights_of(key):
-            found.setdefault(weight.data_ptr(), weight)
+            plain = getattr(weight, "_lorafaas_carrier", weight)  # a packed view's bytes, as a plain tensor
+            found.setdefault(plain.data_ptr(), plain)
     return list(found.values())
 
 
@@ -130,16 +135,18 @@ def run_products_bench(home: Path, backbone: str, rows: tuple[int, ...], dtypes:
     all_threads = os.cpu_count() or 1
     threads_before = torch.get_num_threads()
     progress.stage(f"loading {backbone}")
-    source = load_into_segment(model_dir, tuple(manifest.weight_files), "cpu", f"bench-products.{os.getpid()}")
+    plan = plan_direct_load(model_dir, [model_dir / f for f in manifest.weight_files])
+    source = execute_plan(plan, "cpu", f"bench-products.{os.getpid()}")
     try:
         for dtype in dtypes:
-            with _segment_in(source, getattr(torch, dtype)) as attachment, torch.inference_mode():
+            with _segment_in(source, getattr(torch, dtype), plan.linear_weights) as attachment, \
+                    torch.inference_mode():
                 tensors = attachment.tensors
                 model = bind_backbone(attachment, model_dir)
-                weights = _executor_weights(tensors, backbone_groups(model, tensors))
+                weights = _executor_weights({**tensors, **packed_views(attachment)}, backbone_groups(model, tensors))
                 keys = round_keys(weights)
                 groups_per_round = len(keys)
-                read = round_weights(weights, keys)  # the segment's (a packed copy holds the same values)
+                read = round_weights(weights, keys)  # the segment's bytes (a packed copy holds as many)
                 if packs_bf16():
                     weights.pack_if_bf16()  # as the executor does when its first member joins
                 nbytes = sum(w.numel() * w.element_size() for w in read)
@@ -193,35 +200,54 @@ def _timed(work: Callable[[], None], threads: int) -> float:
     return time.perf_counter() - started
 
 
-def _executor_weights(tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...]) -> GroupWeights:
-    """The weights and kernel the daemon's executor computes with (`Daemon._start_base_pass`: its float32 choice,
-    `$LORAFAAS_CPU_LINEAR` or measured), unpacked."""
+def _cpu_linear_setting() -> str:
     setting = os.environ.get(CPU_LINEAR_ENV) or "auto"
     check_cpu_linear(setting, f"${CPU_LINEAR_ENV}")
-    kernel = choose_cpu_linear(setting, list(tensors.values())).kernel
+    return setting
+
+
+def _executor_weights(tensors: dict[str, torch.Tensor], groups: tuple[bp.GroupSpec, ...]) -> GroupWeights:
+    """The weights and kernel the daemon's executor computes with (`Daemon._start_base_pass`): oneDNN's from packed
+    weights, else its float32 choice (`$LORAFAAS_CPU_LINEAR` or measured)."""
+    if any(t.is_mkldnn for t in tensors.values()):
+        return GroupWeights(tensors, groups, LINEAR_KERNELS["onednn"])
+    setting = _cpu_linear_setting()
+    kernel = choose_cpu_linear("auto" if setting == "packed" else setting, list(tensors.values())).kernel
     return GroupWeights(tensors, groups, LINEAR_KERNELS[kernel])
 
 
 def _kernel_name(weights: GroupWeights) -> str:
     if weights.packed:
         return "onednn-packed-bf16"
+    if weights.dtype is not None and weights.layer(0)[0][0].is_mkldnn:
+        return "packed"  # the segment's own layout (the daemon's default)
     return next(name for name, kernel in LINEAR_KERNELS.items() if kernel is weights.linear)
 
 
 @contextlib.contextmanager
-def _segment_in(source: cuda_ipc.Export, dtype: torch.dtype) -> Iterator[cuda_ipc.Attachment]:
-    """The backbone in `dtype`, attached from a sealed segment (the loaded one, or a converted copy of it)."""
+def _segment_in(source: cuda_ipc.Export, dtype: torch.dtype,
+                linear_weights: frozenset[str]) -> Iterator[cuda_ipc.Attachment]:
+    """The backbone in `dtype`, attached from a sealed copy of the loaded (plain) segment, converted where its dtype
+    differs and its linear weights packed as the daemon packs them by default (`linear_weights`)."""
     assert source.fd is not None
-    attachment = cuda_ipc.attach(source.manifest, source.fd)
-    converted = None
+    loaded = cuda_ipc.attach(source.manifest, source.fd)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in loaded.tensors.items()}
+    specs = [cuda_ipc.TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in state.items()]
+    copy = cuda_ipc.create(specs, "cpu", name=f"bench-products.{os.getpid()}.{dtype}")
+    attachment = None
     try:
-        if any(t.is_floating_point() and t.dtype != dtype for t in attachment.tensors.values()):
-            converted = cuda_ipc.export({name: t.to(dtype) if t.is_floating_point() else t
-                                         for name, t in attachment.tensors.items()}, "cpu")
-            attachment.close()
-            assert converted.fd is not None
-            attachment = cuda_ipc.attach(converted.manifest, converted.fd)
+        views = copy.writable_views()
+        for name, tensor in state.items():
+            views[name].copy_(tensor)
+        del views, state
+        loaded.close()
+        if _cpu_linear_setting() in PACKING_SETTINGS:
+            pack_in_place(copy, linear_weights)
+        copy.seal()
+        assert copy.fd is not None
+        attachment = cuda_ipc.attach(copy.manifest, copy.fd)
         yield attachment
     finally:
-        if converted is not None:
-            converted.destroy()
+        if attachment is not None:
+            attachment.close()
+        copy.destroy()

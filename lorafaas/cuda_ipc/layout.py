@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_ALIGNMENT = 256
+MAX_ONEDNN_MD_BYTES = 4096  # a serialized oneDNN memory descriptor (about 800 bytes for a 2-D weight)
+PACKABLE_DTYPES = ("float32", "bfloat16")
 
 # Element sizes by torch dtype name; the dtypes a segment may hold.
 DTYPE_SIZES = {
@@ -103,6 +105,10 @@ def check_manifest(manifest: SegmentManifest) -> None:
             raise SegmentError(
                 f"tensor {entry.name!r} ends at byte {entry.offset + entry.nbytes} of a {manifest.size}-byte segment"
             )
+        if entry.onednn_md is not None and (len(entry.shape) != 2 or entry.dtype not in PACKABLE_DTYPES
+                                            or not 0 < len(entry.onednn_md) <= MAX_ONEDNN_MD_BYTES):
+            raise SegmentError(f"tensor {entry.name!r} is marked packed for oneDNN but is a {entry.dtype} "
+                               f"{entry.shape} tensor with a {len(entry.onednn_md)}-byte descriptor")
         end_of_previous = entry.offset + entry.nbytes
     if len({e.name for e in manifest.tensors}) != len(manifest.tensors):
         raise SegmentError("segment manifest names a tensor twice")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-FORMAT_VERSION = 2  # 2: memfd and CUDA VMM locations, passed as descriptors
+FORMAT_VERSION = 3  # 2: memfd and CUDA VMM locations, passed as descriptors; 3: weights packed for oneDNN
 
 
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -18,6 +18,9 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
     shape: tuple[int, ...]
     offset: int  # bytes from the start of the segment; a multiple of the manifest's alignment
     nbytes: int
+    # A linear weight stored in oneDNN's blocked layout (lorafaas/models/packed_weights.py): its serialized memory
+    # descriptor. The entry's plain view then holds the packed bytes, not the weight's values in order.
+    onednn_md: bytes | None = None
 
 
 class MemfdLocation(msgspec.Struct, frozen=True, kw_only=True, tag="memfd", tag_field="transport"):

@@ -65,6 +65,7 @@ def bind_backbone(attachment: Attachment, model_dir: Path, *, model: nn.Module |
     _tie_weights(model, set(attachment.tensors))
     _materialize_computed_buffers(model, attachment.device)
     check_bound(model, attachment)
+    _compute_from_packed(model, attachment)
     contiguous_head_input(model)
     model._lorafaas_attachment = attachment  # keeps the mapping's owner alive as long as the model
     return model
@@ -144,6 +145,35 @@ def _contiguous_first_argument(module: nn.Module, args: tuple):
 def _foldable(tensor) -> bool:
     """Whether torch's matmul can view `tensor` as one matrix (its leading dimensions' strides nest)."""
     return all(tensor.stride(i) == tensor.stride(i + 1) * tensor.shape[i + 1] for i in range(tensor.dim() - 2))
+
+
+def _compute_from_packed(model: nn.Module, attachment: Attachment) -> None:
+    """Make each linear layer whose weight the segment holds packed for oneDNN a `PackedLinear` computing from it
+    (lorafaas/models/packed_weights.py); raise BindingFailed if any other module holds a packed weight's bytes (it
+    would read them as values)."""
+    if not any(entry.onednn_md is not None for entry in attachment.manifest.tensors):
+        return
+    import torch
+
+    from lorafaas.errors import SegmentError
+    from lorafaas.models.cpu_linear import PackedLinear
+    from lorafaas.models.packed_weights import packed_views
+
+    try:
+        views = packed_views(attachment)
+    except SegmentError as exc:
+        raise BindingFailed(str(exc)) from exc
+    carriers = {attachment.tensors[name].data_ptr(): name for name in views}
+    for path_of, module in model.named_modules():
+        for attr, tensor in module.named_parameters(recurse=False):
+            name = carriers.get(tensor.data_ptr())
+            if name is None:
+                continue
+            if type(module) is not torch.nn.Linear or attr != "weight" or f"{path_of}.weight" != name:
+                raise BindingFailed(f"{path_of}.{attr} holds the weight {name!r}, which the segment stores packed for "
+                                    "oneDNN; only that weight's own linear layer can compute from it")
+            module.__class__ = PackedLinear
+            module.packed = views[name]
 
 
 def _set_parameter(model: nn.Module, name: str, parameter) -> None:

@@ -52,10 +52,24 @@ class OneDnnLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.bias)
 
 
+class PackedLinear(nn.Linear):
+    """A backbone's nn.Linear whose weight lies in the segment in oneDNN's blocked layout
+    (lorafaas/models/packed_weights.py): `packed` is oneDNN's view of it, and products come from that. `weight` is
+    the same bytes as a plain tensor, for its shape, dtype and address only: its values are not in order. Inference
+    only."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("a backbone packed for oneDNN computes inference only")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 def is_bare_linear(module: object) -> TypeGuard[nn.Linear]:
     """A backbone's plain linear layer, whichever kernel computes it (not a subclass that changes what it computes,
     not an adapter's wrapper)."""
-    return type(module) is nn.Linear or type(module) is OneDnnLinear
+    return type(module) in (nn.Linear, OneDnnLinear, PackedLinear)
 
 
 def use_onednn_linears(model: nn.Module) -> int:

@@ -25,8 +25,11 @@ from lorafaas.formats.model_store import check_name
 
 SEGMENT_PREFIX = "lorafaas-"
 MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes, the terminating NUL included
-# The kernel of a float32 backbone's linear products on a CPU (lorafaas/models/cpu_linear.py): measured, or set.
-CPU_LINEAR_SETTINGS = ("auto", "torch", "onednn")
+# The kernel of a backbone's linear products on a CPU: "auto" packs the weights for oneDNN in the segment where this
+# torch can (lorafaas/models/packed_weights.py), else measures torch's BLAS against oneDNN on the plain layout
+# (lorafaas/models/cpu_linear.py); "packed" is auto's first choice; "torch" or "onednn" computes from the plain layout.
+CPU_LINEAR_SETTINGS = ("auto", "packed", "torch", "onednn")
+PACKING_SETTINGS = ("auto", "packed")
 CPU_LINEAR_ENV = "LORAFAAS_CPU_LINEAR"  # the daemon's default for --cpu-linear
 
 

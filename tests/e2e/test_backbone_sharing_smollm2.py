@@ -13,6 +13,7 @@ from lorafaas.models.reference import load_backbone
 from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_daemon
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
+from tests.support.packed_reference import packed_like_the_daemon
 
 BACKBONE = "smollm2-135m"
 NUM_FUNCTIONS = 4
@@ -59,7 +60,7 @@ def functions(daemon):
 @pytest.fixture(scope="module")
 def private_model(smollm2_store: ModelStore):
     model, _ = load_backbone(smollm2_store.path(BACKBONE))
-    return model
+    return packed_like_the_daemon(model)  # as the daemon lays the weights out by default
 
 
 def test_bound_models_give_logits_bitwise_equal_to_a_private_load(functions, private_model) -> None:

@@ -30,6 +30,7 @@ from lorafaas.protocols.daemon_client import DaemonClient, spawn_daemon, stop_da
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest, tensors_digest
 from lorafaas.wire import FRAME_HEADER_BYTES, encode_frame
+from tests.support.packed_reference import packed_like_the_daemon
 
 BACKBONE = "tiny-dense"
 READY_TIMEOUT_S = 120.0
@@ -90,7 +91,7 @@ def reference_digest(tiny_dense_dir) -> str:
     torch.set_num_threads(PROBE_THREADS)
     try:
         model, _ = load_backbone(tiny_dense_dir)
-        return logits_digest(model)
+        return logits_digest(packed_like_the_daemon(model))  # the daemon packs by default
     finally:
         torch.set_num_threads(threads)
 
@@ -130,33 +131,38 @@ def test_attach_heartbeat_status_detach(running) -> None:
             client.heartbeat(attached.lease_id)
 
 
-def _attached_kernel(config: DaemonConfig) -> str:
+def _attached_kernel(config: DaemonConfig) -> tuple[str, set[str]]:
+    """The kernel the daemon hands an attacher, and the weights its segment holds packed for oneDNN."""
     with DaemonClient.connect(config.paths.socket, client="test") as client:
         attached = client.attach("fn-kernel")
         attached.close_fd()
         client.detach(attached.lease_id)
-        return attached.backbone.cpu_linear
+        return attached.backbone.cpu_linear, {e.name for e in attached.manifest.tensors if e.onednn_md is not None}
 
 
 @pytest.mark.parametrize("setting", ["torch", "onednn"])
 def test_the_float32_kernel_set_for_the_daemon_is_handed_to_every_attacher(daemons, setting) -> None:
     home = daemons.home()
     config, _ = daemons.start(home, cpu_linear=setting)
-    assert _attached_kernel(config) == setting
+    assert _attached_kernel(config) == (setting, set())  # the plain layout: nothing packed
     assert f"float32 products by {setting} ({setting}: set)" in (home / "daemon.log").read_text()
 
 
-def test_auto_is_measured_at_load_and_said_in_the_log(running) -> None:
+def test_auto_packs_the_linear_weights_in_the_segment_and_says_so(running) -> None:
     config, _ = running
-    kernel = _attached_kernel(config)
-    assert kernel in ("torch", "onednn")
-    log = (config.home / "daemon.log").read_text()
-    assert f"float32 products by {kernel} (auto: one thread" in log and "oneDNN" in log
+    kernel, packed = _attached_kernel(config)
+    # tiny-dense's q/o/MLP weights pack without padding; k/v (32 rows) would need it and the embedding is tied to
+    # the LM head (read by a lookup): those stay plain
+    assert kernel == "onednn"
+    assert packed == {f"model.layers.{i}.{name}.weight" for i in range(2)
+                      for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                   "mlp.down_proj")}
+    assert "10 linear weights packed for oneDNN in the segment" in (config.home / "daemon.log").read_text()
 
 
 def test_a_bad_kernel_setting_in_the_environment_stops_the_daemon_naming_it(daemons, monkeypatch) -> None:
     monkeypatch.setenv("LORAFAAS_CPU_LINEAR", "mkl")
-    with pytest.raises(InvalidInput, match=r"\$LORAFAAS_CPU_LINEAR is 'mkl'; it must be one of auto, torch, onednn"):
+    with pytest.raises(InvalidInput, match=r"\$LORAFAAS_CPU_LINEAR is 'mkl'; it must be one of auto, packed, torch"):
         daemons.start(daemons.home())
     with pytest.raises(InvalidInput, match="cpu_linear is 'fast'"):
         DaemonConfig(home=Path("/nonexistent"), backbone=BACKBONE, cpu_linear="fast")

@@ -42,6 +42,7 @@ from lorafaas.protocols.daemon_config import DaemonPaths
 from lorafaas.testing.attach_probe import PROBE_THREADS, ProbeProcess, logits_digest
 from lorafaas.testing.child_process import stop_child
 from lorafaas.testing.tiny_models import save_tiny_adapter
+from tests.support.packed_reference import packed_like_the_daemon
 
 BACKBONE = "tiny-dense"
 PROMPT = "Tell me about the ocean."
@@ -65,7 +66,7 @@ def reference_digest(tiny_dense_dir) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(PROBE_THREADS)
     try:
-        return logits_digest(load_backbone(tiny_dense_dir)[0])
+        return logits_digest(packed_like_the_daemon(load_backbone(tiny_dense_dir)[0]))  # the daemon's default
     finally:
         torch.set_num_threads(threads)
 

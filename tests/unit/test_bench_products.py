@@ -12,6 +12,7 @@ from torch import nn
 from lorafaas.bench.products import run_products_bench
 from lorafaas.cli import main
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.models.packed_weights import packing_available
 from lorafaas.testing.tiny_models import build_tiny_model
 
 
@@ -37,7 +38,16 @@ def test_every_case_reports_the_rounds_bytes_and_consistent_rates(tiny_store: Mo
         assert case.products_gb_s == pytest.approx(case.weight_bytes / case.products_s / 1e9)
         assert case.streaming_gb_s == pytest.approx(case.weight_bytes / case.streaming_s / 1e9)
         assert case.ratio_products_over_streaming > 0
-    assert {c.kernel for c in result.cases if c.dtype == "float32"} <= {"torch", "onednn"}
+    # as the daemon lays the weights out by default: packed for oneDNN in the segment where this torch can
+    kernels = {c.kernel for c in result.cases}
+    assert kernels == {"packed"} if packing_available() else kernels <= {"torch", "onednn", "onednn-packed-bf16"}
+
+
+def test_a_plain_layout_is_benched_when_the_setting_asks_for_it(tiny_store: ModelStore,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAFAAS_CPU_LINEAR", "torch")
+    result = run_products_bench(tiny_store.models_dir.parent, "tiny-dense", rows=(2,), dtypes=("float32",), repeats=1)
+    assert [c.kernel for c in result.cases] == ["torch"]
 
 
 def test_the_cli_prints_json(tiny_store: ModelStore, capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,6 +66,12 @@ def _manifest(*entries: TensorEntry, size: int = 512) -> SegmentManifest:
         (TensorEntry(name="a", dtype="float32", shape=(4,), offset=0, nbytes=12), "needs 16 bytes"),
         (TensorEntry(name="a", dtype="float32", shape=(200,), offset=256, nbytes=800), "ends at byte 1056"),
         (TensorEntry(name="a", dtype="complex32", shape=(1,), offset=0, nbytes=4), "unknown dtype"),
+        # only a 2-D float weight can be packed for oneDNN, with a descriptor of bounded size
+        (TensorEntry(name="a", dtype="float32", shape=(4,), offset=0, nbytes=16, onednn_md=b"x"), "marked packed"),
+        (TensorEntry(name="a", dtype="int32", shape=(2, 2), offset=0, nbytes=16, onednn_md=b"x"), "marked packed"),
+        (TensorEntry(name="a", dtype="float32", shape=(2, 2), offset=0, nbytes=16, onednn_md=b""), "marked packed"),
+        (TensorEntry(name="a", dtype="float32", shape=(2, 2), offset=0, nbytes=16, onednn_md=bytes(4097)),
+         "4097-byte descriptor"),
     ],
 )
 def test_check_manifest_refuses_tables_that_would_escape_the_segment(entry: TensorEntry, message: str) -> None:
@@ -86,7 +92,8 @@ def test_check_manifest_refuses_overlaps_and_other_versions() -> None:
 def test_manifests_round_trip_through_msgpack_and_json_with_their_transport_tag() -> None:
     cuda = SegmentManifest(device="cuda:1", location=CudaVmmLocation(device_uuid="GPU-0f", allocation_size=2 << 20),
                            size=256, alignment=256, tensors=())
-    for manifest in (_manifest(), cuda):
+    packed = _manifest(TensorEntry(name="w", dtype="float32", shape=(2, 2), offset=0, nbytes=16, onednn_md=b"\x00md"))
+    for manifest in (_manifest(), cuda, packed):
         for codec in (msgspec.msgpack, msgspec.json):
             decoded = codec.decode(codec.encode(manifest), type=SegmentManifest)
             assert decoded == manifest
