@@ -7,6 +7,10 @@ threads (no more than `slots` compute at once); the pass takes one shared step, 
 estimate is the lower is chosen, by `margin` to switch (a switch waits for the other kind's steps to end). A lone
 member (k = 1) always steps on its own: it has nobody to share a read with.
 
+A round of fewer members computes fewer rows, so the shared estimate at k is bounded by any fresher than `explore_s`
+at more members (`shared_estimate`): a slow average at k (steps that carried a prefill, or waited out a hold) does not
+send k members to their own steps while the pass is measured faster with more of them.
+
 Exploration, bounded: a mode never measured at k (the pass) or at the base threads (own steps), or measured longer
 than `explore_s` ago, is tried once per `explore_s` for that k; a try lasts until that mode's next measurement (at
 most `try_s`). So a bad first guess is corrected within one try, and a mode that loses costs at most one round per
@@ -58,20 +62,35 @@ class PassChoice:
         own, pooled = self.own.get(self.base_threads), self.pooled.get(k)
         for mode, estimate in ((SHARED, pooled), (OWN, own)):
             stale = estimate is None or now_s - estimate.measured_s > self.explore_s
+            if mode == SHARED and stale and self._bound_from_more(k, now_s) is not None:
+                stale = False  # known well enough: fewer members than a fresh measurement
             if stale and now_s - self._tried.get((mode, k), -math.inf) >= self.explore_s:
                 self._tried[(mode, k)] = now_s
                 self._trying = (mode, now_s)
                 self.num_tries += 1
                 return mode
-        if pooled is None or own is None:
-            return pooled is not None  # the one measured; neither: own steps, as without the pass
+        shared_s = self.shared_estimate(k, now_s)
+        if shared_s is None or own is None:
+            return shared_s is not None  # the one measured; neither: own steps, as without the pass
         own_s = math.ceil(k / self.slots) * own.seconds
         # a switch drains the other kind's steps first: only for a clear gain, not on noise near the tie
         if self._last == SHARED:
-            self._last = own_s >= (1 - self.margin) * pooled.seconds
+            self._last = own_s >= (1 - self.margin) * shared_s
         else:
-            self._last = pooled.seconds < (1 - self.margin) * own_s
+            self._last = shared_s < (1 - self.margin) * own_s
         return self._last
+
+    def shared_estimate(self, k: int, now_s: float) -> float | None:
+        """A shared step's time with k members stepping: k's own average, bounded by any fresh one at more members
+        (module docstring); None if neither is known."""
+        own_k, bound = self.pooled.get(k), self._bound_from_more(k, now_s)
+        if own_k is None:
+            return bound
+        return own_k.seconds if bound is None else min(own_k.seconds, bound)
+
+    def _bound_from_more(self, k: int, now_s: float) -> float | None:
+        fresh = [e.seconds for n, e in self.pooled.items() if n > k and now_s - e.measured_s <= self.explore_s]
+        return min(fresh, default=None)
 
     def own_step(self, threads: int, seconds: float, now_s: float) -> None:
         """An own step granted `threads` took `seconds` from grant to done."""

@@ -127,3 +127,28 @@ def test_near_a_tie_the_choice_keeps_its_mode_and_switches_for_a_clear_gain() ->
     assert choice.shared(4, now_s=3.0) is True
     choice.shared_step(4, 0.25, now_s=3.0)
     assert choice.shared(4, now_s=4.0) is False
+
+
+def test_a_slow_shared_step_at_fewer_members_is_bounded_by_a_faster_one_at_more() -> None:
+    """Measured live (8 one-row functions at 8 concurrent): shared steps at 4-7 members averaged 0.71 s (steps that
+    carried a prefill, or waited out a round's hold) while steps at 8 took 0.093 s. Each request's end drops k below
+    8, and those k went to own steps (ceil(k / 2) turns of 0.093 s): 30-42 tokens/s where the pass gave 60. A round
+    of fewer members computes fewer rows: its step is bounded by a fresh measurement at more members."""
+    choice = PassChoice(slots=2, weight=1.0)
+    choice.own_step(1, 0.093, now_s=0.0)
+    for k in range(4, 8):
+        choice.shared_step(k, 0.71, now_s=0.0)
+    choice.shared_step(8, 0.093, now_s=1.0)
+    assert all(choice.shared(k, now_s=2.0) for k in range(4, 9))
+    assert choice.shared_estimate(5, now_s=2.0) == pytest.approx(0.093)
+    # a bound from more members lasts as long as that measurement is fresh; then k's own estimate counts again
+    assert choice.shared_estimate(5, now_s=40.0) == pytest.approx(0.71)
+
+
+def test_a_faster_step_at_fewer_members_is_not_raised_by_a_slower_one_at_more() -> None:
+    choice = PassChoice(slots=2, weight=1.0)
+    choice.shared_step(3, 0.12, now_s=0.0)
+    choice.shared_step(8, 0.2, now_s=0.0)
+    assert choice.shared_estimate(3, now_s=1.0) == pytest.approx(0.12)
+    assert choice.shared_estimate(2, now_s=1.0) == pytest.approx(0.12)  # unmeasured at 2: bounded by 3's
+    assert choice.shared_estimate(9, now_s=1.0) is None
