@@ -2,10 +2,11 @@
 segment and checked against it, and the group's products computed from them: the kernels of the base-pass executor
 (`lorafaas.backbone_daemon.base_pass`), which feeds them its members' rows and writes back their outputs.
 
-Products on a bf16 backbone, where oneDNN computes bf16 natively (AVX-512 BF16), go from a private copy of the
-weights in oneDNN's own blocked layout (`pack_if_bf16`, made when the first member joins and dropped by `unpack`
-when the last leaves): 32 ms a SmolLM2 pass at eight rows against 48 ms from the segment's plain layout on one thread
-and 46 ms on two (docs/performance.md, "Packed bf16 weights"). The outputs are the same bit for bit.
+By default the segment holds the linear weights in oneDNN's blocked layout already (`lorafaas.models.packed_weights`)
+and the products come from oneDNN's views of them. A segment left plain (`LORAFAAS_CPU_LINEAR=torch|onednn`) on a bf16
+backbone, where oneDNN computes bf16 natively (AVX-512 BF16), is computed from a private packed copy instead
+(`pack_if_bf16`, made when the first member joins and dropped by `unpack` when the last leaves; one thread): the
+outputs are the same bit for bit (docs/performance.md, "Packed weights in the segment").
 
 A gated MLP group (`GroupSpec.mlp_down`) and a layer tail (`GroupSpec.tail`) are computed as the model family
 computes them (`lorafaas.models.families.llama`).

@@ -1,10 +1,12 @@
-"""Which kernel computes a float32 backbone's linear products on a CPU: torch's BLAS or oneDNN, as measured here.
+"""Which kernel computes a backbone's linear products on a CPU: oneDNN from weights packed in the segment
+(`PackedLinear`, lorafaas/models/packed_weights.py: the default), else torch's BLAS or oneDNN from the plain layout,
+as measured here.
 
 `F.linear` in float32 goes to the BLAS torch was built with (MKL). On some CPUs that is far from the memory's speed at
 the one to eight rows of a decode step: on an AMD EPYC with AVX-512, MKL's pass over SmolLM2's 538 MB took 51-65 ms
 on one or two threads, where oneDNN computing from the same plain row-major weights took 47 ms on one thread and
-28-32 ms on two (docs/performance.md, "oneDNN for float32 products"). oneDNN reads the weights where they are, so a
-function still computes from the shared segment's pages, with no copy. bf16 products already go to oneDNN in torch.
+28-32 ms on two, and from the packed layout less again (docs/performance.md, "Packed weights in the segment"). bf16
+products already go to oneDNN in torch.
 
 The choice is measured once, by the backbone's daemon when it loads the segment (`choose_cpu_linear`), and handed to
 every function attached to it (`BackboneInfo.cpu_linear`), so all instances of a backbone compute alike; a function

@@ -1,9 +1,9 @@
 """A CPU backbone's linear weights stored in the segment in oneDNN's blocked layout, in place of the plain one.
 
 oneDNN computes a product from a plain row-major weight by copying it into its blocked layout first, on every call:
-at the eight rows of a shared-base round that copy is most of the time (SmolLM2 in float32 on two threads: 40 ms a
-round from the plain layout, 30 ms from the blocked one, against a 21 ms streaming read of the same bytes;
-docs/performance.md, "Packed weights in the segment"). So the daemon repacks each linear weight in the segment once,
+at the eight rows of a shared-base round that copy costs a quarter of the time (`lorafaas bench products`, SmolLM2 in
+float32 on two threads: 45 ms a round from the plain layout, 35 ms from the blocked one, against a 20 ms streaming
+read of the same bytes; docs/performance.md, "Packed weights in the segment"). So the daemon repacks each linear weight in the segment once,
 when it loads the backbone (`pack_in_place`, before the seal), and the segment holds only that layout: no copy
 beside it, in the daemon or in any function.
 
@@ -130,7 +130,7 @@ def _view(carrier: torch.Tensor, entry: cuda_ipc.TensorEntry) -> torch.Tensor:
     if error or not handle.value:
         raise SegmentError(f"oneDNN could not view the packed weight {entry.name!r} of the segment")
     capsule = _capsule(handle.value)
-    view = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(capsule)
+    view = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(capsule)  # type: ignore[arg-type]  # a capsule
     if view.shape != carrier.shape or view.dtype != carrier.dtype or \
             torch.ops.mkldnn._nbytes(view) != entry.nbytes or torch.ops.mkldnn.data_ptr(view) != carrier.data_ptr():
         raise SegmentError(f"the packed weight {entry.name!r} does not fit its place in the segment")
