@@ -3,9 +3,9 @@
 oneDNN computes a product from a plain row-major weight by copying it into its blocked layout first, on every call:
 at the eight rows of a shared-base round that copy costs a quarter of the time (`lorafaas bench products`, SmolLM2 in
 float32 on two threads: 45 ms a round from the plain layout, 35 ms from the blocked one, against a 20 ms streaming
-read of the same bytes; docs/performance.md, "Packed weights in the segment"). So the daemon repacks each linear weight in the segment once,
-when it loads the backbone (`pack_in_place`, before the seal), and the segment holds only that layout: no copy
-beside it, in the daemon or in any function.
+read of the same bytes; docs/performance.md, "Packed weights in the segment"). So the daemon repacks each linear
+weight in the segment once, when it loads the backbone (`pack_in_place`, before the seal), and the segment holds only
+that layout: no copy beside it, in the daemon or in any function.
 
 The packed bytes take exactly the plain weight's place (a weight whose blocked layout would need padding stays
 plain), and the entry of the segment's manifest carries oneDNN's serialized memory descriptor
