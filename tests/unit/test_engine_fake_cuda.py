@@ -21,7 +21,8 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lorafaas.backbone_daemon.loader import plan_direct_load
-from lorafaas.cuda_ipc.layout import plan_layout, tensor_views
+from lorafaas.cuda_ipc.layout import DEFAULT_ALIGNMENT, plan_layout, tensor_views
+from lorafaas.cuda_ipc.messages import CudaVmmLocation, SegmentManifest
 from lorafaas.function_runtime.engine import GenerationEngine
 from lorafaas.function_runtime.instance import load_tokenizer
 from lorafaas.function_runtime.messages import SamplingParams
@@ -43,6 +44,8 @@ class FakeCudaAttachment:
     def __init__(self, entries, size: int) -> None:
         self.device = "cuda:0"
         self.size = size
+        self.manifest = SegmentManifest(device=self.device, size=size, alignment=DEFAULT_ALIGNMENT, tensors=tuple(entries),
+                                        location=CudaVmmLocation(device_uuid="GPU-fake", allocation_size=size))
         self.base = torch.empty(size, dtype=torch.uint8, device=DEVICE)
         self.base_ptr = 0
         self.tensors = tensor_views(self.base, entries)
