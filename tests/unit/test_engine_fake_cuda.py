@@ -44,8 +44,9 @@ class FakeCudaAttachment:
     def __init__(self, entries, size: int) -> None:
         self.device = "cuda:0"
         self.size = size
-        self.manifest = SegmentManifest(device=self.device, size=size, alignment=DEFAULT_ALIGNMENT, tensors=tuple(entries),
-                                        location=CudaVmmLocation(device_uuid="GPU-fake", allocation_size=size))
+        location = CudaVmmLocation(device_uuid="GPU-fake", allocation_size=size)
+        self.manifest = SegmentManifest(device=self.device, location=location, size=size,
+                                        alignment=DEFAULT_ALIGNMENT, tensors=tuple(entries))
         self.base = torch.empty(size, dtype=torch.uint8, device=DEVICE)
         self.base_ptr = 0
         self.tensors = tensor_views(self.base, entries)
