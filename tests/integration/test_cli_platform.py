@@ -429,6 +429,8 @@ def test_a_settings_only_change_keeps_the_warm_instances(admin, adapters, lorafa
 
 def test_logs_tail_since_and_follow(platform, admin, adapters, lorafaas) -> None:
     deploy(admin, "logged", adapters["alpha"])
+    # two requests, two REPORT lines: an instance given a standby pool process logs no libraries or backbone line
+    admin.invoke("logged", chat())
     admin.invoke("logged", chat())
     [first] = admin.describe("logged")["instances"]
     # The instance may go on logging (warm-up, preloads) at any time: stopped, its log holds still while it is read.
