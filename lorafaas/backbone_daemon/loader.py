@@ -25,15 +25,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
 from lorafaas import cuda_ipc
 from lorafaas.backbone_daemon.segment_fill import Placement, SpanRead, default_threads, fill, plan_reads
 from lorafaas.cuda_ipc.layout import SAFETENSORS_DTYPES, TensorSpec, dtype_name
 from lorafaas.errors import MalformedModel
 from lorafaas.formats.weights import read_safetensors_header
 from lorafaas.models.binding import build_empty_model, tied_weight_keys
-from lorafaas.models.packed_weights import linear_weight_names, pack_in_place
+from lorafaas.models.packed_weights import linear_weight_names, mark_packed, pack_in_place
 
 log = logging.getLogger(__name__)
 
@@ -275,8 +273,7 @@ def copy_segment(manifest: cuda_ipc.SegmentManifest, fd: int, device: str, name:
     try:
         reads = copy_reads(manifest, segment.manifest)
         fill(segment, reads, {0: fd}, default_threads(device) if num_threads is None else num_threads)
-        segment.manifest = msgspec.structs.replace(segment.manifest, tensors=tuple(
-            msgspec.structs.replace(e, onednn_md=packed.get(e.name)) for e in segment.manifest.tensors))
+        mark_packed(segment, packed)
         segment.seal()
     except BaseException:
         segment.destroy()

@@ -25,7 +25,7 @@ import ctypes
 import functools
 import logging
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -97,11 +97,15 @@ def pack_in_place(segment: cuda_ipc.Export, names: Collection[str]) -> int:
             ctypes.memmove(view.data_ptr(), torch.ops.mkldnn.data_ptr(packed), entry.nbytes)
             descriptors[entry.name] = torch.ops.mkldnn._get_mkldnn_serialized_md(packed).numpy().tobytes()
     del views
-    manifest = segment.manifest
-    segment.manifest = msgspec.structs.replace(manifest, tensors=tuple(
-        msgspec.structs.replace(e, onednn_md=descriptors[e.name]) if e.name in descriptors else e
-        for e in manifest.tensors))
+    mark_packed(segment, descriptors)
     return len(descriptors)
+
+
+def mark_packed(segment: cuda_ipc.Export, descriptors: Mapping[str, bytes]) -> None:
+    """Record in the unsealed `segment`'s manifest which of its weights are packed, by their oneDNN descriptors."""
+    segment.manifest = msgspec.structs.replace(segment.manifest, tensors=tuple(
+        msgspec.structs.replace(e, onednn_md=descriptors[e.name]) if e.name in descriptors else e
+        for e in segment.manifest.tensors))
 
 
 def packed_views(attachment: cuda_ipc.Attachment) -> dict[str, torch.Tensor]:
