@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from lorafaas.formats.model_store import ModelStore
+from lorafaas.platform import log_lines
 from lorafaas.platform.api_client import ApiClient
 from lorafaas.testing.platform_process import PlatformProcess
 from lorafaas.testing.tiny_models import save_tiny_adapter
@@ -443,9 +444,13 @@ def test_logs_tail_since_and_follow(platform, admin, adapters, lorafaas) -> None
         tailed = lorafaas("logs", "logged", "--tail", "2")
         assert tailed.returncode == 0, tailed.stderr
         assert tailed.stdout.splitlines() == [header, *lines[-2:]]
-        stamp = lines[2][:19]  # `2026-11-24 06:52:47`, the log's own (local) clock
+        # REPORT lines carry no stamp: they belong to the stamped line before them (as a traceback does)
+        stamped = [i for i, line in enumerate(lines) if log_lines.STAMP.match(line)]
+        assert len(stamped) >= 1 and stamped[0] == 0
+        stamp = lines[stamped[-1]][:19]  # `2026-11-24 06:52:47`, the log's own (local) clock
+        first_since = next(i for i in stamped if lines[i][:19] >= stamp)
         since = lorafaas("logs", "logged", "--since", stamp.replace(" ", "T"))
-        assert since.stdout.splitlines() == [header, *(line for line in lines if line[:19] >= stamp)]
+        assert since.stdout.splitlines() == [header, *lines[first_since:]]
         assert lorafaas("logs", "logged", "--since", "1d").stdout.splitlines() == [header, *lines]
         assert lorafaas("logs", "logged", "--tail", "0").stdout == ""
         bad = lorafaas("logs", "logged", "--since", "yesterday")

@@ -52,7 +52,7 @@ from lorafaas.platform.backends.local_record import (
     terminate,
     terminate_all,
 )
-from lorafaas.platform.backends.standby_pool import StandbyPool
+from lorafaas.platform.backends.standby_pool import StandbyPool, discard
 from lorafaas.platform.descriptions import FailureView
 from lorafaas.platform.devices import check_devices
 from lorafaas.protocols.daemon_config import DaemonConfig
@@ -322,8 +322,7 @@ class LocalLauncher:
         except (LorafaasError, OSError) as exc:  # never back into the pool: it may have half-taken the spec
             log.warning("%s: pool process %d refused its assignment (%s); forking a worker", spec.function,
                         standby.pid, exc)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(standby.pid, signal.SIGKILL)
+            discard(standby)
             return None
 
     def fill_standbys(self, spec: WorkerSpec) -> None:

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ class StandbyPool:
         self._ready: dict[PoolKey, list[Standby]] = {}
         self._starting: dict[PoolKey, int] = {}
         self._closing = threading.Event()
+        self._spawned: dict[int, Standby] = {}  # forked, not yet listening
+        self._refills: set[threading.Thread] = set()
         self.num_assigned = 0  # handed out (each once)
 
     def eligible(self, spec: m.WorkerSpec) -> bool:
@@ -73,6 +76,7 @@ class StandbyPool:
                 if _alive(standby.pid):
                     self.num_assigned += 1
                     return standby
+                discard(standby)
         return None
 
     def pids(self) -> list[int]:
@@ -92,8 +96,11 @@ class StandbyPool:
             self._starting[key] = self._starting.get(key, 0) + missing
         delay = self.refill_delay_s if delay_s is None else delay_s
         for _ in range(missing):
-            threading.Thread(target=self._start_one, args=(spec, key, delay), name="standby-refill",
-                             daemon=True).start()
+            thread = threading.Thread(target=self._start_one, args=(spec, key, delay), name="standby-refill",
+                                      daemon=True)
+            with self._lock:
+                self._refills.add(thread)
+            thread.start()
 
     def _start_one(self, spec: m.WorkerSpec, key: PoolKey, delay_s: float) -> None:
         standby: Standby | None = None
@@ -105,33 +112,51 @@ class StandbyPool:
                 spec, function=STANDBY_FUNCTION, instance_id=f"standby-{token}", deployment=None,
                 socket_path=str(self.run_dir / f"standby-{token}.sock"), adapter_dir=None, step_gate=None,
                 base_pass=None, lora_mode=None, lora_server=None)
-            pid = self._spawn(standby_spec)
-            standby = Standby(pid, standby_spec)
-            wait_for_socket(Path(standby_spec.socket_path), 120.0, pid)
+            standby = Standby(self._spawn(standby_spec), standby_spec)
+            with self._lock:
+                self._spawned[standby.pid] = standby
+            if self._closing.is_set():  # close() may have looked before it was recorded
+                raise LorafaasError("the pool is closing")
+            wait_for_socket(Path(standby_spec.socket_path), 120.0, standby.pid)
         except (LorafaasError, OSError) as exc:
-            log.warning("a pool process for %s did not start: %s", spec.model_dir, exc)
+            if not self._closing.is_set():
+                log.warning("a pool process for %s did not start: %s", spec.model_dir, exc)
             if standby is not None:
-                _kill(standby.pid)
+                discard(standby)
             return
         finally:
             with self._lock:
                 self._starting[key] -= 1
+                if standby is not None:
+                    self._spawned.pop(standby.pid, None)
+                self._refills.discard(threading.current_thread())
         with self._lock:
             if not self._closing.is_set():
                 self._ready.setdefault(key, []).append(standby)
                 log.info("pool process %d ready for %s", standby.pid, spec.model_dir)
                 return
-        _kill(standby.pid)
+        discard(standby)
 
-    def close(self) -> None:
-        """Stop every pool process not handed out; nothing is started any more."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every pool process not handed out, those still starting included, and remove their sockets; nothing
+        is started any more. Waits (up to `timeout_s`) for the refills under way to end, so that none leaves a
+        process or a socket behind the pool's owner."""
         self._closing.set()
         with self._lock:
-            ready = [s for group in self._ready.values() for s in group]
+            doomed = [s for group in self._ready.values() for s in group] + list(self._spawned.values())
             self._ready.clear()
-        for standby in ready:
-            _kill(standby.pid)
-            Path(standby.spec.socket_path).unlink(missing_ok=True)
+            refills = list(self._refills)
+        for standby in doomed:
+            discard(standby)
+        deadline = time.monotonic() + timeout_s
+        for thread in refills:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def discard(standby: Standby) -> None:
+    """Kill a pool process that will serve nothing and remove its socket (SIGKILL leaves it on disk)."""
+    _kill(standby.pid)
+    Path(standby.spec.socket_path).unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
