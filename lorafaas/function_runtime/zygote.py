@@ -33,7 +33,7 @@ import msgspec
 
 from lorafaas.errors import InstanceUnavailable, ProtocolError
 from lorafaas.function_runtime import messages as m
-from lorafaas.protocols.priority import child_env, take_data_plane_niceness
+from lorafaas.protocols.priority import FUNCTION_NICENESS, child_env, take_data_plane_niceness
 from lorafaas.protocols.process_guard import forbid_dumping
 from lorafaas.wire import call_unix, encode_frame, error_class, recv_message
 
@@ -245,7 +245,7 @@ def start_zygote(socket_path: Path, log_path: Path, timeout_s: float = 120.0) ->
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "lorafaas.function_runtime.zygote", str(socket_path)],
-            env=child_env(),
+            env=child_env(FUNCTION_NICENESS),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=log_file,
@@ -260,7 +260,7 @@ def start_fresh_worker(spec: m.WorkerSpec, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "lorafaas.function_runtime.worker", msgspec.json.encode(spec).decode()],
-            env=child_env(),
+            env=child_env(FUNCTION_NICENESS),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=log_file,
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     forbid_dumping()  # its forks are function workers: none of them dumpable from their first instruction
-    take_data_plane_niceness()  # and they inherit its priority, below the control plane's (protocols/priority.py)
+    take_data_plane_niceness()  # and they inherit its priority, below the daemons' (protocols/priority.py)
     Zygote(Path(args[0])).serve()
     return 0
 

@@ -26,7 +26,7 @@ from lorafaas.errors import DaemonUnavailable, ProtocolError, SegmentError
 from lorafaas.protocols import daemon_messages as m
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.protocols.fdpass import close_fds, recv_with_fds
-from lorafaas.protocols.priority import child_env
+from lorafaas.protocols.priority import DAEMON_NICENESS, child_env
 from lorafaas.wire import encode_frame, error_class
 
 T = TypeVar("T")
@@ -187,7 +187,7 @@ def spawn_daemon(
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, pass_fds=pass_fds,
-            env=child_env(),
+            env=child_env(DAEMON_NICENESS),
         )
     finally:
         os.close(status_write)
