@@ -6,6 +6,8 @@ The node agent serves the gate on a Unix socket (`lorafaas.platform.compute_gate
     worker -> gate   WANT   a step                  gate -> worker   one byte: the threads granted (1..cores),
                      DONE   the step ended                            with SHARED set: in the shared base pass
                      NEXT   the step ended, and the next is wanted (the reply is the next grant)
+                     D, N   as DONE, NEXT, for a step the gate should not measure (a prefill in it, or the pass
+                            told it ALONE): its time is not a sample of its mode's (`PassChoice`)
                      MEMBER this instance is in the device's shared base pass (once, before its first WANT)
                      LEAVE  it is not any more (its executor went away): cores for its steps from now on
 
@@ -23,7 +25,7 @@ import socket
 
 import torch
 
-from lorafaas.protocols.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
+from lorafaas.protocols.step_gate import DONE, DONE_UNSAMPLED, LEAVE, MEMBER, NEXT, NEXT_UNSAMPLED, SHARED, WANT
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,16 @@ class StepGate:
             except OSError as exc:
                 self._fail(exc)
 
-    def release(self, again: bool) -> None:
-        """The step ended; `again`: the next one is wanted (its grant is read by the next `acquire` or `withdraw`)."""
+    def release(self, again: bool, sample: bool = True) -> None:
+        """The step ended; `again`: the next one is wanted (its grant is read by the next `acquire` or `withdraw`);
+        `sample`: its time is a sample of its mode's (no prefill in it, not told ALONE by the pass)."""
         if self._sock is None:
             return
         try:
-            self._sock.sendall(NEXT if again else DONE)
+            if sample:
+                self._sock.sendall(NEXT if again else DONE)
+            else:
+                self._sock.sendall(NEXT_UNSAMPLED if again else DONE_UNSAMPLED)
             self._pending = again
         except OSError as exc:
             self._fail(exc)

@@ -236,14 +236,19 @@ class WorkerServer:
                 gate.leave_pass()
             gate.acquire()
         shared = base_pass is not None and not base_pass.broken and (gate is None or gate.shared)
+        alone_before = base_pass.num_alone_passes if base_pass is not None else 0
         if base_pass is not None:
             base_pass.begin_step(shared=shared)
+        outputs = None
         try:
-            return engine.step(), shared
+            outputs = engine.step()
+            return outputs, shared
         finally:
             again = engine.has_work()
-            if gate is not None:
-                gate.release(again=again)
+            if gate is not None:  # a prefill, or a pass told ALONE, is no sample of its mode's step time
+                told_alone = base_pass is not None and base_pass.num_alone_passes != alone_before
+                sample = outputs is not None and not told_alone and all(o.prefill_s is None for o in outputs)
+                gate.release(again=again, sample=sample)
             if base_pass is not None:
                 base_pass.end_step(again=again)
 

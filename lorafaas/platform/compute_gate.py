@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lorafaas.platform.host_load import HostLoad
 from lorafaas.protocols.leases import socket_peer_pid
-from lorafaas.protocols.step_gate import DONE, LEAVE, MEMBER, NEXT, SHARED, WANT
+from lorafaas.protocols.step_gate import DONE, DONE_UNSAMPLED, LEAVE, MEMBER, NEXT, NEXT_UNSAMPLED, SHARED, WANT
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,9 @@ class ComputeGate:
                 self._sample_host_load()
                 if byte == WANT:
                     self._send(self.grants.want(pid, time.monotonic()))
-                elif byte in (DONE, NEXT):
-                    self._send(self.grants.done(pid, again=byte == NEXT, now_s=time.monotonic()))
+                elif byte in (DONE, NEXT, DONE_UNSAMPLED, NEXT_UNSAMPLED):
+                    self._send(self.grants.done(pid, again=byte in (NEXT, NEXT_UNSAMPLED), now_s=time.monotonic(),
+                                                sample=byte in (DONE, NEXT)))
                 elif byte == MEMBER and self.is_member(pid):
                     self.grants.join(pid)
                 elif byte == LEAVE:

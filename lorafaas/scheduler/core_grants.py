@@ -117,9 +117,13 @@ class CoreGrants(Generic[H]):
             self._asked(holder, now_s)
         return self._grant(now_s, asker=holder)
 
-    def done(self, holder: H, again: bool = False, now_s: float = 0.0) -> list[tuple[H, int]]:
-        """`holder`'s step ended (`again`: it asks for the next one, behind those already waiting)."""
-        self._measure(holder, now_s)
+    def done(self, holder: H, again: bool = False, now_s: float = 0.0, sample: bool = True) -> list[tuple[H, int]]:
+        """`holder`'s step ended (`again`: it asks for the next one, behind those already waiting). `sample`: its time
+        is a sample of its mode's; a step that carried a prefill, or one the pass told ALONE, is not measured (a
+        shared step told ALONE computed its whole pass itself, behind the executor: averaged in, one such step
+        sent eight members to their own steps)."""
+        if sample:
+            self._measure(holder, now_s)
         self._release(holder)
         if again:
             self._waiting.setdefault(holder, None)

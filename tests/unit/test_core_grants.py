@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from lorafaas.scheduler import SHARED_PASS, CoreGrants
+from lorafaas.scheduler import SHARED_PASS, CoreGrants, PassChoice
+from lorafaas.scheduler.pass_choice import Estimate
 
 
 def test_an_instance_computing_alone_gets_every_core_and_shares_them_once_another_asks() -> None:
@@ -203,3 +204,28 @@ def test_random_asks_with_the_pass_never_mix_kinds_nor_oversubscribe_and_serve_e
         if not holding:
             assert not waiting  # nobody waits on an idle device
     assert grants.num_shared > 0 and grants.most_holding <= 2
+
+
+def test_a_step_that_is_no_sample_of_its_mode_is_not_measured() -> None:
+    """A step that carried a prefill, or that the pass told ALONE (it computed its whole pass itself), ends unsampled:
+    its time moves neither estimate. Averaged in, one slow ALONE step made the shared estimate at 8 members 0.7 s
+    against 0.22 s, and eight members went to their own steps."""
+    choice = PassChoice(slots=2)
+    grants = CoreGrants(cores=2, choice=choice)
+    for member in "ab":
+        grants.join(member)
+    assert grants.want("a", now_s=0.0) == [("a", 2)]  # alone: its own cores
+    grants.done("a", now_s=0.05)
+    assert choice.own[2].seconds == pytest.approx(0.05)
+    grants.want("a", now_s=1.0)
+    grants.done("a", now_s=3.0, sample=False)  # a prefill's step: 2 s, not an own step's time
+    assert choice.own[2].seconds == pytest.approx(0.05) and choice.own[2].measured_s == 0.05
+    choice.own[1] = Estimate(0.05, 3.0)  # the estimates the choice compares (one own step at the base threads) ...
+    choice.pooled[2] = Estimate(0.03, 3.0)  # ... and the pass, measured faster: two members stepping go to it
+    assert grants.want("a", now_s=3.1) == [("a", 2)]  # one member stepping: its own cores
+    assert grants.want("b", now_s=3.1) == []  # two: the pass, once a's step is done
+    assert sorted(grants.done("a", again=True, now_s=3.15)) == [("a", SHARED_PASS), ("b", SHARED_PASS)]
+    grants.done("a", now_s=4.15, sample=False)  # told ALONE: a whole pass computed behind the executor
+    assert choice.pooled[2].seconds == pytest.approx(0.03)
+    grants.done("b", now_s=3.25)  # a round's step: measured
+    assert choice.pooled[2].seconds == pytest.approx(0.03 + 0.25 * (0.1 - 0.03))

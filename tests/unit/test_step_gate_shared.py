@@ -16,7 +16,7 @@ import pytest
 from lorafaas.function_runtime.step_gate import StepGate
 from lorafaas.platform.compute_gate import ComputeGate
 from lorafaas.platform.host_load import HostLoad
-from lorafaas.scheduler import SHARED_PASS, CoreGrants
+from lorafaas.scheduler import SHARED_PASS, CoreGrants, PassChoice
 
 
 @pytest.fixture()
@@ -111,4 +111,26 @@ def test_on_a_busy_host_a_lone_worker_is_granted_one_thread(gate_server) -> None
     worker.acquire()
     assert (worker.shared, worker.threads) == (False, 1)
     worker.release(again=False)
+    worker.close()
+
+
+def test_a_step_released_unsampled_is_not_measured_and_the_next_grant_still_comes(gate_server) -> None:
+    """`release(sample=False)` (a prefill in the step, or the pass told it ALONE) ends the step as DONE and NEXT do,
+    grant included, and its time moves no estimate; a sampled one does."""
+    gate_of, on_loop = gate_server
+    choice = PassChoice(slots=2)
+    grants = CoreGrants(cores=2, choice=choice)
+    gate = gate_of(True, grants)
+    worker = StepGate(str(gate.path))
+    worker.declare_member()  # a member alone: own steps on every core, measured
+    worker.acquire()
+    time.sleep(0.05)
+    worker.release(again=True, sample=False)
+    worker.acquire()  # NEXT's grant, read as after a sampled NEXT
+    assert worker.threads == 2 and on_loop(lambda: dict(choice.own)) == {}
+    worker.release(again=False)
+    deadline = time.monotonic() + 10
+    while not on_loop(lambda: dict(choice.own)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(on_loop(lambda: dict(choice.own))) == [2]
     worker.close()
