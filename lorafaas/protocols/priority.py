@@ -10,8 +10,8 @@ a step and answering /healthz are not queued behind model compute:
   a step it takes alone) yields the cores to the pass that every other member's step waits on. Measured (8 functions
   x 8 concurrent, float32, two cores, every step in the pass): with both at 5 a round's products took 2.3-2.8x their
   time in `bench products` (two OpenMP threads of which one shares its core with a busy process take 3.5x); with
-  functions at 15, 36.6 against 28.6 tokens/s. On an idle machine
-  niceness changes nothing: a lone function's step still has every core.
+  functions at 15, 36.6 against 28.6 tokens/s. On an idle machine niceness changes nothing: a lone function's step
+  still has every core.
 
 The starter passes the niceness to take in the child's environment (`child_env`); the child takes it at start
 (`take_data_plane_niceness`): raising one's own niceness needs no privilege, and a fork inherits it.

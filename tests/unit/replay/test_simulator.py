@@ -273,10 +273,15 @@ def test_same_metrics_whatever_the_string_hash_seed() -> None:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for seed in ("1", "2")]  # side by side: a minute each, one per core
     outputs = []
-    for run in runs:
-        stdout, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stderr[-3000:]
-        outputs.append(stdout)
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            assert run.returncode == 0, stderr[-3000:]
+            outputs.append(stdout)
+    finally:  # one failed or timed out: the other is not left running
+        for run in runs:
+            run.kill()
+            run.wait()
     assert outputs[0] == outputs[1] and outputs[0].count("\n") == 1
 
 
