@@ -1,9 +1,11 @@
 """Calibrate the `local` cluster's worker model on this machine (the figures `clusters/local.yaml` holds).
 
-    python -m lorafaas.replay.calibrate --home HOME [--out local-now.yaml] [--instances 2,3,4] [--repeats 3]
+    python -m lorafaas.replay.calibrate --home HOME [--backbone smollm2-135m] [--out local-now.yaml]
+                                        [--instances 2,3,4] [--repeats 3]
 
-Measures the lorafaas generation engine (`function_runtime/engine.py`) on HOME's smollm2-135m with the pirate demo
-adapter attached, one thread per process, as an instance runs it:
+Measures the lorafaas generation engine (`function_runtime/engine.py`) on HOME's backbone (smollm2-135m, or a copy
+such as `lorafaas backbone convert`'s bf16 one) with the pirate demo adapter attached, one thread per process, as an
+instance runs it:
 
     prefill passes      b prompts of w tokens prefilled together (b 1, 2, 4, 8; w 40, 90, 160):
                         pass = prefill_base + prefill_per_token x b x w (least squares; the engine pads to w)
@@ -12,7 +14,8 @@ adapter attached, one thread per process, as an instance runs it:
                         share of the cores (max(1, k / cores)); the rest is what each busy core beyond the first
                         costs all: core_interference (shared caches and memory bandwidth)
 
-and writes a cluster YAML: the shipped `local.yaml` with these figures (every other field is the shipped file's). Use
+and writes a cluster YAML: the shipped `local.yaml` with these figures for that backbone (added beside the shipped
+one, with its size and KV bytes a token from its files, if it is another; every other field is the shipped file's). Use
 it with `lorafaas replay --simulate --cluster FILE` or `python -m lorafaas.replay.compare --cluster FILE`. Run it on
 an otherwise idle machine: what else runs is the background the live comparison measures separately
 (`lorafaas.replay.cpuload`).
@@ -44,6 +47,7 @@ DECODE_ROWS = (1, 4, 8)
 DECODE_CONTEXT = 154  # a 128-token replay prompt with the chat template
 DECODE_STEPS = 24
 ADAPTER = Path(__file__).resolve().parents[2] / "examples" / "adapters" / "pirate"
+DEFAULT_BACKBONE = "smollm2-135m"
 console = Console(stderr=True)
 
 
@@ -120,11 +124,11 @@ def measure_steps(engine, rows_list: tuple[int, ...]) -> dict[int, float]:
     return steps
 
 
-def _steps_together(home: Path, k: int, scratch: Path) -> float:
+def _steps_together(home: Path, backbone: str, k: int, scratch: Path) -> float:
     """The median one-row step of k processes decoding at the same time (started together once all are loaded)."""
     go = scratch / f"go-{k}"
-    cmd = [sys.executable, "-m", "lorafaas.replay.calibrate", "--home", str(home), "--step-worker",
-           str(go)]  # fmt: skip
+    cmd = [sys.executable, "-m", "lorafaas.replay.calibrate", "--home", str(home), "--backbone", backbone,
+           "--step-worker", str(go)]  # fmt: skip
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(k)]
     try:
         for proc in procs:  # each prints "ready" once its model is loaded
@@ -154,11 +158,11 @@ def _step_worker(model_dir: Path, go: Path) -> int:
     return 0
 
 
-def calibrate(home: Path, instances: tuple[int, ...], repeats: int) -> dict:
-    model_dir = home / "models" / "smollm2-135m"
+def calibrate(home: Path, instances: tuple[int, ...], repeats: int, backbone: str = DEFAULT_BACKBONE) -> dict:
+    model_dir = home / "models" / backbone
     if not model_dir.is_dir():
-        raise InvalidInput(f"{home}/models has no smollm2-135m; run `lorafaas --home {home} backbone import` first")
-    with console.status("loading smollm2-135m") as status:
+        raise InvalidInput(f"{home}/models has no {backbone}; run `lorafaas --home {home} backbone import` first")
+    with console.status(f"loading {backbone}") as status:
         engine = _engine(model_dir)
         status.update(f"prefill passes: rows {PASS_ROWS} x widths {PASS_WIDTHS}, {repeats} times")
         passes = measure_passes(engine, repeats)
@@ -169,20 +173,42 @@ def calibrate(home: Path, instances: tuple[int, ...], repeats: int) -> dict:
         with tempfile.TemporaryDirectory(prefix="lorafaas-calibrate-") as tmp:
             for k in (1, *instances):
                 status.update(f"interference: {k} processes decoding at once")
-                together[k] = _steps_together(home, k, Path(tmp))
+                together[k] = _steps_together(home, backbone, k, Path(tmp))
                 console.log(f"{k} at once: one-row step {together[k] * 1e3:.1f} ms")
     cores = load_cluster("local").cores or 1.0
     base, per_token = fit_passes(passes)
     step1, per_row = fit_decode(steps)
     slowdowns = {k: s / together[1] for k, s in together.items() if k != 1}
-    return {"prefill_base_s": base, "prefill_s_per_token": per_token, "decode_step_s": step1,
-            "decode_step_per_seq_s": per_row, "slowdowns": slowdowns,
+    return {"backbone": backbone, **backbone_sizes(model_dir), "prefill_base_s": base,
+            "prefill_s_per_token": per_token, "decode_step_s": step1, "decode_step_per_seq_s": per_row,
+            "slowdowns": slowdowns,
             "core_interference": fit_interference(slowdowns, cores), "passes": passes, "steps": steps}  # fmt: skip
 
 
+def backbone_sizes(model_dir: Path) -> dict:
+    """The backbone's weights in GB (its safetensors files) and its KV cache's KB a token (keys and values of every
+    layer, in the model's dtype, as the runtime keeps them)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+    if element is None:
+        raise InvalidInput(f"{model_dir}: dtype {dtype!r} is not one the runtime serves")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_bytes = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * element
+    size = sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+    return {"size_gb": size / 1e9, "kv_kb_per_token": kv_bytes / 1e3}
+
+
 def cluster_yaml(measured: dict) -> dict:
+    """The shipped `local.yaml` with `measured`'s figures for its backbone (a new entry, shaped as the shipped
+    backbone's, for another one)."""
     data = yaml.safe_load(resources.files("lorafaas.replay").joinpath("clusters", "local.yaml").read_text())
-    backbone = data["backbones"]["smollm2-135m"]
+    name = measured.get("backbone", DEFAULT_BACKBONE)
+    backbone = data["backbones"].setdefault(name, dict(data["backbones"][DEFAULT_BACKBONE]))
+    if "size_gb" in measured:
+        backbone["size_gb"] = round(measured["size_gb"], 3)
+        backbone["kv_kb_per_token"] = round(measured["kv_kb_per_token"], 2)
     backbone["prefill_base_ms"] = round(measured["prefill_base_s"] * 1e3, 1)
     backbone["prefill_ms_per_token"] = round(measured["prefill_s_per_token"] * 1e3, 3)
     backbone["decode_ms_per_step"] = round(measured["decode_step_s"] * 1e3, 1)
@@ -195,13 +221,14 @@ def cluster_yaml(measured: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("LORAFAAS_HOME", "~/.lorafaas")).expanduser())
+    parser.add_argument("--backbone", default=DEFAULT_BACKBONE, help="a backbone of HOME's store")
     parser.add_argument("--out", type=Path, default=Path("local-now.yaml"))
     parser.add_argument("--instances", default="2,3,4", help="numbers of processes decoding at once")
     parser.add_argument("--repeats", type=int, default=3, help="times each prefill pass is measured")
     parser.add_argument("--step-worker", type=Path, help=argparse.SUPPRESS)  # one process of the interference runs
     args = parser.parse_args(argv)
     if args.step_worker is not None:
-        return _step_worker(args.home / "models" / "smollm2-135m", args.step_worker)
+        return _step_worker(args.home / "models" / args.backbone, args.step_worker)
     try:
         instances = tuple(int(k) for k in args.instances.split(","))
         if not instances or any(k < 2 or k > 8 for k in instances) or not 1 <= args.repeats <= 20:
@@ -211,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"[1, 20]", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        measured = calibrate(args.home, instances, args.repeats)
+        measured = calibrate(args.home, instances, args.repeats, args.backbone)
     except InvalidInput as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

@@ -31,6 +31,9 @@ class BackboneSpec:
     decode_step_per_seq_s: float  # added per extra sequence in the batch
     kv_bytes_per_token: int
     shape: BackboneShape | None = None  # its layers' widths: what a LoRA adapter's rank costs on it (None: unknown)
+    # CPU: its own round of the shared base pass, where its products cost other than the device's model says (a bf16
+    # copy reads half the bytes); None: the device's (`ClusterSpec.shared_base`)
+    shared_base: PassRound | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,18 @@ class PriceSheet:
 
 
 @dataclass(frozen=True)
+class PassRound:
+    """A round of the shared base pass over n members and R rows: round_s + per_member_s x n + per_row_s x R."""
+
+    round_s: float
+    per_member_s: float  # each member's own part (attention, norms, LoRA, sampling, its calls) on the shared cores
+    per_row_s: float
+
+    def seconds(self, members: int, rows: int) -> float:
+        return self.round_s + self.per_member_s * members + self.per_row_s * rows
+
+
+@dataclass(frozen=True)
 class SharedBaseSpec:
     """The shared base pass on a CPU device (a CPU node's default): while a round is shorter than the decoding
     instances' own steps (the step gate's measured choice), or with a fixed `from_members` once that many decode at
@@ -79,8 +94,13 @@ class SharedBaseSpec:
 
     from_members: int | None  # a fixed threshold (`up --shared-base-from`); None: the faster of the two modes
     round_s: float
-    per_member_s: float  # each member's own part (attention, norms, LoRA, sampling, its calls) on the shared cores
+    per_member_s: float
     per_row_s: float
+
+    @property
+    def round(self) -> PassRound:
+        """The device's model of a round (a backbone may have its own: `BackboneSpec.shared_base`)."""
+        return PassRound(self.round_s, self.per_member_s, self.per_row_s)
 
 
 @dataclass(frozen=True)
@@ -223,6 +243,7 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
             b.number("decode_ms_per_extra_seq") / 1e3,
             int(b.number("kv_kb_per_token") * 1e3),
             _backbone_shape(b) if b.has("hidden") else None,
+            _pass_round(b.sub("shared_base")) if b.has("shared_base") else None,
         )
     if not backbones:
         raise ClusterInvalid(f"{where}.backbones is empty; a cluster needs at least one backbone")
@@ -261,6 +282,10 @@ def parse_cluster(data: object, where: str) -> ClusterSpec:
         price.text("currency", "USD"),
     )
     shared_base = _shared_base(dev.sub("shared_base")) if dev.has("shared_base") else None
+    own_rounds = sorted(name for name, b in backbones.items() if b.shared_base is not None)
+    if own_rounds and shared_base is None:
+        raise ClusterInvalid(f"{where}.backbones.{own_rounds[0]}.shared_base needs device.shared_base (the pass "
+                             "itself, and when it runs)")
     if shared_base is not None and (dev.get("kind", "gpu") != "cpu" or not dev.has("cores")):
         raise ClusterInvalid(f"{where}.device.shared_base is for a CPU device with `cores` (the backbone daemon's "
                              f"executor shares them); this device is kind {dev.get('kind', 'gpu')!r}"
@@ -321,12 +346,15 @@ def _backbone_shape(b: _Fields) -> BackboneShape:
 
 
 def _shared_base(fields: _Fields) -> SharedBaseSpec:
-    spec = SharedBaseSpec(
-        fields.integer("from_members", low=2, high=100_000) if fields.has("from_members") else None,
-        fields.number("round_ms", low=1e-3) / 1e3,
-        fields.number("per_member_ms") / 1e3,
-        fields.number("per_row_ms") / 1e3,
-    )
+    from_members = fields.integer("from_members", low=2, high=100_000) if fields.has("from_members") else None
+    round_ = _pass_round(fields)
+    return SharedBaseSpec(from_members, round_.round_s, round_.per_member_s, round_.per_row_s)
+
+
+def _pass_round(fields: _Fields) -> PassRound:
+    """A backbone's `shared_base` takes these three only (the threshold is the device's)."""
+    spec = PassRound(fields.number("round_ms", low=1e-3) / 1e3, fields.number("per_member_ms") / 1e3,
+                     fields.number("per_row_ms") / 1e3)
     fields.check_known()
     return spec
 

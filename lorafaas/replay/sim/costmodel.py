@@ -5,7 +5,8 @@
                                tokens it computes (compute-bound): every prompt padded to the longest
                                (`prefill_padded`, the lorafaas runtime's left padding) or their sum (packed, vLLM)
     decode_step_s(b)           step at batch 1 + per extra sequence (memory-bound: the weights are read once a step)
-    shared_round_s(n, rows)    CPU, the shared base pass: one round over n members' rows, each member one step
+    shared_round_s(n, rows)    CPU, the shared base pass: one round over n members' rows, each member one step (the
+                               device's model, or the backbone's own where its products cost otherwise: bf16)
     contention(n, b)           a phase that starts while n instances run batches on its device takes 1 + c (n - 1)
                                times longer (batches of one instance share its forward passes); on a CPU device
                                with `cores`: max(1, (n + b) / cores) x (1 + i (min(n + b, cores) - 1)), the
@@ -53,13 +54,15 @@ class CostModel:
     def decode_step_s(self, backbone: BackboneSpec, batch_size: int) -> float:
         return backbone.decode_step_s + backbone.decode_step_per_seq_s * (batch_size - 1)
 
-    def shared_round_s(self, members: int, rows: int, background_threads: float = 0.0) -> float:
-        """One round of the shared base pass (`ClusterSpec.shared_base`): the executor's products over every member's
-        rows, then each member's own part, the cores shared; other programs' threads slow it by their share."""
+    def shared_round_s(self, members: int, rows: int, background_threads: float = 0.0,
+                       backbone: BackboneSpec | None = None) -> float:
+        """One round of the shared base pass over `backbone` (`ClusterSpec.shared_base`, or the backbone's own
+        `BackboneSpec.shared_base`): the executor's products over every member's rows, then each member's own part,
+        the cores shared; other programs' threads slow it by their share."""
         spec = self.cluster.shared_base
         assert spec is not None
-        round_s = spec.round_s + spec.per_member_s * members + spec.per_row_s * rows
-        return round_s * self._all_cores(background_threads)
+        model = backbone.shared_base if backbone is not None and backbone.shared_base is not None else spec.round
+        return model.seconds(members, rows) * self._all_cores(background_threads)
 
     def _all_cores(self, background_threads: float) -> float:
         """How much slower work using every core of a CPU device runs beside other programs' runnable threads."""

@@ -122,33 +122,43 @@ class WorkerModel:
     def retime(self, device: DeviceState) -> None:
         """The device's load moved: each decoding instance keeps the steps it made at the old rate and goes on at
         the new one; its next completion event is rescheduled. While they go to the shared base pass
-        (`_shared_round_s`), every one of them makes one step a round (`CostModel.shared_round_s`)."""
+        (`_shared_rounds_s`: a pass per backbone), each makes one step a round (`CostModel.shared_round_s`)."""
         sim = self.sim
         slow = sim.decode_slowdown(device)
-        round_s = self._shared_round_s(device, slow) if sim.policy.shared_base else None
+        rounds = self._shared_rounds_s(device, slow) if sim.policy.shared_base else {}
         for inst in device.decoding:
             self._advance(inst)
             fn_spec = sim.fns[inst.function].spec
             step_s = sim.costs.decode_step_s(sim.costs.backbone(fn_spec), len(inst.rows)) * slow * fn_spec.step_factor
-            inst.step_s = round_s if round_s is not None else step_s
+            inst.step_s = rounds.get(fn_spec.backbone, step_s)
             inst.done_token += 1
             left = max(0.0, min(r.finish_step for r in inst.rows) - inst.steps)
             sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, Done(inst, inst.done_token))
 
-    def _shared_round_s(self, device: DeviceState, slow: float) -> float | None:
-        """A round's time if the device's decoding instances go to the shared pass now, else None. The step gate's
-        rule (`lorafaas.scheduler.pass_choice`): two or more, and a round shorter than the time for each to make one
-        step of its own at the device's contention; or, with a fixed `from_members`, from that many on."""
-        sim, spec, members = self.sim, self.sim.cluster.shared_base, len(device.decoding)
-        if spec is None or members < (spec.from_members or 2):
-            return None
-        rows = sum(len(inst.rows) for inst in device.decoding)
-        round_s = sim.costs.shared_round_s(members, rows, sim.background_threads_now())
-        if spec.from_members is not None:
-            return round_s
-        own_s = max(sim.costs.decode_step_s(sim.costs.backbone(sim.fns[inst.function].spec), len(inst.rows)) * slow
-                    for inst in device.decoding)
-        return round_s if round_s < own_s else None
+    def _shared_rounds_s(self, device: DeviceState, slow: float) -> dict[str, float]:
+        """Backbone -> a round's time, for each backbone whose decoding instances on the device go to its shared pass
+        now (each backbone's daemon runs a pass of its own). The step gate's rule (`lorafaas.scheduler.pass_choice`):
+        two or more, and a round shorter than the time for each to make one step of its own at the device's
+        contention; or, with a fixed `from_members`, from that many on. Passes running at once share the cores: each
+        round takes as many times longer."""
+        sim, spec = self.sim, self.sim.cluster.shared_base
+        if spec is None:
+            return {}
+        by_backbone: dict[str, list[SimInstance]] = {}
+        for inst in device.decoding:
+            by_backbone.setdefault(sim.fns[inst.function].spec.backbone, []).append(inst)
+        candidates = {name: members for name, members in by_backbone.items()
+                      if len(members) >= (spec.from_members or 2)}
+        background = sim.background_threads_now()
+        rounds: dict[str, float] = {}
+        for name, members in candidates.items():
+            backbone = sim.cluster.backbones[name]
+            rows = sum(len(inst.rows) for inst in members)
+            round_s = sim.costs.shared_round_s(len(members), rows, background, backbone) * len(candidates)
+            own_s = max(sim.costs.decode_step_s(backbone, len(inst.rows)) * slow for inst in members)
+            if spec.from_members is not None or round_s < own_s:
+                rounds[name] = round_s
+        return rounds
 
     def _advance(self, inst: SimInstance) -> None:
         """Count the decode steps made since the last update, at the step time of that interval, outside passes."""

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from lorafaas.replay.calibrate import cluster_yaml, fit_decode, fit_interference, fit_passes
+from lorafaas.errors import InvalidInput
+from lorafaas.replay.calibrate import backbone_sizes, cluster_yaml, fit_decode, fit_interference, fit_passes
 from lorafaas.replay.compare import compare, live_workload, main
 from lorafaas.replay.cpuload import background_series, machine_runnable
 from lorafaas.replay.report import write_report
 from lorafaas.replay.results import RequestResult
-from lorafaas.replay.sim.cluster import parse_cluster
+from lorafaas.replay.sim.cluster import load_cluster, parse_cluster
 from lorafaas.replay.sim.costmodel import CostModel
 
 
@@ -74,6 +75,27 @@ def test_calibration_fits_the_worker_model() -> None:
     assert (backbone.decode_step_s, backbone.decode_step_per_seq_s) == pytest.approx((0.060, 0.008))
     assert cluster.core_interference == pytest.approx(0.2) and cluster.prefill_padded
     assert CostModel(cluster).contention(3) == pytest.approx(1.5 * 1.2)
+
+
+def test_calibrating_another_backbone_adds_it_beside_the_shipped_one(tmp_path: Path) -> None:
+    model_dir = tmp_path / "copy"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"dtype": "bfloat16", "num_hidden_layers": 30, "hidden_size": 576,
+                                                       "num_attention_heads": 9, "num_key_value_heads": 3}))
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    sizes = backbone_sizes(model_dir)
+    assert sizes == pytest.approx({"size_gb": 0.002, "kv_kb_per_token": 2 * 30 * 3 * 64 * 2 / 1e3})
+    measured = {"backbone": "copy-bf16", **sizes, "prefill_base_s": 0.0, "prefill_s_per_token": 0.002,
+                "decode_step_s": 0.040, "decode_step_per_seq_s": 0.005, "core_interference": 0.1}
+    cluster = parse_cluster(cluster_yaml(measured), "calibrated")
+    added, shipped = cluster.backbones["copy-bf16"], load_cluster("local").backbones["smollm2-135m"]
+    assert (added.decode_step_s, added.decode_step_per_seq_s) == pytest.approx((0.040, 0.005))
+    assert added.kv_bytes_per_token == 23040 and added.size_bytes == 2_000_000
+    assert cluster.backbones["smollm2-135m"] == shipped  # the shipped backbone's figures stay
+    (model_dir / "config.json").write_text(json.dumps({"dtype": "int8", "num_hidden_layers": 1, "hidden_size": 8,
+                                                       "num_attention_heads": 1}))
+    with pytest.raises(InvalidInput, match="dtype 'int8'"):
+        backbone_sizes(model_dir)
 
 
 def test_cpu_load_background_is_what_runs_besides_the_workers(tmp_path: Path) -> None:
