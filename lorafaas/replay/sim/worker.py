@@ -136,29 +136,27 @@ class WorkerModel:
             sim.push(max(sim.now, inst.prefill_free_at_s) + left * inst.step_s, Done(inst, inst.done_token))
 
     def _shared_rounds_s(self, device: DeviceState, slow: float) -> dict[str, float]:
-        """Backbone -> a round's time, for each backbone whose decoding instances on the device go to its shared pass
-        now (each backbone's daemon runs a pass of its own). The step gate's rule (`lorafaas.scheduler.pass_choice`):
-        two or more, and a round shorter than the time for each to make one step of its own at the device's
-        contention; or, with a fixed `from_members`, from that many on. Passes running at once share the cores: each
-        round takes as many times longer."""
+        """Backbone -> a round's time, for each backbone decoding on the device, while its decoding instances go to
+        the shared pass (else {}). Decided for the device as a whole, as the step gate decides it
+        (`lorafaas.scheduler.pass_choice`): two or more decoding, and a round shorter than the time for each to make
+        one step of its own at the device's contention; or, with a fixed `from_members`, from that many on. Each
+        backbone's daemon runs a pass of its own; passes at once share the cores, so each round takes as many times
+        longer."""
         sim, spec = self.sim, self.sim.cluster.shared_base
-        if spec is None:
+        if spec is None or len(device.decoding) < (spec.from_members or 2):
             return {}
         by_backbone: dict[str, list[SimInstance]] = {}
         for inst in device.decoding:
             by_backbone.setdefault(sim.fns[inst.function].spec.backbone, []).append(inst)
-        candidates = {name: members for name, members in by_backbone.items()
-                      if len(members) >= (spec.from_members or 2)}
         background = sim.background_threads_now()
-        rounds: dict[str, float] = {}
-        for name, members in candidates.items():
-            backbone = sim.cluster.backbones[name]
-            rows = sum(len(inst.rows) for inst in members)
-            round_s = sim.costs.shared_round_s(len(members), rows, background, backbone) * len(candidates)
-            own_s = max(sim.costs.decode_step_s(backbone, len(inst.rows)) * slow for inst in members)
-            if spec.from_members is not None or round_s < own_s:
-                rounds[name] = round_s
-        return rounds
+        rounds = {name: sim.costs.shared_round_s(len(members), sum(len(inst.rows) for inst in members), background,
+                                                 sim.cluster.backbones[name]) * len(by_backbone)
+                  for name, members in by_backbone.items()}
+        if spec.from_members is not None:
+            return rounds
+        own_s = max(sim.costs.decode_step_s(sim.costs.backbone(sim.fns[inst.function].spec), len(inst.rows)) * slow
+                    for inst in device.decoding)
+        return rounds if max(rounds.values()) < own_s else {}
 
     def _advance(self, inst: SimInstance) -> None:
         """Count the decode steps made since the last update, at the step time of that interval, outside passes."""
