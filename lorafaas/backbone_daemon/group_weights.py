@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafaas.cuda_ipc.layout import dtype_name
 from lorafaas.models.families.llama import gated_mlp, layer_tail, rms_norm
 from lorafaas.protocols import base_pass as bp
 
@@ -94,8 +95,8 @@ class GroupWeights:
 
     def in_width(self, key: int) -> int:
         tail = self._tails[key]
-        if tail is not None:  # the attention's output, the residual and the o_proj delta
-            return tail.o_proj.shape[1] + 2 * tail.o_proj.shape[0]
+        if tail is not None:  # the attention's output, the residual and the o_proj delta (float32)
+            return bp.tail_in_width(tail.o_proj.shape[1], tail.o_proj.shape[0], dtype_name(tail.o_proj.dtype))
         return self._layers[key][0][0].shape[1]
 
     def out_width(self, key: int) -> int:
@@ -128,9 +129,12 @@ class GroupWeights:
         return [gated_mlp(self._linear, x, layer[0][0], layer[1][0], down)]
 
     def _tail(self, tail: TailWeights, layer: Layer, x: torch.Tensor) -> list[torch.Tensor]:
-        """A layer tail's outputs for X = [attention output, residual, o_proj delta] (`bp.GroupSpec.tail`)."""
+        """A layer tail's outputs for X = [attention output, residual, o_proj delta in float32]
+        (`bp.GroupSpec.tail`)."""
         attended_width, hidden_width = tail.o_proj.shape[1], tail.o_proj.shape[0]
-        attended, residual, delta = x.split([attended_width, hidden_width, hidden_width], dim=1)
+        delta_width = hidden_width * bp.delta_elements(dtype_name(x.dtype))
+        attended, residual, delta = x.split([attended_width, hidden_width, delta_width], dim=1)
+        delta = delta.contiguous().view(torch.float32)  # the float32 values' bytes, in X's elements
         hidden = layer_tail(self._linear, attended, residual, delta, tail.o_proj, tail.post_norm, tail.eps, tail.mlp)
         normed = rms_norm(tail.next_norm, tail.eps, hidden)
         return [hidden, normed, *(self._linear(normed, weight, bias) for weight, bias in layer)]

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _welcome_decoder = msgspec.msgpack.Decoder(bp.BasePassWelcome)
 
 DEFAULT_MAX_ROWS = 256
+EXACT_IN_FLOAT32 = {torch.float32, torch.bfloat16, torch.float16}  # an o_proj delta of these goes to a tail as float32
 CALL_TIMEOUT_S = 30.0
 
 
@@ -278,8 +279,8 @@ class LayerTails:
         self._checked: tuple[int, bool] | None = None  # (the model's adapter version, usable then)
 
     def usable(self, model: nn.Module) -> bool:
-        """Whether this step's layers are the ones the tails compute: o_proj bare or with a LoRA of the backbone's
-        dtype (its delta is sent in the buffer), MLPs and LM head bare, q/k/v through the pass. Checked again only
+        """Whether this step's layers are the ones the tails compute: o_proj bare or with a LoRA whose delta is
+        float32 exactly (it is sent as float32), MLPs and LM head bare, q/k/v through the pass. Checked again only
         when an adapter was attached or detached since (it takes about 0.5 ms on SmolLM2, every decode step)."""
         version = adapter_version(model)
         if self._checked is None or self._checked[0] != version:
@@ -287,12 +288,11 @@ class LayerTails:
         return self._checked[1]
 
     def _usable(self, model: nn.Module) -> bool:
-        dtype = self.client.dtype
         for layer in llama.decoder_layers(model):  # a Llama's (layer_tails found its layer tails)
             o_proj, mlp = llama.o_proj(layer), llama.mlp(layer)
             if isinstance(o_proj, LoraLinear):
                 if (o_proj.lora_a is not None and o_proj.lora_b is not None
-                        and {o_proj.lora_a.dtype, o_proj.lora_b.dtype} != {dtype}):
+                        and not {o_proj.lora_a.dtype, o_proj.lora_b.dtype} <= EXACT_IN_FLOAT32):
                     return False
                 o_proj = o_proj.base
             if not is_bare_linear(o_proj) or not isinstance(mlp.__dict__.get("forward"), RemoteMLP) \
@@ -309,9 +309,10 @@ class LayerTails:
         or after the last layer the logits; None when this pass is not fused (then compute here)."""
         if not self.client.fused:
             return None
-        delta = o_proj.delta(attended) if isinstance(o_proj, LoraLinear) and o_proj.lora_a is not None else \
-            torch.zeros_like(hidden)
-        outputs = self.client.call(self.keys[index], torch.cat([attended, hidden, delta], dim=-1))
+        delta = o_proj.delta(attended).float() if isinstance(o_proj, LoraLinear) and o_proj.lora_a is not None \
+            else torch.zeros(hidden.shape, dtype=torch.float32)
+        # the float32 delta's bytes as the buffer's elements (two a value in bf16): `bp.tail_in_width`
+        outputs = self.client.call(self.keys[index], torch.cat([attended, hidden, delta.view(hidden.dtype)], dim=-1))
         if outputs is None:
             return None
         if index == len(self.keys) - 1:
@@ -344,11 +345,14 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     tails = layer_tails(model, tensors, groups)
     widths = [(layers[0].in_features, [layers[-1].out_features] if spec.mlp_down else
                [layer.out_features for layer in layers]) for spec, layers in groups]
-    for _, key in tails:
+    dtype = groups[0][1][0].weight.dtype
+    for spec, key in tails:
         hidden = groups[key][1][0].in_features
-        widths.append((3 * hidden, [hidden, hidden, *widths[key][1]]))
+        attended = tensors[spec.tail.o_proj].shape[1] if spec.tail is not None else hidden
+        widths.append((bp.tail_in_width(attended, hidden, str(dtype).removeprefix("torch.")),
+                       [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
-    client = BasePassClient(path, specs, widths, groups[0][1][0].weight.dtype, max_rows)
+    client = BasePassClient(path, specs, widths, dtype, max_rows)
     mlp_of_gate = {id(bare_linear(llama.mlp_layers(mlp)[0])): mlp
                    for mlp in gated_mlps(model, {t.data_ptr(): name for name, t in tensors.items()}).values()}
     shared_of: dict[int, list] = {}

@@ -68,7 +68,8 @@ class GroupSpec(msgspec.Struct, frozen=True):
     the group's one output is down(silu(gate(x)) * up(x)), `mlp_down` naming down's weight.
 
     With `tail`, a layer tail: X is [attention output (o_proj's in), residual (hidden), o_proj's LoRA delta
-    (hidden; zeros without one)]; with o = o_proj(attention) + delta, h = residual + o, h = h + mlp(post_norm(h)),
+    (hidden values in float32, whatever the backbone's dtype: `tail_in_width`; zeros without one)]; with
+    o = (o_proj(attention) + delta) in the backbone's dtype, h = residual + o, h = h + mlp(post_norm(h)),
     n = next_norm(h), the outputs are h, n and the weights' products of n, in that order."""
 
     weights: tuple[str, ...]
@@ -90,6 +91,18 @@ class BasePassWelcome(msgspec.Struct, frozen=True, tag="welcome"):
 
 class BasePassUnavailable(Exception):
     """The base pass cannot be joined (unreachable, refused, or the model has no groups): compute here."""
+
+
+def delta_elements(dtype: str) -> int:
+    """Elements of a `dtype` buffer one float32 value of a layer tail's o_proj delta takes. The delta travels in
+    float32 because an adapter is usually saved in float32: PEFT adds its float32 delta to a bf16 backbone's product
+    in float32 and rounds the sum once, and so does the tail (a bf16 adapter's delta converts to float32 exactly)."""
+    return ELEMENT_BYTES["float32"] // ELEMENT_BYTES[dtype]
+
+
+def tail_in_width(attended: int, hidden: int, dtype: str) -> int:
+    """X's width of a layer tail in `dtype` elements: the attention's output, the residual and the float32 delta."""
+    return attended + hidden + hidden * delta_elements(dtype)
 
 
 def buffer_layout(max_rows: int, max_in: int, max_out: int, dtype: str) -> tuple[int, int]:

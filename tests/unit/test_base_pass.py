@@ -639,6 +639,32 @@ def test_the_layer_tails_compute_what_the_pass_computes_group_by_group_bit_for_b
             assert torch.equal(a, b), (a - b).abs().max()
 
 
+def test_float32_adapters_on_a_bf16_backbone_go_through_the_layer_tails_bit_for_bit(bf16_segment, tmp_path: Path,
+                                                                                      attention_adapters) -> None:
+    """Adapters saved in float32 (PEFT's default) on a bf16 backbone: their o_proj deltas travel in float32, so the
+    tails add them as PEFT does (the float32 sum rounded once) and decode steps go through the tails, with logits
+    equal bit for bit to the same rounds group by group, where each member adds its own delta."""
+    export, _ = bf16_segment
+    attachment = cuda_ipc.attach(export.manifest, export.fd)
+    running = BasePassExecutor(tmp_path / "bp.sock", attachment.tensors, tuple(groups_of(bf16_segment)),
+                               lambda pid: pid == os.getpid(), threads=1, hold_s=0.5, deadline_s=0.2)
+    running.start()
+    try:
+        steps = 3
+        fused, fused_clients = decode_members(bf16_segment, running, attention_adapters, PROMPTS[:2], steps)
+        plain, plain_clients = decode_members(bf16_segment, running, attention_adapters, PROMPTS[:2], steps,
+                                              tails=False)
+    finally:
+        running.stop()
+        attachment.close()
+    assert [c.num_fused_passes for c in fused_clients] == [steps, steps]  # none before: the deltas were float32
+    assert [c.num_fused_passes for c in plain_clients] == [0, 0]
+    for mine, theirs in zip(fused, plain, strict=True):
+        assert len(mine) == steps
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b), (a.float() - b.float()).abs().max()
+
+
 def test_a_fused_start_is_refused_where_a_backbone_has_no_tails(segment, tmp_path: Path) -> None:
     model, attachment = bound_model(segment)
     groups = tuple(spec for spec, _ in client.layer_groups(model, attachment.tensors))  # a backbone without tails
