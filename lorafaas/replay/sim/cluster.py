@@ -382,19 +382,36 @@ def _flag(fields: _Fields, key: str, default: bool) -> bool:
     return value
 
 
+SHIPPED_CLUSTERS = ("paper", "local", "local-bf16")
+
+
 def load_cluster(name_or_path: str | Path) -> ClusterSpec:
-    """`paper`, `local` (shipped) or a path to a cluster YAML."""
-    text_name = str(name_or_path)
-    if text_name in ("paper", "local"):
+    """A shipped cluster (`SHIPPED_CLUSTERS`) or a path to a cluster YAML. A YAML may start from a shipped cluster
+    (`base: local`): each of its top-level keys replaces the base's."""
+    where, data = _read_cluster(str(name_or_path))
+    if isinstance(data, dict) and "base" in data:
+        base = data["base"]
+        if base not in SHIPPED_CLUSTERS:
+            raise ClusterInvalid(f"{where}: base is {base!r}; expected a shipped cluster: "
+                                 f"{', '.join(SHIPPED_CLUSTERS)}")
+        _, base_data = _read_cluster(base)
+        if not isinstance(base_data, dict) or "base" in base_data:
+            raise ClusterInvalid(f"{where}: its base {base!r} is not a cluster of its own (one level of base only)")
+        data = {**base_data, **{key: value for key, value in data.items() if key != "base"}}
+    return parse_cluster(data, where)
+
+
+def _read_cluster(text_name: str) -> tuple[str, object]:
+    if text_name in SHIPPED_CLUSTERS:
         where = f"lorafaas/replay/clusters/{text_name}.yaml"
         text = resources.files("lorafaas.replay").joinpath("clusters", f"{text_name}.yaml").read_text()
     else:
-        path = Path(name_or_path)
+        path = Path(text_name)
         if not path.is_file():
-            raise ClusterInvalid(f"cluster {text_name!r} is neither `paper`, `local` nor a YAML file")
+            raise ClusterInvalid(f"cluster {text_name!r} is neither a shipped one ({', '.join(SHIPPED_CLUSTERS)}) "
+                                 "nor a YAML file")
         where, text = str(path), path.read_text()
     try:
-        data = yaml.safe_load(text)
+        return where, yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ClusterInvalid(f"{where}: not YAML: {exc}") from exc
-    return parse_cluster(data, where)

@@ -13,7 +13,7 @@ from lorafaas.replay.sim.policies import POLICIES, resolve_policies
 from lorafaas.replay.sim.runner import simulate
 from lorafaas.replay.workload import Request, Workload
 
-# round 50 ms + 10 ms a member + 2 ms a row: far from the 62.6 ms one-thread step, so a step of either kind shows
+# round 50 ms + 10 ms a member + 2 ms a row: far from the one-thread step (84.4 ms), so a step of either kind shows
 PASS = SharedBaseSpec(from_members=2, round_s=0.050, per_member_s=0.010, per_row_s=0.002)
 LOCAL = replace(load_cluster("local"), lone_speedup=1.0, core_interference=0.0, shared_base=PASS)
 COSTS = CostModel(LOCAL)
@@ -65,8 +65,9 @@ def test_the_pass_is_refused_on_a_cluster_without_its_model_and_left_out_of_all(
 
 def test_without_a_threshold_the_pass_is_taken_when_a_round_beats_the_instances_own_steps() -> None:
     own_step_s = COSTS.decode_step_s(SMOL, 1)  # two instances on two cores: each its own core, no slowdown
-    slower = replace(LOCAL, shared_base=replace(PASS, from_members=None))  # a 74 ms round against a 62.6 ms step
-    assert COSTS.shared_round_s(members=2, rows=2) > own_step_s
+    # a round of two: the one-thread step itself + 20 ms a member + 2 ms a row, longer than their own steps
+    slower = replace(LOCAL, shared_base=replace(PASS, from_members=None, round_s=own_step_s))
+    assert CostModel(slower).shared_round_s(members=2, rows=2) > own_step_s
     shared, _ = simulate(TWO_AT_ONCE, slower, POLICIES["lorafaas-shared"])
     plain, _ = simulate(TWO_AT_ONCE, slower, POLICIES["lorafaas"])
     assert [(r.ttft_s, r.e2e_s) for r in shared.results] == [(r.ttft_s, r.e2e_s) for r in plain.results]
