@@ -134,7 +134,8 @@ class GroupWeights:
         attended_width, hidden_width = tail.o_proj.shape[1], tail.o_proj.shape[0]
         delta_width = hidden_width * bp.delta_elements(dtype_name(x.dtype))
         attended, residual, delta = x.split([attended_width, hidden_width, delta_width], dim=1)
-        delta = delta.contiguous().view(torch.float32)  # the float32 values' bytes, in X's elements
+        if delta.dtype != torch.float32:  # the float32 values' bytes, in X's elements
+            delta = delta.contiguous().view(torch.float32)
         hidden = layer_tail(self._linear, attended, residual, delta, tail.o_proj, tail.post_norm, tail.eps, tail.mlp)
         normed = rms_norm(tail.next_norm, tail.eps, hidden)
         return [hidden, normed, *(self._linear(normed, weight, bias) for weight, bias in layer)]

@@ -29,6 +29,7 @@ import msgspec
 import torch
 from torch import nn
 
+from lorafaas.cuda_ipc.layout import dtype_name
 from lorafaas.models.base_pass_groups import bare_linear, gated_mlps, layer_groups, layer_tails
 from lorafaas.models.cpu_linear import is_bare_linear
 from lorafaas.models.families import llama
@@ -349,7 +350,7 @@ def install(model: nn.Module, tensors: dict[str, torch.Tensor], path: str,
     for spec, key in tails:
         hidden = groups[key][1][0].in_features
         attended = tensors[spec.tail.o_proj].shape[1] if spec.tail is not None else hidden
-        widths.append((bp.tail_in_width(attended, hidden, str(dtype).removeprefix("torch.")),
+        widths.append((bp.tail_in_width(attended, hidden, dtype_name(dtype)),
                        [hidden, hidden, *widths[key][1]]))
     specs = [spec for spec, _ in groups] + [spec for spec, _ in tails]
     client = BasePassClient(path, specs, widths, dtype, max_rows)

@@ -39,6 +39,7 @@ import yaml
 from rich.console import Console
 
 from lorafaas.errors import InvalidInput
+from lorafaas.protocols.base_pass import ELEMENT_BYTES
 from lorafaas.replay.sim.cluster import load_cluster
 
 PASS_ROWS = (1, 2, 4, 8)
@@ -190,7 +191,7 @@ def backbone_sizes(model_dir: Path) -> dict:
     layer, in the model's dtype, as the runtime keeps them)."""
     config = json.loads((model_dir / "config.json").read_text())
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    element = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+    element = ELEMENT_BYTES.get(dtype)
     if element is None:
         raise InvalidInput(f"{model_dir}: dtype {dtype!r} is not one the runtime serves")
     heads = config["num_attention_heads"]

@@ -7,6 +7,7 @@ GB/s in the YAML, bytes and bytes/s here. `load_cluster("paper")` or `load_clust
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
@@ -86,21 +87,14 @@ class PassRound:
 
 
 @dataclass(frozen=True)
-class SharedBaseSpec:
+class SharedBaseSpec(PassRound):
     """The shared base pass on a CPU device (a CPU node's default): while a round is shorter than the decoding
     instances' own steps (the step gate's measured choice), or with a fixed `from_members` once that many decode at
-    once, the backbone daemon computes their base products in one pass a round, and each of them one step a round. A
-    round over n members and R rows takes round_s + per_member_s x n + per_row_s x R (calibrated by `bench serve`)."""
+    once, the backbone daemon computes their base products in one pass a round, and each of them one step a round.
+    Its round is the device's model (calibrated by `bench serve`; a backbone may have its own:
+    `BackboneSpec.shared_base`)."""
 
     from_members: int | None  # a fixed threshold (`up --shared-base-from`); None: the faster of the two modes
-    round_s: float
-    per_member_s: float
-    per_row_s: float
-
-    @property
-    def round(self) -> PassRound:
-        """The device's model of a round (a backbone may have its own: `BackboneSpec.shared_base`)."""
-        return PassRound(self.round_s, self.per_member_s, self.per_row_s)
 
 
 @dataclass(frozen=True)
@@ -347,8 +341,7 @@ def _backbone_shape(b: _Fields) -> BackboneShape:
 
 def _shared_base(fields: _Fields) -> SharedBaseSpec:
     from_members = fields.integer("from_members", low=2, high=100_000) if fields.has("from_members") else None
-    round_ = _pass_round(fields)
-    return SharedBaseSpec(from_members, round_.round_s, round_.per_member_s, round_.per_row_s)
+    return SharedBaseSpec(**dataclasses.asdict(_pass_round(fields)), from_members=from_members)
 
 
 def _pass_round(fields: _Fields) -> PassRound:

@@ -61,7 +61,7 @@ class CostModel:
         the cores shared; other programs' threads slow it by their share."""
         spec = self.cluster.shared_base
         assert spec is not None
-        model = backbone.shared_base if backbone is not None and backbone.shared_base is not None else spec.round
+        model = backbone.shared_base if backbone is not None and backbone.shared_base is not None else spec
         return model.seconds(members, rows) * self._all_cores(background_threads)
 
     def _all_cores(self, background_threads: float) -> float:
