@@ -59,8 +59,10 @@ def install(cluster: HelmCluster, home: Path, cli, tiny_dense_dir: Path, values:
     assert cli("--home", str(home), "backbone", "import", BACKBONE, "--from",
                str(tiny_dense_dir)).returncode == 0
     helm_apply(cluster, values, upgrade=False)
-    wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 180)
-    [controller] = wait_until(lambda: cluster.ready("controller"), "the controller ready", 180)
+    wait_until(lambda: len(cluster.ready("node-agent")) == len(NODES), "a ready node agent on every node", 180,
+               explain=cluster.account)
+    [controller] = wait_until(lambda: cluster.ready("controller"), "the controller ready", 180,
+                              explain=cluster.account)
     [redis] = wait_until(lambda: cluster.ready("redis"), "Redis ready", 60)
     service = cluster.core.read_namespaced_service(f"{RELEASE}-controller", cluster.namespace)
     secret = cluster.core.read_namespaced_secret(f"{RELEASE}-admin-key", cluster.namespace)

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,14 +150,18 @@ def require_process_kubelet() -> None:
         pytest.skip(reason)
 
 
-def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.1):
+def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.1,
+               explain: Callable[[], str] | None = None):
+    """`condition()`'s first truthy result; past the timeout an AssertionError naming `what`, with `explain()`'s
+    account of the cluster when given (a CI run's only record of why)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = condition()
         if result:
             return result
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    account = f"\n{explain()}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{account}")
 
 
 def pod_json(pod: k8s.V1Pod) -> dict:

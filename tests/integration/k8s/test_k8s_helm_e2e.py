@@ -81,6 +81,24 @@ class HelmCluster:
     def function_pods(self, function: str) -> list:
         return self.pods("function", **{"lorafaas.io/function": function})
 
+    def account(self, log_tail: int = 1500) -> str:
+        """Every pod of the release (node, phase, readiness, containers' states, deletion) and the tails of the
+        controller's and the function pods' logs: what a timed-out wait prints."""
+        lines, logged = [], []
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+            states = [f"{c.name}:{next((k for k, v in c.state.to_dict().items() if v), '?')}"
+                      f"(restarts {c.restart_count})" for c in pod.status.container_statuses or []]
+            lines.append(f"pod {pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}, ready={ready}, "
+                         f"deleting={pod.metadata.deletion_timestamp is not None}, {' '.join(states)}")
+            if (pod.metadata.labels or {}).get("app.kubernetes.io/component") in ("controller", "function"):
+                logged.append(pod.metadata.name)
+        for name in logged:
+            for log in sorted(self.runtime.work_dir.glob(f"{name}.*.log")):
+                tail = log.read_bytes()[-log_tail:].decode(errors="replace")
+                lines.append(f"--- {log.name} (last {log_tail} bytes)\n{tail}")
+        return "\n".join(lines)
+
     def pod(self, name: str):
         try:
             return self.core.read_namespaced_pod(name, self.namespace)
