@@ -66,11 +66,21 @@ class MachineLoad(msgspec.Struct, frozen=True, kw_only=True):
     other_cores: float | None = None
     server_pid: int | None = None
     # the most memory the server's process tree held during the level: PSS summed over its processes (a page shared
-    # by k of them counts 1/k to each, so shared weights count once), sampled every PSS_SAMPLE_S
+    # by k of them counts 1/k to each, so shared weights count once), sampled every `pss_sample_interval_s`
     server_pss_peak_mb: float | None = None
+    server_pss_samples: int | None = None
 
 
 PSS_SAMPLE_S = 0.5
+# The kernel walks a process's page tables to sum its PSS: a tree of eight SmolLM2 workers and their daemon costs
+# 60-70 ms of CPU a sample, which sampled every 0.5 s took 6-19% of the served throughput on two cores. Samples are
+# spaced so that the probe spends at most this share of one core.
+PSS_PROBE_CORE_SHARE = 0.02
+
+
+def pss_sample_interval_s(sample_cost_s: float) -> float:
+    """The wait before the next PSS sample when the last one cost `sample_cost_s` of CPU."""
+    return max(PSS_SAMPLE_S, sample_cost_s / PSS_PROBE_CORE_SHARE)
 
 
 class LevelResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +136,7 @@ class LoadProbe:
         self.server_pid = server_pid
         self._me = psutil.Process()
         self._pss_peak = 0
+        self._pss_samples = 0
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
 
@@ -136,14 +147,22 @@ class LoadProbe:
         self._client0 = _own_cpu(self._me)
         self._server0 = _tree_cpu(self.server_pid) if self.server_pid else {}
         if self.server_pid:
-            self._pss_peak = tree_pss_bytes(self.server_pid)
+            self._pss_peak, self._pss_samples = 0, 0
             self._stop.clear()
             self._sampler = threading.Thread(target=self._sample_pss, name="pss-sampler", daemon=True)
             self._sampler.start()
 
     def _sample_pss(self) -> None:
-        while not self._stop.wait(PSS_SAMPLE_S):
-            self._pss_peak = max(self._pss_peak, tree_pss_bytes(self.server_pid))  # type: ignore[arg-type]
+        wait_s = 0.0
+        while not self._stop.wait(wait_s):
+            wait_s = pss_sample_interval_s(self._take_pss_sample())
+
+    def _take_pss_sample(self) -> float:
+        """One sample into the peak; returns the CPU seconds it cost (this thread's alone)."""
+        cpu0 = time.thread_time()
+        self._pss_peak = max(self._pss_peak, tree_pss_bytes(self.server_pid))  # type: ignore[arg-type]
+        self._pss_samples += 1
+        return time.thread_time() - cpu0
 
     def stop(self) -> MachineLoad:
         pss_mb = None
@@ -151,7 +170,8 @@ class LoadProbe:
             self._stop.set()
             self._sampler.join()
             self._sampler = None
-            pss_mb = max(self._pss_peak, tree_pss_bytes(self.server_pid)) / 2**20  # type: ignore[arg-type]
+            self._take_pss_sample()
+            pss_mb = self._pss_peak / 2**20
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         busy = (_busy_seconds() - self._busy0) / elapsed
         client = (_own_cpu(self._me) - self._client0) / elapsed
@@ -165,7 +185,8 @@ class LoadProbe:
         return MachineLoad(cores=psutil.cpu_count() or 1, loadavg_1m_start=self._load0,
                            loadavg_1m_end=os.getloadavg()[0], busy_cores=busy, client_cores=client,
                            server_cores=server, other_cores=other, server_pid=self.server_pid,
-                           server_pss_peak_mb=pss_mb)
+                           server_pss_peak_mb=pss_mb,
+                           server_pss_samples=self._pss_samples if self.server_pid else None)
 
 
 def _busy_seconds() -> float:

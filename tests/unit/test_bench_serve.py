@@ -18,7 +18,16 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from lorafaas.bench.serve import ServeBenchConfig, Target, make_prompts, one_request, parse_target, run_serve_bench
-from lorafaas.bench.serve_stats import Distribution, LoadProbe, MachineLoad, RequestOutcome, summarize, tree_pss_bytes
+from lorafaas.bench.serve_stats import (
+    PSS_PROBE_CORE_SHARE,
+    Distribution,
+    LoadProbe,
+    MachineLoad,
+    RequestOutcome,
+    pss_sample_interval_s,
+    summarize,
+    tree_pss_bytes,
+)
 from lorafaas.cli import app
 from lorafaas.testing.loopback_http import serve_routes
 from lorafaas.testing.platform_process import free_port
@@ -190,9 +199,20 @@ def test_load_probe_reports_the_peak_pss_of_the_servers_process_tree(tmp_path) -
         load = probe.stop()
         assert taken.exists()
         assert load.server_pss_peak_mb is not None and load.server_pss_peak_mb >= 300
+        assert load.server_pss_samples is not None and load.server_pss_samples >= 3
         assert tree_pss_bytes(server.pid) < 200 * 2**20  # given back: only the peak remembers it
     finally:
         for process in [*psutil.Process(server.pid).children(recursive=True), server]:
             process.kill()
         server.wait()
     assert LoadProbe(None).server_pid is None and tree_pss_bytes(2**22 + 12345) == 0
+
+
+def test_pss_samples_are_spaced_so_the_probe_takes_a_bounded_share_of_a_core() -> None:
+    """Summing a large tree's PSS costs the kernel a page-table walk per process (60-70 ms of CPU for eight SmolLM2
+    workers): sampled every 0.5 s that took 6-19% of the throughput being measured. A costly sample waits long
+    enough that the probe's share of one core stays at PSS_PROBE_CORE_SHARE; a cheap one still samples often."""
+    for cost_s in (0.066, 0.2, 1.0):
+        interval = pss_sample_interval_s(cost_s)
+        assert cost_s / interval <= PSS_PROBE_CORE_SHARE + 1e-12
+    assert pss_sample_interval_s(0.001) == pss_sample_interval_s(0.0) <= 0.5
