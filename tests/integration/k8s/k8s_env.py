@@ -160,7 +160,12 @@ def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float 
         if result:
             return result
         time.sleep(interval_s)
-    account = f"\n{explain()}" if explain is not None else ""
+    account = ""
+    if explain is not None:
+        try:
+            account = f"\n{explain()}"
+        except Exception as exc:  # the account is a courtesy: the timeout is the failure to report
+            account = f"\n(no account of the cluster: {exc!r})"
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{account}")
 
 
