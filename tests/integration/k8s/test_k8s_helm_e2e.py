@@ -58,6 +58,11 @@ ENTRYPOINTS = {  # each image's ENTRYPOINT (manifests/images/*/Dockerfile)
 ELSEWHERE = {"key": "lorafaas.test/not-for-the-release", "effect": "NoSchedule"}
 
 
+def pod_ready(pod) -> bool:
+    """The pod's Ready condition is True (as the kubelet reports it)."""
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
 @dataclass
 class HelmCluster:
     plane: ControlPlane
@@ -75,8 +80,7 @@ class HelmCluster:
                 if p.metadata.deletion_timestamp is None and p.status.phase == "Running"]
 
     def ready(self, component: str) -> list:
-        return [p for p in self.pods(component)
-                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+        return [p for p in self.pods(component) if pod_ready(p)]
 
     def function_pods(self, function: str) -> list:
         return self.pods("function", **{"lorafaas.io/function": function})
@@ -86,11 +90,11 @@ class HelmCluster:
         controller's and the function pods' logs: what a timed-out wait prints."""
         lines, logged = [], []
         for pod in self.core.list_namespaced_pod(self.namespace).items:
-            ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
             states = [f"{c.name}:{next((k for k, v in c.state.to_dict().items() if v), '?')}"
                       f"(restarts {c.restart_count})" for c in pod.status.container_statuses or []]
-            lines.append(f"pod {pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}, ready={ready}, "
-                         f"deleting={pod.metadata.deletion_timestamp is not None}, {' '.join(states)}")
+            lines.append(f"pod {pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase}, "
+                         f"ready={pod_ready(pod)}, deleting={pod.metadata.deletion_timestamp is not None}, "
+                         f"{' '.join(states)}")
             if (pod.metadata.labels or {}).get("app.kubernetes.io/component") in ("controller", "function"):
                 logged.append(pod.metadata.name)
         for name in logged:

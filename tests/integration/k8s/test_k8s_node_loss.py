@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 from helm_env import BACKBONE, install, shared_home  # noqa: F401
 from k8s_env import wait_until
-from test_k8s_helm_e2e import PROMPT, HelmCluster, helm_cluster  # noqa: F401
+from test_k8s_helm_e2e import PROMPT, HelmCluster, helm_cluster, pod_ready  # noqa: F401
 
 from lorafaas.platform.api_client import ApiClient
 
@@ -32,8 +32,7 @@ def test_a_lost_machine_whose_node_stays_ready_is_left_and_the_function_is_back_
     keep = {installed.controller.spec.node_name, installed.redis.spec.node_name}
 
     def serving(away_from: str = "") -> list:
-        return [p for p in cluster.function_pods("beta") if p.spec.node_name != away_from
-                and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+        return [p for p in cluster.function_pods("beta") if p.spec.node_name != away_from and pod_ready(p)]
 
     with ApiClient(installed.url, installed.admin_key) as api:
         api.deploy({"name": "beta", "backbone": BACKBONE, "min_instances": MIN_INSTANCES, "keep_alive_s": 600},
