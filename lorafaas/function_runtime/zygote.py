@@ -35,6 +35,7 @@ from lorafaas.errors import InstanceUnavailable, ProtocolError
 from lorafaas.function_runtime import messages as m
 from lorafaas.protocols.priority import FUNCTION_NICENESS, child_env, take_data_plane_niceness
 from lorafaas.protocols.process_guard import forbid_dumping
+from lorafaas.protocols.socket_path import BoundPath
 from lorafaas.wire import call_unix, encode_frame, error_class, recv_message
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Zygote:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.socket_path))
         self.socket_path.chmod(0o600)
+        bound = BoundPath(self.socket_path)  # after the chmod: it changes the file's change time
         listener.listen(64)
         signal.signal(signal.SIGCHLD, lambda *_: self._reap())
         signal.signal(signal.SIGTERM, lambda *_: self._stop(listener))
@@ -79,7 +81,7 @@ class Zygote:
                     self._handle(conn, listener)
         finally:
             listener.close()
-            self.socket_path.unlink(missing_ok=True)
+            bound.unlink()  # not a successor's, started on this home while this one stopped
 
     def _handle(self, conn: socket.socket, listener: socket.socket) -> None:
         conn.settimeout(10)

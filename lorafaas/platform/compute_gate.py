@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lorafaas.platform.host_load import HostLoad
 from lorafaas.protocols.leases import socket_peer_pid
+from lorafaas.protocols.socket_path import BoundPath
 from lorafaas.protocols.step_gate import DONE, DONE_UNSAMPLED, LEAVE, MEMBER, NEXT, NEXT_UNSAMPLED, SHARED, WANT
 from lorafaas.scheduler import SHARED_PASS, CoreGrants
 
@@ -37,12 +38,14 @@ class ComputeGate:
         self._writers: dict[int, asyncio.StreamWriter] = {}  # pid -> its connection
         self._server: asyncio.AbstractServer | None = None
         self._expiry: asyncio.Task | None = None
+        self._bound: BoundPath | None = None
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         self.path.chmod(0o600)
+        self._bound = BoundPath(self.path)  # after the chmod: it changes the file's change time
         if math.isfinite(self.grants.lease_s):
             self._expiry = asyncio.create_task(self._expire_forever())
 
@@ -54,7 +57,8 @@ class ComputeGate:
             for writer in list(self._writers.values()):
                 writer.close()
             self._server = None
-        self.path.unlink(missing_ok=True)
+        if self._bound is not None:  # a successor's socket at the same path is left alone
+            self._bound.unlink()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid = socket_peer_pid(writer.get_extra_info("socket"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lorafaas.formats.model_store import ModelStore
 from lorafaas.function_runtime.messages import WorkerSpec
-from lorafaas.function_runtime.zygote import zygote_status
+from lorafaas.function_runtime.zygote import start_zygote, zygote_status
 from lorafaas.platform.backends.local import InstanceHandle, LocalLauncher
 from lorafaas.protocols.daemon_config import DaemonConfig
 from lorafaas.protocols.leases import process_alive, process_start_ticks
@@ -103,3 +103,25 @@ def test_the_data_plane_runs_below_the_control_planes_priority_and_functions_bel
                         "daemon": min(19, own + DAEMON_NICENESS)}
     assert own >= 4 or niceness["worker"] > niceness["daemon"]
     assert os.getpriority(os.PRIO_PROCESS, 0) == own
+
+
+def test_a_zygote_stopping_after_its_successor_started_leaves_the_successors_socket(tmp_path) -> None:
+    """`lorafaas up` started again on a home while the old one still stops: the old zygote's exit does not remove the
+    new one's socket (same fixed path), so the new platform can still start functions."""
+    path, log = tmp_path / "zygote.sock", tmp_path / "zygote.log"
+    old = start_zygote(path, log)
+    new = start_zygote(path, log)  # the old one answers at the path until the new one binds it (removing its file)
+    try:
+        deadline = time.monotonic() + 120
+        while zygote_status(path).pid != new.pid:
+            assert time.monotonic() < deadline, "the second zygote never bound the path"
+            time.sleep(0.1)
+        old.terminate()
+        assert old.wait(timeout=30) is not None
+        assert path.exists()
+        assert zygote_status(path).pid == new.pid  # the successor still answers there
+    finally:
+        for process in (old, new):
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
