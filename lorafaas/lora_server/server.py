@@ -47,6 +47,7 @@ from lorafaas.lora_server.session import Session
 from lorafaas.protocols import lora_server_messages as m
 from lorafaas.protocols.lora_transport import TORCH_DTYPES
 from lorafaas.protocols.process_guard import forbid_dumping
+from lorafaas.protocols.socket_path import BoundPath
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ class LoraServer:
         if self.config.num_threads:
             await self._loop.run_in_executor(self._executor, torch.set_num_threads, self.config.num_threads)
         listeners: list[tuple[socket.socket, str]] = []
+        bound: BoundPath | None = None
         if self.config.socket_path is not None:
             path = Path(self.config.socket_path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,6 +241,7 @@ class LoraServer:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(path))
             path.chmod(0o600)
+            bound = BoundPath(path)  # after the chmod: it changes the file's change time
             listeners.append((listener, "shm"))
             self.addresses["socket"] = str(path)
         if self.config.tcp is not None:
@@ -277,8 +280,8 @@ class LoraServer:
                 listener.close()
             for task in list(self._sessions):
                 task.cancel()
-            if self.config.socket_path is not None:
-                Path(self.config.socket_path).unlink(missing_ok=True)
+            if bound is not None:  # not a successor's socket, bound at the same path while this one stopped
+                bound.unlink()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _accept(self, listener: socket.socket, transport: str) -> None:
