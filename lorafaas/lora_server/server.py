@@ -240,8 +240,7 @@ class LoraServer:
             path.unlink(missing_ok=True)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(path))
-            path.chmod(0o600)
-            bound = BoundPath(path)  # after the chmod: it changes the file's change time
+            bound = BoundPath(path)  # mode 0600; removed at stop only while still this server's
             listeners.append((listener, "shm"))
             self.addresses["socket"] = str(path)
         if self.config.tcp is not None:

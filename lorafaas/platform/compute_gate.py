@@ -44,8 +44,7 @@ class ComputeGate:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        self.path.chmod(0o600)
-        self._bound = BoundPath(self.path)  # after the chmod: it changes the file's change time
+        self._bound = BoundPath(self.path)  # mode 0600; removed at stop only while still this gate's
         if math.isfinite(self.grants.lease_s):
             self._expiry = asyncio.create_task(self._expire_forever())
 

@@ -5,7 +5,8 @@ on the same home is still stopping binds the same path, and the predecessor's cl
 remove the new server's socket (its workers then find no gate and compute ungated). `BoundPath` remembers which file
 this process bound (device, inode and change time: an inode number freed by the predecessor's removal may be given
 to the successor's socket, its change time is that of its own bind) and removes the path at stop only while it is
-still that file.
+still that file. It also sets the socket's mode first: a chmod changes the change time, so recorded before it, the
+file would no longer read as this process's own.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 
 
 class BoundPath:
-    def __init__(self, path: Path | str) -> None:
-        """Call right after binding `path` and setting its mode (a chmod changes its change time): records the
-        socket file it names now."""
+    def __init__(self, path: Path | str, mode: int = 0o600) -> None:
+        """Call right after binding `path`: sets the socket's `mode` (default: only this user may connect), then
+        records the file it names now."""
         self.path = Path(path)
+        self.path.chmod(mode)
         stat = os.stat(self.path)
         self._file = (stat.st_dev, stat.st_ino, stat.st_ctime_ns)
 

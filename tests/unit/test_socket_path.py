@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def test_a_bound_path_is_removed_only_while_it_is_still_this_processs_socket(tmp
     path = tmp_path / "s.sock"
     path.write_text("first")
     first = BoundPath(path)
-    assert first.ours()
+    assert first.ours() and stat.S_IMODE(path.stat().st_mode) == 0o600  # only this user may connect
     time.sleep(0.05)  # a successor binds later: a later change time even where it gets the freed inode number
     path.unlink()
     path.write_text("second")  # a successor's, at the same path
